@@ -1,0 +1,1 @@
+"""pwtrain: a config-driven PaLM trainer on a Pathways-style single-controller backend."""

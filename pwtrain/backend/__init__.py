@@ -1,0 +1,8 @@
+"""The Pathways-style single-controller runtime: islands, compiled pieces, async dispatch."""
+
+from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.backend.controller import Controller, Executable
+from pwtrain.backend.program import Node, Program, Transfer
+from pwtrain.backend.trace import Trace
+
+__all__ = ["Cluster", "Controller", "Executable", "Island", "Node", "Program", "Trace", "Transfer"]

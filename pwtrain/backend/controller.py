@@ -1,0 +1,241 @@
+"""The single controller: compiles each piece once per island and dispatches asynchronously.
+
+Every island has one scheduler thread draining one FIFO queue, so all devices of an island run
+the computations of every program in the same order (gang scheduling: interleaved programs can
+never deadlock on each other's collectives). `run` enqueues every node of a program under one
+lock and returns futures at once; a node's future resolves when the node has been *launched*
+(its outputs are then un-ready jax.Arrays), not when it has finished, so the controller never
+waits for a predecessor's data before enqueueing its successor. `max_inflight` bounds how many
+programs may be launched ahead of the oldest unfinished one.
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from typing import Any
+
+import jax
+
+from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.program import Node, Program, Transfer
+from pwtrain.backend.trace import Trace
+from pwtrain.parallel import sharding as sharding_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Executable:
+  """A function lowered and compiled once for one island's mesh."""
+
+  name: str
+  island: str
+  compiled: Any  # jax.stages.Compiled
+  num_outputs: int
+
+  def memory_analysis(self):
+    return self.compiled.memory_analysis()
+
+
+class _IslandScheduler:
+  """One thread, one queue: launches the island's work strictly in enqueue order."""
+
+  def __init__(self, name: str, trace: Trace | None):
+    self.name = name
+    self.trace = trace
+    self.queue: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
+    self.thread.start()
+    self.watcher = _CompletionWatcher(name) if trace and trace.record_completion else None
+
+  def _loop(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      launch, args, out, event = item
+      try:
+        values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
+        result = launch(*values)
+      except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
+        out.set_exception(e)
+        continue
+      if event is not None:
+        event.launch = self.trace.now()
+        if self.watcher:
+          self.watcher.watch(result, event, self.trace)
+      out.set_result(result)
+
+  def stop(self):
+    self.queue.put(None)
+    self.thread.join()
+    if self.watcher:
+      self.watcher.stop()
+
+
+class _CompletionWatcher:
+  """Waits for results in launch order and stamps completion times (tracing only)."""
+
+  def __init__(self, name):
+    self.queue: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
+    self.thread.start()
+
+  def watch(self, value, event, trace):
+    self.queue.put((value, event, trace))
+
+  def _loop(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      value, event, trace = item
+      _block_ready(value)
+      event.done = trace.now()
+
+  def stop(self):
+    self.queue.put(None)
+    self.thread.join()
+
+
+class Controller:
+  def __init__(self, cluster: Cluster, *, max_inflight: int = 2, trace: Trace | None = None):
+    if max_inflight < 1:
+      raise ValueError(f"backend.max_inflight_steps={max_inflight} must be >= 1")
+    self.cluster = cluster
+    self.trace = trace
+    self.max_inflight = max_inflight
+    self._schedulers = {i.name: _IslandScheduler(i.name, trace) for i in cluster.islands}
+    self._dispatch_lock = threading.Lock()
+    self._inflight: collections.deque = collections.deque()
+    self._step = 0
+
+  # -- compilation --------------------------------------------------------------------------
+
+  def compile(
+    self,
+    name: str,
+    fn,
+    island: str,
+    args,
+    *,
+    mesh=None,
+    rules=sharding_lib.DEFAULT_RULES,
+    in_shardings=None,
+    out_shardings=None,
+    donate_argnums=(),
+  ) -> Executable:
+    """Lowers `fn` for abstract `args` (ShapeDtypeStructs with shardings) and compiles it.
+
+    With `mesh`, the model's logical activation constraints are resolved on it while tracing.
+    """
+    self.cluster[island]  # fail early on an unknown island
+    jitted = jax.jit(
+      fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
+    )
+    if mesh is not None:
+      with sharding_lib.activate(mesh, rules):
+        lowered = jitted.lower(*args)
+    else:
+      lowered = jitted.lower(*args)
+    out_tree = lowered.out_info
+    num_outputs = len(out_tree) if isinstance(out_tree, tuple) else 1
+    return Executable(name, island, lowered.compile(), num_outputs)
+
+  # -- dispatch -----------------------------------------------------------------------------
+
+  def run(self, program: Program, inputs: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
+    """Enqueues every node of `program`; returns a future per program output, immediately.
+
+    Blocks only to honour `max_inflight` (waiting for the oldest in-flight program's results).
+    """
+    missing = program.inputs - set(inputs)
+    assert not missing, f"program inputs not given: {sorted(missing)}"
+    self._bound_inflight()
+    with self._dispatch_lock:
+      step = self._step
+      self._step += 1
+      futures: dict[str, concurrent.futures.Future] = {}
+
+      def resolve(ref):
+        if isinstance(ref, str):
+          return inputs[ref]
+        node_name, index = ref
+        return _select(futures[node_name], index)
+
+      for node in program.nodes:
+        if isinstance(node, Node):
+          launch = node.executable.compiled
+          args = [resolve(r) for r in node.args]
+        else:
+          assert isinstance(node, Transfer)
+          launch = _device_put(node.sharding)
+          args = [resolve(node.src)]
+        futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
+      outputs = {key: resolve(ref) for key, ref in program.outputs.items()}
+    self._inflight.append(outputs)
+    return outputs
+
+  def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    event = self.trace.add(name, island, step) if self.trace else None
+    self._schedulers[island].queue.put((launch, args, out, event))
+    return out
+
+  def _bound_inflight(self):
+    while len(self._inflight) >= self.max_inflight:
+      _wait_outputs(self._inflight.popleft())
+
+  def wait(self):
+    """Blocks until everything dispatched so far has finished."""
+    while self._inflight:
+      _wait_outputs(self._inflight.popleft())
+
+  def close(self):
+    for scheduler in self._schedulers.values():
+      scheduler.stop()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _block_ready(value) -> None:
+  """Waits for every array in `value` that has not been donated to a later computation.
+
+  Donated outputs (the train state, handed to the next step) are gone; the rest (e.g. metrics)
+  come from the same computation, so waiting on them is enough.
+  """
+  for x in jax.tree.leaves(value):
+    if not isinstance(x, jax.Array):
+      continue
+    try:
+      x.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+      if not x.is_deleted():
+        raise
+
+
+def _wait_outputs(outputs: dict) -> None:
+  _block_ready([f.result() for f in outputs.values()])
+
+
+def _device_put(sharding):
+  return lambda x: jax.device_put(x, sharding)
+
+
+def _select(future: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
+  """A future for output `index` of a node's (tuple) result."""
+  out: concurrent.futures.Future = concurrent.futures.Future()
+
+  def done(f):
+    if f.exception() is not None:
+      out.set_exception(f.exception())
+    else:
+      value = f.result()
+      out.set_result(value[index] if isinstance(value, tuple) else value)
+
+  future.add_done_callback(done)
+  return out

@@ -1,0 +1,62 @@
+"""A StepProgram: compiled-function nodes and cross-island transfers, in dispatch order.
+
+Edges are `Ref`s: a string names a program input; `(node_name, i)` names output i of a node.
+Because every node is compiled ahead, the controller can enqueue the whole graph before any of
+it has run.
+"""
+
+import dataclasses
+from typing import Any
+
+Ref = str | tuple[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """Run `executable` (compiled for its island) on the values named by `args`."""
+
+  name: str
+  executable: Any  # backend.Executable
+  args: tuple[Ref, ...]
+
+  @property
+  def island(self) -> str:
+    return self.executable.island
+
+  @property
+  def num_outputs(self) -> int:
+    return self.executable.num_outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Move the value named by `src` onto `island` with `sharding` (activations, gradients)."""
+
+  name: str
+  src: Ref
+  island: str
+  sharding: Any
+  num_outputs: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  nodes: tuple[Node | Transfer, ...]
+  outputs: dict[str, Ref]
+
+  def __post_init__(self):
+    seen: set[str] = set()
+    for node in self.nodes:
+      refs = node.args if isinstance(node, Node) else (node.src,)
+      for ref in refs:
+        assert isinstance(ref, str) or ref[0] in seen, f"{node.name} reads {ref} before it exists"
+      assert node.name not in seen, f"duplicate node {node.name}"
+      seen.add(node.name)
+
+  @property
+  def inputs(self) -> set[str]:
+    names = set()
+    for node in self.nodes:
+      refs = node.args if isinstance(node, Node) else (node.src,)
+      names.update(r for r in refs if isinstance(r, str))
+    return names

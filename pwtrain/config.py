@@ -1,0 +1,62 @@
+"""Config checks that need no devices: each error names the key, the value and what is valid."""
+
+from pwtrain import optim
+
+TOKENIZERS = ("byte", "sentencepiece")
+BACKENDS = ("embedded",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive(config, *keys):
+  for key in keys:
+    section, name = key.split(".")
+    value = config[section][name]
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{key}={value!r} must be a positive integer")
+
+
+def validate(config) -> None:
+  _positive(
+    config,
+    "model.vocab_size",
+    "model.num_layers",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.head_dim",
+    "model.d_ff",
+    "data.seq_len",
+    "train.global_batch",
+    "train.num_steps",
+    "train.num_microbatches",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+  )
+  m = config.model
+  if m.num_heads % m.num_kv_heads:
+    raise ValueError(
+      f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}"
+    )
+  if m.head_dim % 2:
+    raise ValueError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+  for key in ("dtype", "param_dtype"):
+    if m[key] not in DTYPES:
+      raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(DTYPES)}")
+  if config.optim.name not in optim.OPTIMIZERS:
+    raise ValueError(
+      f"optim.name={config.optim.name!r} is not an optimizer; valid: {', '.join(optim.OPTIMIZERS)}"
+    )
+  if config.data.tokenizer not in TOKENIZERS:
+    raise ValueError(
+      f"data.tokenizer={config.data.tokenizer!r} is not a tokenizer; valid: {', '.join(TOKENIZERS)}"
+    )
+  if config.backend.mode not in BACKENDS:
+    raise ValueError(
+      f"backend.mode={config.backend.mode!r} is not a backend; valid: {', '.join(BACKENDS)}"
+    )
+  if config.train.global_batch % config.train.num_microbatches:
+    raise ValueError(
+      f"train.num_microbatches={config.train.num_microbatches} does not divide "
+      f"train.global_batch={config.train.global_batch}"
+    )

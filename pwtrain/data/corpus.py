@@ -1,0 +1,212 @@
+"""Text corpora as TFDS random-access sources: the built-in `pystdlib`, or any prepared TFDS name.
+
+`pystdlib` is a real TFDS dataset built (once, in seconds, offline) from the `.py` files of the
+Python standard library this interpreter ships, so the default run needs no download. Any other
+`data.dataset` must already be prepared in `array_record` format; pwtrain never downloads.
+Both are read with `builder.as_data_source(split)`: random access is what lets Grain shuffle
+globally and checkpoint a reader as a single index.
+"""
+
+import dataclasses
+import hashlib
+import os
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow_datasets as tfds
+
+BUILTIN = "pystdlib"
+
+# Test suites hold deliberately odd files (bad encodings, huge generated data) and site-packages
+# is not the standard library; neither is the text we want to model.
+_SKIP_DIRS = frozenset({"__pycache__", "idle_test", "site-packages", "test", "tests"})
+
+# How many examples `check_source` reads to catch a wrong `data.text_key` or an all-empty corpus
+# without scanning a large dataset; a corpus this small is checked exhaustively.
+_NUM_CHECKED = 64
+
+
+def stdlib_dir() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def list_source_files(root: str, max_files: int = 0) -> list[str]:
+  """Paths (relative to `root`) of the non-empty `.py` files under it, in a fixed order.
+
+  Empty files (`__init__.py` mostly) are skipped: as documents they would only add EOS tokens.
+  With `max_files > 0`, evenly spaced files of the sorted list are kept, because a prefix would
+  be a few packages only (the first 400 are mostly `asyncio/` ... `encodings/` codec tables).
+  """
+  paths = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+    for name in filenames:
+      path = os.path.join(dirpath, name)
+      if name.endswith(".py") and os.path.isfile(path) and os.path.getsize(path) > 0:
+        paths.append(os.path.relpath(path, root))
+  paths.sort()  # os.walk's order depends on the file system
+  if 0 < max_files < len(paths):
+    paths = [paths[i * len(paths) // max_files] for i in range(max_files)]
+  return paths
+
+
+def config_name(root: str, max_files: int) -> str:
+  """The builder config name: everything that decides the content, so no stale build is reused.
+
+  The stdlib is named by the exact Python version (its files change between releases); any
+  other root by a hash of its absolute path.
+  """
+  if os.path.abspath(root) == os.path.abspath(stdlib_dir()):
+    source = "py{}_{}_{}".format(*sys.version_info[:3])
+  else:
+    source = "dir_" + hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:12]
+  return f"{source}_{f'files{max_files}' if max_files > 0 else 'all'}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class PyStdlibConfig(tfds.core.BuilderConfig):
+  root: str = ""
+  max_files: int = 0
+
+
+class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """One example per source file: {'text': the file's bytes}.
+
+  Constructed directly with a config made from `data.max_files`, so it needs no entry in TFDS's
+  global name registry; skipping it also keeps a re-import of this module harmless.
+  """
+
+  name = BUILTIN
+  VERSION = tfds.core.Version("1.0.0")
+  # No code directory with checksums or metadata files to look up. The lookup also breaks for
+  # any builder inside a package unless the `importlib_resources` backport is installed.
+  code_path = None
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # Not `dataset_info_from_configs`: that reads README/CITATIONS files next to this module.
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description="The .py source files of the Python standard library, one per example.",
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # everything is local
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    root = self.builder_config.root
+    for path in list_source_files(root, self.builder_config.max_files):
+      with open(os.path.join(root, path), "rb") as f:
+        # Raw bytes, not str: a few files are not UTF-8, and the byte tokenizer wants bytes.
+        yield path, {"text": f.read()}
+
+
+def prepare_pystdlib(data_dir: str, max_files: int = 0, root: str | None = None) -> PyStdlib:
+  """Builds the `pystdlib` dataset into `data_dir` unless that build exists; returns its builder.
+
+  `root` (default: this interpreter's stdlib) is there so that other local trees, e.g. an empty
+  one in a test, can be built the same way.
+  """
+  root = stdlib_dir() if root is None else root
+  config = PyStdlibConfig(name=config_name(root, max_files), root=root, max_files=max_files)
+  builder = PyStdlib(config=config, data_dir=data_dir, file_format="array_record")
+  if not builder.is_prepared():
+    if not list_source_files(root, max_files):
+      raise ValueError(
+        f"data.dataset={BUILTIN!r}: no non-empty .py files under {root!r} "
+        f"(data.max_files={max_files}), so the corpus would be empty."
+      )
+    _check_writable(data_dir)
+    builder.download_and_prepare()
+  return builder
+
+
+def open_source(data_cfg: Any, workdir: str) -> Sequence[dict[str, Any]]:
+  """The random-access source named by `data.dataset` / `data.split`, checked to hold text."""
+  data_dir = data_dir_for(data_cfg, workdir)
+  if data_cfg.dataset == BUILTIN:
+    builder = prepare_pystdlib(data_dir, data_cfg.max_files)
+  else:
+    builder = _prepared_builder(data_cfg.dataset, data_dir)
+  source = _data_source(builder, data_cfg)
+  check_source(source, data_cfg)
+  return source
+
+
+def data_dir_for(data_cfg: Any, workdir: str) -> str:
+  return data_cfg.data_dir or os.path.join(workdir, "tfds")
+
+
+def check_source(source: Sequence[dict[str, Any]], data_cfg: Any) -> None:
+  """Raises ValueError for an empty source, a missing `data.text_key`, or only empty texts."""
+  where = f"data.dataset={data_cfg.dataset!r}, data.split={data_cfg.split!r}"
+  if len(source) == 0:
+    raise ValueError(f"The corpus is empty: {where} has no examples.")
+  num_checked = min(len(source), _NUM_CHECKED)
+  examples = [source[i * len(source) // num_checked] for i in range(num_checked)]
+  key = data_cfg.text_key
+  if key not in examples[0]:
+    raise ValueError(
+      f"data.text_key={key!r} is not a feature of {where}; it has {sorted(examples[0])}."
+    )
+  if not any(len(example[key]) for example in examples):
+    scope = "all" if num_checked == len(source) else f"{num_checked} evenly spaced"
+    raise ValueError(
+      f"The corpus is empty: {scope} texts (data.text_key={key!r}) of {where} are empty."
+    )
+
+
+def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
+  how = (
+    f"Prepare it first (pwtrain never downloads), e.g. "
+    f"`tfds build {name} --data_dir={data_dir} --file_format=array_record`, "
+    f"or point data.data_dir at where it is prepared."
+  )
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.DatasetNotFoundError as e:
+    raise ValueError(
+      f"data.dataset={name!r} is neither {BUILTIN!r}, a known TFDS dataset, nor prepared in "
+      f"data_dir {data_dir!r}. {how}"
+    ) from e
+  if not builder.is_prepared():
+    raise ValueError(
+      f"data.dataset={name!r} is not prepared in data_dir {data_dir!r} "
+      f"(looked in {os.fspath(builder.data_dir)!r}). {how}"
+    )
+  return builder
+
+
+def _data_source(builder: tfds.core.DatasetBuilder, data_cfg: Any) -> Sequence[dict[str, Any]]:
+  split = data_cfg.split
+  splits = sorted(builder.info.splits)
+  # Slices such as "train[:90%]" are fine; only the split's own name must exist.
+  if split.split("[")[0] not in splits:
+    raise ValueError(
+      f"data.split={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}."
+    )
+  try:
+    return builder.as_data_source(split)
+  except NotImplementedError as e:  # prepared as TFRecord, which has no random access
+    raise ValueError(
+      f"data.dataset={data_cfg.dataset!r} in {os.fspath(builder.data_dir)!r} is not in "
+      f"array_record format, which random access needs; rebuild it with "
+      f"`--file_format=array_record` into another data.data_dir."
+    ) from e
+
+
+def _check_writable(data_dir: str) -> None:
+  # A probe file rather than os.access: os.access says yes to root even on read-only mounts.
+  try:
+    os.makedirs(data_dir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=data_dir):
+      pass
+  except OSError as e:
+    raise ValueError(
+      f"data.data_dir={data_dir!r} is not writable, so the {BUILTIN!r} corpus cannot be built "
+      f"there ({e}). Set data.data_dir to a writable directory (None means <workdir>/tfds)."
+    ) from e

@@ -1,0 +1,174 @@
+"""Training batches: a Grain pipeline from a random-access text source to packed token windows.
+
+  source -> shuffle(seed) -> repeat (reshuffled per epoch) -> tokenize + EOS -> (iterator)
+    -> concat-then-split into windows of seq_len + 1 -> batch -> {'inputs', 'targets'}
+
+Packing follows PaLM: documents are concatenated with EOS separators and cut into fixed windows,
+so no token is padding and long documents span several windows. The reader runs in-process (one
+prefetch thread), which keeps it deterministic and cheap next to the training step, and the whole
+iterator position is a small JSON state for the checkpoint.
+"""
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from pwtrain.data import corpus
+from pwtrain.data import tokenizer as tokenizer_lib
+
+STATE_FORMAT = 1
+
+# Documents read ahead by the prefetch thread. A batch of the default config needs a fraction of
+# one stdlib file (or ~70 lm1b sentences), so a small buffer hides the read without competing
+# with the training step for the CPU.
+_PREFETCH_DOCS = 64
+
+# The config entries that decide which token lands where: a state saved under other values would
+# restore to a different stream, so `set_state` refuses it. (`train.global_batch` is absent: the
+# state counts windows, so a resumed run may change its batch size.)
+_STREAM_KEYS = (
+  "seed",
+  "data.dataset",
+  "data.split",
+  "data.text_key",
+  "data.tokenizer",
+  "data.seq_len",
+  "data.shuffle",
+)
+
+
+class TrainBatches:
+  """Endless iterator of {'inputs': int32[B, L], 'targets': int32[B, L]}, exactly resumable.
+
+  B = train.global_batch and L = data.seq_len; `targets` is `inputs` shifted left by one within
+  each packed window of L + 1 tokens, with `pad_id` wherever the window has no token.
+  """
+
+  def __init__(self, config: Any, tokenizer: Any, source: Sequence[dict[str, Any]]):
+    data_cfg = config.data
+    if data_cfg.seq_len < 1:
+      raise ValueError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}.")
+    if config.train.global_batch < 1:
+      raise ValueError(f"train.global_batch must be >= 1, got {config.train.global_batch}.")
+    if config.seed < 0:
+      raise ValueError(f"seed must be >= 0 (it seeds the data shuffle), got {config.seed}.")
+    if tokenizer.vocab_size > config.model.vocab_size:
+      raise ValueError(
+        f"model.vocab_size={config.model.vocab_size} is smaller than the vocabulary of "
+        f"data.tokenizer={data_cfg.tokenizer!r} ({tokenizer.vocab_size} ids); raise "
+        f"model.vocab_size to at least {tokenizer.vocab_size}."
+      )
+    corpus.check_source(source, data_cfg)
+    self.tokenizer = tokenizer
+    self.seq_len = data_cfg.seq_len
+    self.global_batch = config.train.global_batch
+    self._stream = _stream_settings(config)
+    self._iterator = iter(self._dataset(source, data_cfg.text_key, config.seed, data_cfg.shuffle))
+
+  def _dataset(self, source, text_key: str, seed: int, shuffle: bool) -> grain.IterDataset:
+    tokenizer = self.tokenizer
+
+    def tokenize(example):
+      tokens = tokenizer.encode(example[text_key])
+      return {"tokens": np.append(tokens, np.int32(tokenizer.eos_id))}
+
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+      # A global shuffle by index permutation: no buffer, and reading stays random access. Shuffle
+      # *before* repeat, so that Grain permutes epoch e with shuffle_seed + e: a fresh order each
+      # epoch, reproducibly. That is also why the config seed is hashed first: used as is, seed 1
+      # would replay seed 0's second epoch as its first. (Grain wants a uint32.)
+      shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+      ds = ds.shuffle(seed=shuffle_seed)
+    # Endless: training stops by step count.
+    ds = ds.repeat().map(tokenize)
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=_PREFETCH_DOCS))
+    ds = grain.experimental.ConcatThenSplitIterDataset(
+      ds, length_struct={"tokens": self.seq_len + 1}
+    )
+    return ds.batch(self.global_batch, drop_remainder=True)
+
+  def __iter__(self) -> "TrainBatches":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    tokens = batch["tokens"]
+    # Segment id 0 marks window positions no document filled. An endless stream never leaves
+    # any, but the loss mask must not depend on that, nor on the packer padding with 0.
+    filled = batch["tokens_segment_ids"][:, 1:] != 0
+    return {
+      "inputs": np.ascontiguousarray(tokens[:, :-1]),
+      "targets": np.where(filled, tokens[:, 1:], np.int32(self.tokenizer.pad_id)),
+    }
+
+  def get_state(self) -> dict[str, Any]:
+    """A JSON-serialisable position: the next batch after `set_state(state)` is this one's next."""
+    return {
+      "format": STATE_FORMAT,
+      "stream": dict(self._stream),
+      "grain": _to_json(self._iterator.get_state()),
+    }
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if state.get("format") != STATE_FORMAT:
+      raise ValueError(f"Unknown data iterator state format {state.get('format')!r}.")
+    changed = {
+      key: (value, self._stream.get(key))
+      for key, value in state["stream"].items()
+      if self._stream.get(key) != value
+    }
+    if changed:
+      details = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+      raise ValueError(
+        f"The data iterator state was saved with other settings ({details}); resuming would "
+        f"produce a different token stream. Restore those settings or use a fresh workdir."
+      )
+    self._iterator.set_state(_from_json(state["grain"]))
+
+
+def build_train_batches(config: Any, workdir: str) -> tuple[Any, TrainBatches]:
+  """Opens (preparing if needed) the corpus, builds the tokenizer, returns (tokenizer, batches)."""
+  source = corpus.open_source(config.data, workdir)
+  tokenizer = tokenizer_lib.build_tokenizer(config.data, workdir, source=source)
+  return tokenizer, TrainBatches(config, tokenizer, source)
+
+
+def _stream_settings(config: Any) -> dict[str, Any]:
+  settings = {key: _lookup(config, key) for key in _STREAM_KEYS}
+  # These matter only for the built-in corpus / for SentencePiece; elsewhere changing them is
+  # harmless and must not block a resume.
+  if config.data.dataset == corpus.BUILTIN:
+    settings["data.max_files"] = config.data.max_files
+  if config.data.tokenizer == "sentencepiece":
+    settings["data.sp_vocab_size"] = config.data.sp_vocab_size
+  return settings
+
+
+def _lookup(config: Any, dotted: str) -> Any:
+  for name in dotted.split("."):
+    config = config[name]
+  return config
+
+
+def _to_json(state: Any) -> Any:
+  """Grain's state as plain JSON values (tuples become lists; anything else JSON lacks fails here,
+  not later inside the checkpointer)."""
+  return json.loads(json.dumps(state))
+
+
+def _from_json(state: Any) -> Any:
+  """Undoes JSON's tuple -> list: Grain states hold no lists, but do hold tuples that matter.
+
+  The packer (ConcatThenSplit) marks "no remainder" with the tuple (-1, -1) and tests it with
+  `!=`; given the list [-1, -1] from JSON it believes a remainder is pending and, on restore,
+  drops the next document. Grain's own Orbax handler round-trips through JSON the same way.
+  """
+  if isinstance(state, dict):
+    return {key: _from_json(value) for key, value in state.items()}
+  if isinstance(state, list):
+    return tuple(_from_json(value) for value in state)
+  return state

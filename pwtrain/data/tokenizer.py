@@ -1,0 +1,152 @@
+"""Tokenizers: raw bytes, or SentencePiece trained on the corpus and cached in the workdir.
+
+Both reserve id 0 for padding and id 1 for end-of-sequence, so the loss can mask
+`targets == pad_id` and documents are separated by `eos_id` whichever tokenizer is used.
+Interface: `vocab_size`, `pad_id`, `eos_id`, `encode(str | bytes) -> int32[n]`, `decode(ids)`.
+"""
+
+import io
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import sentencepiece as spm
+from absl import logging
+
+from pwtrain.data import corpus
+
+TOKENIZERS = ("byte", "sentencepiece")
+PAD_ID = 0
+EOS_ID = 1
+
+# SentencePiece trains on at most this much text (evenly spaced examples, split into lines), so
+# training takes about a second whatever the corpus size; more barely changes a small vocab.
+_SP_TRAIN_BYTES = 4_000_000
+_SP_TRAIN_MAX_EXAMPLES = 20_000
+
+
+class ByteTokenizer:
+  """UTF-8 bytes: byte b has id b + 2, after pad (0) and EOS (1). Never unknown, never trained."""
+
+  pad_id = PAD_ID
+  eos_id = EOS_ID
+  offset = 2
+  vocab_size = 256 + offset
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return np.frombuffer(data, np.uint8).astype(np.int32) + self.offset
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Drops special and out-of-range ids (e.g. from a model whose vocab is padded)."""
+    ids = np.asarray(ids, np.int64).ravel()
+    data = ids[(ids >= self.offset) & (ids < self.vocab_size)] - self.offset
+    # A model may cut a multi-byte character in two; show that rather than fail.
+    return data.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+  """A trained SentencePiece model with pad id 0 and EOS id 1 (see `train_sentencepiece`)."""
+
+  def __init__(self, model_path: str):
+    self.model_path = model_path
+    self._sp = spm.SentencePieceProcessor(model_file=model_path)
+    assert (self._sp.pad_id(), self._sp.eos_id()) == (PAD_ID, EOS_ID), model_path
+    self.pad_id = PAD_ID
+    self.eos_id = EOS_ID
+    self.vocab_size = self._sp.get_piece_size()
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode("utf-8", errors="replace")
+    return np.asarray(self._sp.encode(text), np.int32)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Drops pad/EOS and out-of-range ids, like `ByteTokenizer.decode`."""
+    ids = np.asarray(ids, np.int64).ravel()
+    keep = (ids != self.pad_id) & (ids != self.eos_id) & (ids >= 0) & (ids < self.vocab_size)
+    return self._sp.decode(ids[keep].tolist())
+
+
+def train_sentencepiece(lines: Iterator[str], vocab_size: int, model_path: str) -> None:
+  """Trains a BPE model for source code / text and writes it to `model_path` atomically."""
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=lines,
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type="bpe",  # trains ~20x faster than unigram here, with as good a compression
+      pad_id=PAD_ID,
+      eos_id=EOS_ID,
+      unk_id=2,
+      bos_id=-1,  # documents are only separated (by EOS), as in PaLM
+      # Exact round trip, which code needs: no Unicode normalisation, keep every space (Python
+      # indentation), no invented leading space; unseen characters fall back to byte pieces
+      # (these take 256 ids, so the vocab must exceed ~300).
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      add_dummy_prefix=False,
+      allow_whitespace_only_pieces=True,
+      byte_fallback=True,
+      max_sentence_length=1 << 16,
+      num_threads=os.cpu_count() or 1,
+      minloglevel=2,
+    )
+  except RuntimeError as e:  # e.g. "Vocabulary size too high (N). Please set it to <= M."
+    raise ValueError(f"data.sp_vocab_size={vocab_size}: SentencePiece cannot train: {e}") from e
+  # Written under a temporary name and renamed, so an interrupted run never leaves a truncated
+  # model for the next one to load.
+  directory = os.path.dirname(model_path)
+  os.makedirs(directory, exist_ok=True)
+  with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as f:
+    f.write(model.getvalue())
+  os.replace(f.name, model_path)
+
+
+def sentencepiece_path(workdir: str, vocab_size: int) -> str:
+  return os.path.join(workdir, "tokenizer", f"sp_{vocab_size}.model")
+
+
+def build_tokenizer(
+  data_cfg: Any, workdir: str, source: Sequence[dict[str, Any]] | None = None
+) -> ByteTokenizer | SentencePieceTokenizer:
+  """The tokenizer named by `data.tokenizer`.
+
+  SentencePiece is trained on `source` (default: `corpus.open_source(data_cfg, workdir)`) only
+  when `<workdir>/tokenizer/sp_<data.sp_vocab_size>.model` is missing. The model is pinned to the
+  workdir on purpose: a resumed run must keep the ids its checkpoint was trained with, even if
+  `data.*` changed; use a fresh workdir to retrain.
+  """
+  if data_cfg.tokenizer == "byte":
+    return ByteTokenizer()
+  if data_cfg.tokenizer == "sentencepiece":
+    path = sentencepiece_path(workdir, data_cfg.sp_vocab_size)
+    if not os.path.exists(path):
+      if source is None:
+        source = corpus.open_source(data_cfg, workdir)
+      logging.info("Training SentencePiece (vocab %d) -> %s", data_cfg.sp_vocab_size, path)
+      lines = _training_lines(source, data_cfg.text_key)
+      train_sentencepiece(lines, data_cfg.sp_vocab_size, path)
+    return SentencePieceTokenizer(path)
+  raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r} is unknown; valid: {TOKENIZERS}.")
+
+
+def _training_lines(source: Sequence[dict[str, Any]], text_key: str) -> Iterator[str]:
+  """Non-empty lines of evenly spaced examples, up to `_SP_TRAIN_BYTES` of text.
+
+  Lines, because SentencePiece learns pieces within a "sentence" and skips long ones; newlines
+  themselves are then covered by byte pieces.
+  """
+  num_examples = min(len(source), _SP_TRAIN_MAX_EXAMPLES)
+  num_bytes = 0
+  for i in range(num_examples):
+    text = source[i * len(source) // num_examples][text_key]
+    num_bytes += len(text)
+    if not isinstance(text, str):
+      text = bytes(text).decode("utf-8", errors="replace")
+    yield from (line for line in text.split("\n") if line)
+    if num_bytes >= _SP_TRAIN_BYTES:
+      return

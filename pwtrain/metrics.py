@@ -1,0 +1,108 @@
+"""Step metrics: a progress bar, TensorBoard events and a JSONL file in the workdir.
+
+Metrics arrive as futures of device arrays. They are fetched only every `log_every` steps, in
+one batch, so logging never makes the controller wait for each step's results.
+"""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+# Peak dense bf16 FLOP/s per device, for MFU. Devices not listed (e.g. CPU) report no MFU.
+PEAK_FLOPS = {
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5": 459e12,
+  "NVIDIA H100 80GB HBM3": 989e12,
+  "NVIDIA H200": 989e12,
+  "NVIDIA A100-SXM4-80GB": 312e12,
+}
+
+
+def peak_flops(device) -> float | None:
+  kind = getattr(device, "device_kind", "")
+  for name, flops in PEAK_FLOPS.items():
+    if kind.startswith(name):
+      return flops
+  return None
+
+
+class MetricsLogger:
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    start_step: int,
+    num_steps: int,
+    log_every: int,
+    tokens_per_step: int,
+    flops_per_token: float,
+    num_devices: int,
+    peak_flops_per_device: float | None,
+    show_progress: bool = True,
+  ):
+    self.log_every = log_every
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak = peak_flops_per_device * num_devices if peak_flops_per_device else None
+    self._pending: list[tuple[int, object]] = []
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._bar = tqdm.tqdm(
+      total=num_steps,
+      initial=start_step,
+      disable=not show_progress,
+      unit="step",
+      dynamic_ncols=True,
+    )
+    self._last_time = time.perf_counter()
+    self._last_step = start_step
+    self.history: list[dict] = []
+
+  def record(self, step: int, metrics_future) -> None:
+    """`step` is the step number after the update (1-based)."""
+    self._pending.append((step, metrics_future))
+    if step % self.log_every == 0:
+      self.flush()
+
+  def flush(self) -> None:
+    if not self._pending:
+      return
+    steps = [s for s, _ in self._pending]
+    values = jax.device_get([f.result() if hasattr(f, "result") else f for _, f in self._pending])
+    self._pending.clear()
+    now = time.perf_counter()
+    elapsed = max(now - self._last_time, 1e-9)
+    done = steps[-1] - self._last_step
+    tokens_per_s = done * self.tokens_per_step / elapsed
+    self._last_time, self._last_step = now, steps[-1]
+    for step, v in zip(steps, values, strict=True):
+      row = {"step": step, **{k: float(np.asarray(x)) for k, x in v.items()}}
+      self.history.append(row)
+      self._jsonl.write(json.dumps(row) + "\n")
+      for k, x in row.items():
+        if k != "step":
+          self._tb.add_scalar(f"train/{k}", x, step)
+    speed = {"tokens_per_s": tokens_per_s, "steps_per_s": done / elapsed}
+    speed["model_tflops_per_s"] = tokens_per_s * self.flops_per_token / 1e12
+    if self.peak:
+      speed["mfu"] = tokens_per_s * self.flops_per_token / self.peak
+    for k, x in speed.items():
+      self._tb.add_scalar(f"perf/{k}", x, steps[-1])
+    self._jsonl.write(json.dumps({"step": steps[-1], **speed}) + "\n")
+    self._jsonl.flush()
+    self._tb.flush()
+    last = self.history[-1]
+    self._bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+    self._bar.update(done)
+
+  def close(self) -> None:
+    self.flush()
+    self._bar.close()
+    self._jsonl.close()
+    self._tb.close()

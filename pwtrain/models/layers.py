@@ -1,0 +1,115 @@
+"""Building blocks of the PaLM decoder: bias-free LayerNorm, RoPE, MQA attention, SwiGLU.
+
+Parameters carry logical axis names in their `axes` metadata; nothing here knows about meshes.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pwtrain.parallel.sharding import constrain
+
+
+# PaLM initialises kernels with variance 1/fan_in. in_axis/out_axis say which dims are fan-in
+# for the multi-dimensional (heads, head_dim) kernels.
+def fan_in_init(in_axis, out_axis):
+  return nnx.initializers.variance_scaling(
+    1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+  )
+
+
+class LayerNorm(nnx.Module):
+  """LayerNorm with a scale and no bias (PaLM: no biases anywhere)."""
+
+  def __init__(self, dim: int, *, param_dtype, eps: float = 1e-6):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, base: float):
+  """Rotary position embedding over the last dim of x [batch, length, heads, head_dim]."""
+  half = x.shape[-1] // 2
+  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [b, l, 1, half]
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal multi-query (num_kv_heads=1) or grouped-query attention with RoPE."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+    d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
+    self.rope_base = cfg.rope_base
+
+    def param(shape, names, init):
+      return nnx.Param(init(rngs.params(), shape, param_dtype), axes=names)
+
+    self.wq = param((d, h, k), ("embed", "heads", "head_dim"), fan_in_init(0, (1, 2)))
+    self.wk = param((d, g, k), ("embed", "kv_heads", "head_dim"), fan_in_init(0, (1, 2)))
+    self.wv = param((d, g, k), ("embed", "kv_heads", "head_dim"), fan_in_init(0, (1, 2)))
+    self.wo = param((h, k, d), ("heads", "head_dim", "embed"), fan_in_init((0, 1), 2))
+
+  def __call__(self, x, positions):
+    dtype = x.dtype
+    q = jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dtype))
+    kk = jnp.einsum("bld,dgk->blgk", x, self.wk[...].astype(dtype))
+    v = jnp.einsum("bld,dgk->blgk", x, self.wv[...].astype(dtype))
+    q = constrain(rope(q, positions, self.rope_base), ("batch", "length", "heads", "head_dim"))
+    kk = rope(kk, positions, self.rope_base)
+    b, length, h, k = q.shape
+    g = self.num_kv_heads
+    # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, k].
+    q = q.reshape(b, length, g, h // g, k) * (k**-0.5)
+    logits = jnp.einsum("blgrk,bmgk->bgrlm", q, kk).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v).reshape(b, length, h, k)
+    out = constrain(out, ("batch", "length", "heads", "head_dim"))
+    return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(dtype))
+
+
+class SwiGLU(nnx.Module):
+  """PaLM's MLP: (swish(x W_gate) * (x W_up)) W_down, no biases."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+    d, f = cfg.d_model, cfg.d_ff
+
+    def param(shape, names):
+      return nnx.Param(fan_in_init(0, 1)(rngs.params(), shape, param_dtype), axes=names)
+
+    self.w_gate = param((d, f), ("embed", "mlp"))
+    self.w_up = param((d, f), ("embed", "mlp"))
+    self.w_down = param((f, d), ("mlp", "embed"))
+
+  def __call__(self, x):
+    dtype = x.dtype
+    gate = x @ self.w_gate[...].astype(dtype)
+    up = x @ self.w_up[...].astype(dtype)
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return hidden @ self.w_down[...].astype(dtype)
+
+
+class ParallelBlock(nnx.Module):
+  """PaLM's parallel formulation: y = x + MLP(LN(x)) + Attention(LN(x)), one shared LN."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+    self.norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+    self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
+    self.mlp = SwiGLU(cfg, rngs=rngs, param_dtype=param_dtype)
+
+  def __call__(self, x, positions):
+    h = self.norm(x)
+    y = x + self.attn(h, positions) + self.mlp(h)
+    return constrain(y, ("batch", "length", "embed"))

@@ -1,0 +1,65 @@
+"""The PaLM decoder (Chowdhery et al., 2022) as a Flax NNX module, sliceable into stages.
+
+A pipeline stage is `embed` (first stage only) + `blocks[start:stop]` + `head` (last stage only);
+`__call__` is the whole model. The output layer shares the input embedding and scales logits by
+1/sqrt(d_model); the loss adds PaLM's z-loss, 1e-4 * log(Z)^2, to keep the softmax normaliser
+near 1.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pwtrain.models.layers import LayerNorm, ParallelBlock
+from pwtrain.parallel.sharding import constrain
+
+
+class PaLM(nnx.Module):
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    param_dtype = jnp.dtype(cfg.param_dtype)
+    self.dtype = jnp.dtype(cfg.dtype)
+    self.d_model = cfg.d_model
+    # PaLM: E ~ N(0, 1); the embedding is not followed by a norm, so unit scale is kept.
+    init = nnx.initializers.normal(1.0)
+    self.embedding = nnx.Param(
+      init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
+    )
+    self.blocks = nnx.List(
+      [ParallelBlock(cfg, rngs=rngs, param_dtype=param_dtype) for _ in range(cfg.num_layers)]
+    )
+    self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+
+  def embed(self, tokens):
+    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    return constrain(x, ("batch", "length", "embed"))
+
+  def run_blocks(self, x, start: int = 0, stop: int | None = None):
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    for block in self.blocks[start:stop]:
+      x = block(x, positions)
+    return x
+
+  def head(self, x):
+    x = self.final_norm(x)
+    logits = jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(self.dtype))
+    logits = logits.astype(jnp.float32) * (self.d_model**-0.5)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+  def __call__(self, tokens):
+    return self.head(self.run_blocks(self.embed(tokens)))
+
+
+def lm_loss(logits, targets, *, pad_id: int = 0, z_loss: float = 1e-4):
+  """Summed (not averaged) token losses, so microbatches and shards can be added up exactly.
+
+  Returns (sum of ce + z-loss over real tokens, {"ce_sum", "z_sum", "tokens"}). Targets equal to
+  pad_id carry no loss.
+  """
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  weights = (targets != pad_id).astype(jnp.float32)
+  ce = (log_z - target_logit) * weights
+  z = z_loss * jnp.square(log_z) * weights
+  ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
+  return ce_sum + z_sum, {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(weights)}

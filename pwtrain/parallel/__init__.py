@@ -1,0 +1,1 @@
+"""Parallelism: logical-axis sharding, the plan of islands and meshes."""

@@ -1,0 +1,108 @@
+"""The plan: which islands run what, each island's mesh, and the cost model.
+
+For one island this resolves `parallel.{data,fsdp,tensor}` into a mesh shape over the island's
+devices and checks that the model and batch divide evenly over it. Later stages (pipelines,
+pods) extend the plan, not the trainer.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.parallel.sharding import MESH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  islands: tuple[Island, ...]
+  mesh_shape: dict[str, int]  # per island: {"data": d, "fsdp": f, "tensor": t}
+
+  @property
+  def batch_shards(self) -> int:
+    return self.mesh_shape["data"] * self.mesh_shape["fsdp"]
+
+
+def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
+  """Fills a -1 axis (at most one) with what is left of the island's devices."""
+  shape = {axis: int(parallel[axis]) for axis in MESH_AXES}
+  for axis, size in shape.items():
+    if size == 0 or size < -1:
+      raise ValueError(f"parallel.{axis}={size} must be a positive size or -1 (fill)")
+  fill = [a for a, s in shape.items() if s == -1]
+  if len(fill) > 1:
+    raise ValueError(f"only one of parallel.{{data,fsdp,tensor}} may be -1; got {fill}")
+  fixed = int(np.prod([s for s in shape.values() if s != -1]))
+  if fill:
+    if num_devices % fixed:
+      raise ValueError(
+        f"parallel.{fill[0]}=-1 cannot be filled: the other axes use {fixed} devices, which "
+        f"does not divide the island's {num_devices}"
+      )
+    shape[fill[0]] = num_devices // fixed
+  total = int(np.prod(list(shape.values())))
+  if total != num_devices:
+    raise ValueError(
+      "parallel.data * parallel.fsdp * parallel.tensor = "
+      f"{shape['data']} * {shape['fsdp']} * {shape['tensor']} = {total} must equal the "
+      f"{num_devices} devices of an island (set one of them to -1 to fill)"
+    )
+  return shape
+
+
+def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
+  m, t = config.model, mesh_shape["tensor"]
+  for key in ("num_heads", "d_ff", "vocab_size"):
+    if m[key] % t:
+      raise ValueError(f"parallel.tensor={t} does not divide model.{key}={m[key]}")
+  if m.d_model % mesh_shape["fsdp"]:
+    raise ValueError(
+      f"parallel.fsdp={mesh_shape['fsdp']} does not divide model.d_model={m.d_model}"
+    )
+  shards = mesh_shape["data"] * mesh_shape["fsdp"]
+  micro = config.train.num_microbatches
+  if config.train.global_batch % (shards * micro):
+    raise ValueError(
+      f"train.global_batch={config.train.global_batch} must be divisible by "
+      f"parallel.data * parallel.fsdp * train.num_microbatches = {shards} * {micro} = "
+      f"{shards * micro}"
+    )
+
+
+def build(config, cluster: Cluster) -> Plan:
+  island = cluster.islands[0]
+  mesh_shape = resolve_mesh_shape(config.parallel, island.num_devices)
+  check_divisibility(config, mesh_shape)
+  return Plan(islands=cluster.islands, mesh_shape=mesh_shape)
+
+
+def make_cluster(config, devices=None) -> Cluster:
+  """Carves the local devices into `parallel.islands` islands (embedded mode)."""
+  import jax
+
+  devices = list(jax.devices() if devices is None else devices)
+  n = config.parallel.islands
+  per = config.parallel.devices_per_island or (len(devices) // max(n, 1))
+  if n < 1:
+    raise ValueError(f"parallel.islands={n} must be >= 1")
+  if per < 1 or n * per > len(devices):
+    raise ValueError(
+      f"parallel.islands={n} x parallel.devices_per_island={per} needs {n * per} devices; "
+      f"this machine has {len(devices)}"
+    )
+  return Cluster.local([per] * n, devices=devices)
+
+
+def param_count(config) -> int:
+  """Parameters of the dense PaLM model (embedding shared with the output layer)."""
+  m = config.model
+  attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+  mlp = 3 * m.d_model * m.d_ff
+  return m.vocab_size * m.d_model + m.num_layers * (attn + mlp + m.d_model) + m.d_model
+
+
+def flops_per_token(config) -> float:
+  """Training FLOPs per token, PaLM's 6N + 12LHQT (N excluding the embedding)."""
+  m = config.model
+  n = param_count(config) - m.vocab_size * m.d_model
+  return 6.0 * n + 12.0 * m.num_layers * m.num_heads * m.head_dim * config.data.seq_len

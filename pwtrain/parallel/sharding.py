@@ -1,0 +1,81 @@
+"""Logical axes -> mesh axes -> NamedShardings.
+
+Models name logical dimensions ("batch", "embed", "heads", ...). The rules here say which mesh
+axis (data, fsdp, tensor, expert) each one is split over. A mesh axis is used at most once per
+array: later dims that would reuse it are replicated instead, which lets parameters shard "embed"
+over fsdp while activations, whose batch already uses fsdp, keep "embed" whole.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# (logical dim, mesh axes it is split over). Order matters only for readability.
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+  ("batch", ("data", "fsdp")),
+  ("embed", ("fsdp",)),
+  ("vocab", ("tensor",)),
+  ("heads", ("tensor",)),
+  ("mlp", ("tensor",)),
+  ("kv_heads", ()),  # MQA: the single K/V head is replicated over tensor, as in PaLM.
+  ("head_dim", ()),
+  ("length", ()),
+  ("norm", ()),
+)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> PartitionSpec:
+  """Maps a tuple of logical dim names to a PartitionSpec, using each mesh axis at most once."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in logical_axes:
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+    axes = tuple(a for a in table[name] if a not in used)
+    used.update(axes)
+    spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+  return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, logical_axes, rules=DEFAULT_RULES) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+def tree_shardings(mesh: Mesh, logical_tree, rules=DEFAULT_RULES):
+  """A pytree of logical-axis tuples (PartitionSpecs of names) -> NamedShardings."""
+  return jax.tree.map(
+    lambda names: named_sharding(mesh, tuple(names), rules),
+    logical_tree,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pwtrain_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=DEFAULT_RULES):
+  """While tracing under this context, `constrain` pins activations to `mesh`."""
+  token = _ACTIVE.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Sharding hint for an activation, by logical names; a no-op outside `activate`."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))

@@ -1,0 +1,101 @@
+"""The single-island StepProgram: init and train step compiled for one SPMD mesh.
+
+Parameters and optimizer state are created already sharded (the init function is compiled with
+the state's out_shardings), and the step donates its input state.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pwtrain import step as step_lib
+from pwtrain.backend import Controller, Node, Program, Transfer
+from pwtrain.parallel import sharding as sharding_lib
+
+
+@dataclasses.dataclass
+class StepProgram:
+  """What the trainer needs from any parallel layout."""
+
+  program: Program  # inputs: "state", "batch" (host numpy); outputs: "state", "metrics"
+  abstract_state: dict  # ShapeDtypeStructs carrying the shardings (restore target)
+  init: object  # () -> state, run on the controller
+  executables: dict
+
+
+def state_shardings(fns, tx, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES):
+  """Params by their logical axes; optimizer moments like their params; scalars replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  params = jax.tree.map(
+    lambda axes: sharding_lib.named_sharding(mesh, axes, rules),
+    fns.logical_axes,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
+  # Param-shaped moments shard like their param; per-param placeholders of other shapes (e.g.
+  # Adafactor's unused factored rows/columns) are replicated.
+  opt_state = optax.tree_map_params(
+    tx,
+    lambda leaf, s, p: s if leaf.shape == p.shape else replicated,
+    abstract_state["opt_state"],
+    params,
+    abstract_state["params"],
+    transform_non_params=lambda _: replicated,
+  )
+  return {"step": replicated, "params": params, "opt_state": opt_state, "rng": replicated}
+
+
+def with_shardings(abstract, shardings):
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
+
+
+def build(config, plan, controller: Controller, tx, schedule, island=None) -> StepProgram:
+  island = island or plan.islands[0]
+  mesh = island.mesh(plan.mesh_shape)
+  fns = step_lib.model_fns(config.model)
+  init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
+  abstract = jax.eval_shape(init_fn)
+  shardings = state_shardings(fns, tx, mesh, abstract)
+  abstract_state = with_shardings(abstract, shardings)
+
+  batch_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
+  batch_shape = (config.train.global_batch, config.data.seq_len)
+  abstract_batch = {
+    k: jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding)
+    for k in ("inputs", "targets")
+  }
+  grad_fn = step_lib.accumulate(
+    step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
+  )
+  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule))
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  init_exe = controller.compile(
+    "init", init_fn, island.name, (), mesh=mesh, out_shardings=shardings
+  )
+  step_exe = controller.compile(
+    "train_step",
+    train_step,
+    island.name,
+    (abstract_state, abstract_batch),
+    mesh=mesh,
+    out_shardings=(shardings, replicated),
+    donate_argnums=(0,),
+  )
+  program = Program(
+    nodes=(
+      Transfer("batch_in", "batch", island.name, batch_sharding),
+      Node("train_step", step_exe, ("state", ("batch_in", 0))),
+    ),
+    outputs={"state": ("train_step", 0), "metrics": ("train_step", 1)},
+  )
+  init_program = Program(nodes=(Node("init", init_exe, ()),), outputs={"state": ("init", 0)})
+
+  def init():
+    return controller.run(init_program, {})["state"].result()
+
+  return StepProgram(program, abstract_state, init, {"init": init_exe, "train_step": step_exe})

@@ -1,0 +1,128 @@
+"""The training step as pure functions: loss -> gradients -> (accumulate) -> update.
+
+State is a plain dict {"step", "params", "opt_state", "rng"} so that Orbax can save it and every
+parallel layout can shard it. Losses are carried as sums with their token counts until the very
+end, so that microbatches, data shards and pods combine exactly.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from pwtrain.models import PaLM, lm_loss
+from pwtrain.parallel.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+  """The functional core of the NNX model: a graph definition plus pure-dict parameters."""
+
+  graphdef: nnx.GraphDef
+  abstract_params: dict
+  logical_axes: dict  # same tree as params; leaves are tuples of logical dim names
+  cfg: object
+
+  def init(self, key) -> dict:
+    return nnx.to_pure_dict(nnx.state(PaLM(self.cfg, rngs=nnx.Rngs(params=key))))
+
+  def module(self, params) -> PaLM:
+    return nnx.merge(self.graphdef, params)
+
+
+def model_fns(model_cfg) -> ModelFns:
+  abstract = nnx.eval_shape(lambda: PaLM(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  axes = jax.tree.map(
+    lambda v: tuple(v.get_metadata()["axes"]),
+    state,
+    is_leaf=lambda x: isinstance(x, nnx.Variable),
+  )
+  return ModelFns(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes), model_cfg)
+
+
+def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int) -> dict:
+  key = jax.random.key(seed)
+  params_key, rng = jax.random.split(key)
+  params = fns.init(params_key)
+  return {
+    "step": jnp.zeros((), jnp.int32),
+    "params": params,
+    "opt_state": tx.init(params),
+    "rng": jax.random.key_data(rng),
+  }
+
+
+def loss_and_grads(fns: ModelFns, *, z_loss: float, pad_id: int = 0) -> Callable:
+  """(params, batch) -> (grads of the summed loss, {"loss_sum", "ce_sum", "z_sum", "tokens"})."""
+
+  def loss_fn(params, batch):
+    logits = fns.module(params)(batch["inputs"])
+    total, stats = lm_loss(logits, batch["targets"], pad_id=pad_id, z_loss=z_loss)
+    return total, stats
+
+  def fn(params, batch):
+    (total, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return grads, {"loss_sum": total, **stats}
+
+  return fn
+
+
+def accumulate(grad_fn: Callable, num_microbatches: int) -> Callable:
+  """Wraps a summed-loss grad_fn to run over microbatches in a scan, adding up the sums.
+
+  Microbatch m takes rows m, m+M, m+2M, ... so each device keeps its own rows (no resharding).
+  """
+  if num_microbatches == 1:
+    return grad_fn
+
+  def split(x):
+    x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
+    return constrain(jnp.swapaxes(x, 0, 1), (None, "batch", "length"))
+
+  def fn(params, batch):
+    micro = jax.tree.map(split, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
+
+    def body(carry, mb):
+      out = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, out), None
+
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return total
+
+  return fn
+
+
+def apply_update(tx: optax.GradientTransformation, schedule) -> Callable:
+  """(state, summed grads, summed stats) -> (new state, metrics): normalise by tokens, step."""
+
+  def fn(state, grads, stats):
+    tokens = jnp.maximum(stats["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {
+      "loss": stats["loss_sum"] / tokens,
+      "ce_loss": stats["ce_sum"] / tokens,
+      "z_loss": stats["z_sum"] / tokens,
+      "tokens": stats["tokens"],
+      "grad_norm": optax.global_norm(grads),
+      "lr": schedule(state["step"]),
+    }
+    new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    return new_state, metrics
+
+  return fn
+
+
+def train_step(grad_fn: Callable, update_fn: Callable) -> Callable:
+  def step(state, batch):
+    grads, stats = grad_fn(state["params"], batch)
+    return update_fn(state, grads, stats)
+
+  return step

@@ -1,0 +1,112 @@
+"""`run(config, workdir)`: the whole training job, top to bottom."""
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+from pwtrain import config as config_lib
+from pwtrain import optim
+from pwtrain.backend import Controller, Trace
+from pwtrain.checkpoint import Checkpointer
+from pwtrain.data import build_train_batches
+from pwtrain.metrics import MetricsLogger, peak_flops
+from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel import spmd
+from pwtrain.preemption import StopRequest
+
+
+@dataclasses.dataclass
+class RunResult:
+  history: list[dict]  # one row per step run in this call: loss, ce_loss, grad_norm, lr, ...
+  state: dict  # final train state (device arrays)
+  start_step: int
+  final_step: int
+
+
+def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
+  config_lib.validate(config)
+  workdir = _prepare_workdir(workdir)
+  tokenizer, batches = build_train_batches(config, workdir)
+
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
+  trace = Trace() if config.backend.trace else None
+  controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, trace=trace)
+  tx, schedule = optim.build(config.optim, config.train.num_steps)
+  step_program = spmd.build(config, plan, controller, tx, schedule)
+
+  ckpt = Checkpointer(
+    os.path.join(workdir, "checkpoints"),
+    keep=config.train.keep_checkpoints,
+    every=config.train.checkpoint_every,
+    async_save=config.train.async_checkpoint,
+  )
+  state, start = _restore_or_init(config, ckpt, step_program, batches)
+  num_steps = config.train.num_steps
+  logger = MetricsLogger(
+    workdir,
+    start_step=start,
+    num_steps=num_steps,
+    log_every=config.train.log_every,
+    tokens_per_step=config.train.global_batch * config.data.seq_len,
+    flops_per_token=plan_lib.flops_per_token(config),
+    num_devices=sum(i.num_devices for i in plan.islands),
+    peak_flops_per_device=peak_flops(plan.islands[0].devices[0]),
+    show_progress=show_progress,
+  )
+  step = start
+  try:
+    with StopRequest() as stop:
+      while step < num_steps:
+        out = controller.run(step_program.program, {"state": state, "batch": next(batches)})
+        state, step = out["state"], step + 1
+        logger.record(step, out["metrics"])
+        if ckpt.should_save(step, num_steps) or stop.requested:
+          ckpt.save(step, state.result(), batches.get_state())
+        if stop.requested:
+          logging.warning("stop requested: checkpointed step %d and stopping", step)
+          break
+    state = state.result() if hasattr(state, "result") else state
+  finally:
+    logger.close()
+    ckpt.wait()
+    ckpt.close()
+    controller.wait()
+    controller.close()
+    if trace is not None:
+      trace.write(os.path.join(workdir, "trace.json"))
+  return RunResult(logger.history, state, start, step)
+
+
+def _prepare_workdir(workdir: str) -> str:
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--workdir={workdir!r} cannot be created: {e}") from e
+  if not os.access(workdir, os.W_OK):
+    raise ValueError(f"--workdir={workdir!r} is not writable")
+  return workdir
+
+
+def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
+  latest = ckpt.latest_step()
+  if latest is None:
+    return step_program.init(), 0
+  if not config.train.resume:
+    raise ValueError(
+      f"train.resume=False but {ckpt.directory} already holds checkpoints (latest step "
+      f"{latest}); use a fresh --workdir, or train.resume=True to continue from it"
+    )
+  try:
+    state, data_state = ckpt.restore(latest, step_program.abstract_state)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(
+      f"the checkpoint at step {latest} in {ckpt.directory} does not match this config's "
+      f"model/optimizer (was it written by another model?): {e}"
+    ) from e
+  batches.set_state(data_state)
+  logging.info("resumed from step %d", latest)
+  return state, int(jax.device_get(state["step"]))

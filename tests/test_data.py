@@ -1,0 +1,280 @@
+"""Tests of pwtrain.data: corpus build, tokenizers, packing, determinism and exact resume."""
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from pwtrain.data import build_tokenizer, build_train_batches, corpus
+from pwtrain.data.pipeline import TrainBatches
+from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, sentencepiece_path
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def make_config(**overrides):
+  """configs/palm_tiny.py shrunk for tests; keys as 'data.seq_len' (the config is locked)."""
+  spec = importlib.util.spec_from_file_location("palm_tiny", REPO / "configs" / "palm_tiny.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  settings = {"data.max_files": 30, "data.seq_len": 32, "train.global_batch": 4, **overrides}
+  for dotted, value in settings.items():
+    *parents, name = dotted.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[name] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """One TFDS data_dir for the module, so the small corpora are built once."""
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def take(batches, n):
+  return [next(batches) for _ in range(n)]
+
+
+def assert_same(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b, strict=True):
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key])
+
+
+def token_stream(batches):
+  """The packed token stream: each row is a window of seq_len + 1 tokens, in order."""
+  rows = [np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1) for b in batches]
+  return np.concatenate(rows).ravel()
+
+
+def test_pystdlib_is_the_stdlib_files_and_max_files_is_its_identity(data_dir):
+  small = corpus.prepare_pystdlib(data_dir, max_files=20)
+  large = corpus.prepare_pystdlib(data_dir, max_files=25)
+  assert small.data_dir != large.data_dir  # no stale reuse across max_files
+  paths = corpus.list_source_files(corpus.stdlib_dir(), 20)
+  expected = sorted(pathlib.Path(corpus.stdlib_dir(), p).read_bytes() for p in paths)
+  assert sorted(ex["text"] for ex in small.as_data_source("train")) == expected
+  assert len(large.as_data_source("train")) == 25
+  # A second prepare reuses the build.
+  info = pathlib.Path(small.data_dir, "dataset_info.json")
+  mtime = info.stat().st_mtime_ns
+  corpus.prepare_pystdlib(data_dir, max_files=20)
+  assert info.stat().st_mtime_ns == mtime
+
+
+def test_source_files_are_sorted_sampled_and_skip_tests():
+  everything = corpus.list_source_files(corpus.stdlib_dir())
+  ten = corpus.list_source_files(corpus.stdlib_dir(), 10)
+  assert everything == sorted(everything) and len(everything) > 100
+  assert len(ten) == 10 and set(ten) <= set(everything)
+  assert len({p.split(os.sep)[0] for p in ten}) > 3  # spread over the library, not a prefix
+  assert not any({"test", "tests", "site-packages"} & set(p.split(os.sep)) for p in everything)
+
+
+def test_default_data_dir_is_in_workdir(tmp_path):
+  build_train_batches(make_config(**{"data.max_files": 5}), str(tmp_path))
+  assert list((tmp_path / "tfds" / "pystdlib").iterdir())
+
+
+def test_same_config_same_batches_other_seed_other_batches(data_dir, tmp_path):
+  config = make_config(**{"data.data_dir": data_dir})
+  _, first = build_train_batches(config, str(tmp_path / "a"))
+  _, second = build_train_batches(config, str(tmp_path / "b"))
+  reference = take(first, 5)
+  assert_same(reference, take(second, 5))
+  _, reseeded = build_train_batches(
+    make_config(**{"data.data_dir": data_dir, "seed": 1}), str(tmp_path)
+  )
+  assert not np.array_equal(reference[0]["inputs"], next(reseeded)["inputs"])
+
+
+def test_batches_are_packed_windows(data_dir, tmp_path):
+  config = make_config(**{"data.data_dir": data_dir, "train.global_batch": 16})
+  tokenizer, batches = build_train_batches(config, str(tmp_path))
+  got = take(batches, 100)  # ~200k tokens: a few dozen documents
+  for batch in got:
+    assert set(batch) == {"inputs", "targets"}
+    for array in batch.values():
+      assert array.shape == (16, 32) and array.dtype == np.int32
+      assert array.min() >= 0 and array.max() < tokenizer.vocab_size
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+  stream = token_stream(got)
+  assert (stream == tokenizer.eos_id).any()  # documents are separated
+  assert not (stream == tokenizer.pad_id).any()  # an endless stream is packed without padding
+  assert "def " in tokenizer.decode(stream)
+
+
+def test_packing_keeps_every_token_and_reshuffles_each_epoch():
+  # 8 documents of one letter each, 172 tokens with their EOS; the longest spans 5 windows.
+  docs = [{"text": bytes([ord("a") + i]) * (3 + 5 * i)} for i in range(8)]
+  letters = sorted(d["text"].decode() for d in docs)
+  tokenizer = ByteTokenizer()
+
+  def documents(config, num_batches):
+    stream = token_stream(take(TrainBatches(config, tokenizer, docs), num_batches))
+    # Show EOS as "|" to split the decoded stream back into documents.
+    return tokenizer.decode(np.where(stream == tokenizer.eos_id, ord("|") + 2, stream)).split("|")
+
+  config = make_config(**{"data.seq_len": 7, "train.global_batch": 2})
+  texts = documents(config, 50)  # 800 tokens: 4.6 epochs
+  epochs = [texts[i * 8 : (i + 1) * 8] for i in range(4)]
+  for epoch in epochs:  # every document once per epoch, whole, nothing else
+    assert sorted(epoch) == letters
+  assert len({tuple(epoch) for epoch in epochs}) == 4  # a fresh order each epoch
+  assert epochs[0] != letters
+  # Another seed gives other orders, not the same ones shifted by an epoch.
+  reseeded = documents(make_config(**{"data.seq_len": 7, "train.global_batch": 2, "seed": 1}), 50)
+  assert reseeded[:8] not in epochs and sorted(reseeded[:8]) == letters
+
+  in_order = make_config(**{"data.seq_len": 7, "train.global_batch": 2, "data.shuffle": False})
+  assert documents(in_order, 25)[:16] == letters + letters
+
+
+def test_resume_mid_epoch_after_json_round_trip(data_dir, tmp_path):
+  config = make_config(**{"data.data_dir": data_dir})
+  _, batches = build_train_batches(config, str(tmp_path))
+  take(batches, 3)
+  state = json.loads(json.dumps(batches.get_state()))
+  expected = take(batches, 5)
+  _, resumed = build_train_batches(config, str(tmp_path))
+  resumed.set_state(state)
+  assert_same(take(resumed, 5), expected)
+
+
+def test_resume_from_every_step():
+  # Short windows over short documents: many states fall exactly on a document boundary, the case
+  # that a naive JSON round trip of Grain's packer state gets wrong.
+  docs = [{"text": bytes([ord("a") + i % 26]) * (1 + i % 9)} for i in range(40)]
+  config = make_config(**{"data.seq_len": 5, "train.global_batch": 2})
+  tokenizer = ByteTokenizer()
+  batches = TrainBatches(config, tokenizer, docs)
+  for _ in range(40):
+    state = json.loads(json.dumps(batches.get_state()))
+    expected = take(batches, 2)
+    resumed = TrainBatches(config, tokenizer, docs)
+    resumed.set_state(state)
+    assert_same(take(resumed, 2), expected)
+
+
+def test_state_from_other_settings_is_refused(data_dir, tmp_path):
+  _, batches = build_train_batches(make_config(**{"data.data_dir": data_dir}), str(tmp_path))
+  state = batches.get_state()
+  other = make_config(**{"data.data_dir": data_dir, "data.seq_len": 16})
+  _, shorter = build_train_batches(other, str(tmp_path))
+  with pytest.raises(ValueError, match="data.seq_len"):
+    shorter.set_state(state)
+
+
+def test_byte_tokenizer_round_trip():
+  tokenizer = ByteTokenizer()
+  text = "def f(x):\n\treturn 'héllo ✓' \x00\n"
+  ids = tokenizer.encode(text)
+  assert ids.dtype == np.int32 and len(ids) == len(text.encode())
+  assert ids.min() >= 2 and ids.max() < tokenizer.vocab_size == 258
+  np.testing.assert_array_equal(ids, tokenizer.encode(text.encode()))
+  assert tokenizer.decode(ids) == text
+  assert tokenizer.decode([tokenizer.eos_id, *ids, tokenizer.pad_id, 300]) == text
+  assert (tokenizer.pad_id, tokenizer.eos_id) == (0, 1)
+
+
+def test_sentencepiece_trains_once_and_is_cached(data_dir, tmp_path):
+  config = make_config(
+    **{"data.data_dir": data_dir, "data.tokenizer": "sentencepiece", "data.sp_vocab_size": 384}
+  )
+  tokenizer, batches = build_train_batches(config, str(tmp_path))
+  assert isinstance(tokenizer, SentencePieceTokenizer)
+  assert (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id) == (384, 0, 1)
+  code = "class A:\n    def f(self, x):\n        return x  # ünïcode\n\n\tpass\n"
+  assert tokenizer.decode(tokenizer.encode(code)) == code
+  stream = token_stream(take(batches, 100))
+  assert stream.max() < 384 and (stream == 1).any()
+
+  path = sentencepiece_path(str(tmp_path), 384)
+  mtime = os.stat(path).st_mtime_ns
+  # The cached model is used without reading any corpus: this data_dir has none.
+  config.data.data_dir = str(tmp_path / "no_corpus_here")
+  again = build_tokenizer(config.data, str(tmp_path))
+  assert os.stat(path).st_mtime_ns == mtime
+  np.testing.assert_array_equal(again.encode(code), tokenizer.encode(code))
+
+
+def test_sentencepiece_vocab_too_small_is_a_config_error(data_dir, tmp_path):
+  config = make_config(
+    **{"data.data_dir": data_dir, "data.tokenizer": "sentencepiece", "data.sp_vocab_size": 100}
+  )  # below the 256 byte-fallback pieces
+  with pytest.raises(ValueError, match="data.sp_vocab_size=100"):
+    build_train_batches(config, str(tmp_path))
+  assert not os.path.exists(sentencepiece_path(str(tmp_path), 100))
+
+
+def test_unknown_tokenizer(tmp_path):
+  config = make_config(**{"data.tokenizer": "wordpiece"})
+  with pytest.raises(ValueError, match="data.tokenizer='wordpiece'.*'byte', 'sentencepiece'"):
+    build_tokenizer(config.data, str(tmp_path))
+
+
+def test_unprepared_tfds_dataset_is_not_downloaded(tmp_path):
+  empty = tmp_path / "empty"
+  config = make_config(**{"data.dataset": "lm1b", "data.data_dir": str(empty)})
+  with pytest.raises(ValueError, match="data.dataset='lm1b'") as error:
+    build_train_batches(config, str(tmp_path))
+  assert str(empty) in str(error.value) and "tfds build lm1b" in str(error.value)
+  assert not empty.exists() or not any(empty.iterdir())  # nothing fetched or written
+
+
+def test_unknown_tfds_dataset(tmp_path):
+  config = make_config(**{"data.dataset": "no_such_dataset_xyz", "data.data_dir": str(tmp_path)})
+  with pytest.raises(ValueError, match="data.dataset='no_such_dataset_xyz'"):
+    build_train_batches(config, str(tmp_path))
+
+
+def test_unknown_split(data_dir, tmp_path):
+  config = make_config(**{"data.data_dir": data_dir, "data.split": "validation"})
+  with pytest.raises(ValueError, match=r"data.split='validation'.*\['train'\]"):
+    build_train_batches(config, str(tmp_path))
+
+
+def test_empty_corpus(tmp_path):
+  (tmp_path / "src").mkdir()
+  with pytest.raises(ValueError, match="data.max_files"):
+    corpus.prepare_pystdlib(str(tmp_path / "tfds"), root=str(tmp_path / "src"))
+  (tmp_path / "src" / "empty.py").write_bytes(b"")
+  with pytest.raises(ValueError, match="corpus would be empty"):
+    corpus.prepare_pystdlib(str(tmp_path / "tfds"), root=str(tmp_path / "src"))
+  config, tokenizer = make_config(), ByteTokenizer()
+  with pytest.raises(ValueError, match="corpus is empty.*data.split='train' has no examples"):
+    TrainBatches(config, tokenizer, [])
+  with pytest.raises(ValueError, match="corpus is empty: all texts.*data.text_key='text'"):
+    TrainBatches(config, tokenizer, [{"text": b""}] * 3)
+  with pytest.raises(ValueError, match="data.text_key='text' is not a feature"):
+    TrainBatches(config, tokenizer, [{"body": b"x = 1"}])
+
+
+def test_other_roots_build_as_tfds_datasets(tmp_path):
+  (tmp_path / "src" / "pkg").mkdir(parents=True)
+  (tmp_path / "src" / "a.py").write_text("a = 1\n")
+  (tmp_path / "src" / "pkg" / "b.py").write_text("b = 2\n")
+  builder = corpus.prepare_pystdlib(str(tmp_path / "tfds"), root=str(tmp_path / "src"))
+  assert sorted(ex["text"] for ex in builder.as_data_source("train")) == [b"a = 1\n", b"b = 2\n"]
+
+
+def test_model_vocab_too_small(data_dir, tmp_path):
+  config = make_config(**{"data.data_dir": data_dir, "model.vocab_size": 256})
+  with pytest.raises(ValueError, match="model.vocab_size=256.*258"):
+    build_train_batches(config, str(tmp_path))
+
+
+def test_unwritable_data_dir(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")  # a directory cannot be made under a file, not even by root
+  config = make_config(**{"data.data_dir": str(blocker / "tfds")})
+  with pytest.raises(ValueError, match="data.data_dir=.* is not writable"):
+    build_train_batches(config, str(tmp_path))

@@ -1,0 +1,113 @@
+"""Parallel == single device: DP, FSDP, TP, a mixed mesh and microbatch accumulation.
+
+Each layout runs the same model from the same init on the same batches; the loss, the gradients
+and, after two optimizer steps, the parameters and optimizer state must match the 1-device run.
+
+Tolerance. Everything is fp32 and the layouts differ only in the order of reductions across
+shards, which perturbs each tensor by ~1e-6 of its largest entry; tensors are compared norm-wise,
+max|actual - expected| <= TOL * max|expected|, with TOL fixed here once for all layouts.
+
+Optimizer. Adafactor (like Adam) divides each gradient entry by its own RMS, so an entry whose
+gradient is ~0 gets an O(lr) update whose sign and size follow rounding noise: its updated
+parameters cannot match across reduction orders to any tolerance that still tests something.
+So parameters and optimizer state are compared after steps of SGD with momentum, whose update is
+linear in the gradient, and the default Adafactor run is compared on its loss and gradient norm;
+the gradients themselves, which is what a layout computes, are compared directly.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import grads_at_init, random_batches, run_steps, tiny_test_config
+
+TOL = 1e-5
+NUM_STEPS = 2
+
+
+def assert_close(actual, expected, what):
+  a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert a.shape == e.shape, what
+  err, scale = np.max(np.abs(a - e), initial=0.0), np.max(np.abs(e), initial=0.0)
+  assert err <= TOL * max(scale, 1e-30), f"{what}: max|diff|={err:.3g}, max|expected|={scale:.3g}"
+
+
+def assert_trees_close(actual, expected, what):
+  flat_a, tree_a = jax.tree.flatten_with_path(actual)
+  flat_e, tree_e = jax.tree.flatten_with_path(expected)
+  assert tree_a == tree_e, what
+  for (path, a), (_, e) in zip(flat_a, flat_e, strict=True):
+    assert_close(a, e, f"{what}{jax.tree_util.keystr(path)}")
+
+
+LAYOUTS = {
+  "dp8": {"parallel.data": 8},
+  "fsdp8": {"parallel.data": 1, "parallel.fsdp": 8},
+  "tp8": {"parallel.data": 1, "parallel.tensor": 8},
+  "mixed222": {"parallel.data": 2, "parallel.fsdp": 2, "parallel.tensor": 2},
+  "dp4_tp2_micro2": {"parallel.data": 4, "parallel.tensor": 2, "train.num_microbatches": 2},
+  "single_micro4": {"parallel.data": 1, "train.num_microbatches": 4},
+}
+
+
+SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  config = tiny_test_config()
+  batches = random_batches(config, NUM_STEPS)
+  one = jax.devices()[:1]
+  return (
+    batches,
+    grads_at_init(config, batches[0], one),
+    run_steps(config, batches, one),
+    run_steps(tiny_test_config(**SGD), batches, one),
+  )
+
+
+def devices_for(layout):
+  return jax.devices()[:1] if layout.startswith("single") else jax.devices()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gradients_match_single_device(reference, layout):
+  batches, (ref_grads, ref_stats), _, _ = reference
+  config = tiny_test_config(**LAYOUTS[layout])
+  grads, stats = grads_at_init(config, batches[0], devices_for(layout))
+  for key in ("loss_sum", "ce_sum", "z_sum", "tokens"):
+    assert_close(stats[key], ref_stats[key], key)
+  assert_trees_close(grads, ref_grads, "grads")
+
+
+def assert_metrics_close(metrics, ref_metrics):
+  for got, want in zip(metrics, ref_metrics, strict=True):
+    for key in ("loss", "ce_loss", "z_loss", "grad_norm", "tokens", "lr"):
+      assert_close(got[key], want[key], key)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sgd_steps_match_single_device(reference, layout):
+  batches, _, _, (ref_metrics, ref_state) = reference
+  config = tiny_test_config(**SGD, **LAYOUTS[layout])
+  metrics, state = run_steps(config, batches, devices=devices_for(layout))
+  assert_metrics_close(metrics, ref_metrics)
+  assert_trees_close(state["params"], ref_state["params"], "params")
+  assert_trees_close(state["opt_state"], ref_state["opt_state"], "opt_state")
+  assert int(state["step"]) == NUM_STEPS
+
+
+@pytest.mark.parametrize("layout", ["mixed222", "dp4_tp2_micro2"])
+def test_adafactor_steps_match_single_device(reference, layout):
+  batches, _, (ref_metrics, _), _ = reference
+  config = tiny_test_config(**LAYOUTS[layout])
+  metrics, state = run_steps(config, batches, devices=devices_for(layout))
+  assert_metrics_close(metrics, ref_metrics)
+  assert int(state["step"]) == NUM_STEPS
+
+
+def test_parity_check_detects_a_wrong_layout(reference):
+  """The comparison is not vacuous: a different batch order gives different parameters."""
+  batches, _, _, (_, ref_state) = reference
+  _, state = run_steps(tiny_test_config(**SGD), batches[::-1], devices=jax.devices()[:1])
+  with pytest.raises(AssertionError):
+    assert_trees_close(state["params"], ref_state["params"], "params")
