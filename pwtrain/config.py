@@ -60,3 +60,20 @@ def validate(config) -> None:
       f"train.num_microbatches={config.train.num_microbatches} does not divide "
       f"train.global_batch={config.train.global_batch}"
     )
+
+
+def base_config(config_file: str, name: str, arg=None):
+  """The config `name` from the same directory as `config_file`, unlocked, to start from.
+
+  Lets `configs/palm_8b.py` begin from `configs/palm_tiny.py` however the file was loaded.
+  """
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(config_file).resolve().with_name(f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"pwtrain_config_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  config.unlock()
+  return config

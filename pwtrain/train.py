@@ -27,11 +27,11 @@ class RunResult:
 
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
   workdir = _prepare_workdir(workdir)
   tokenizer, batches = build_train_batches(config, workdir)
 
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
   trace = Trace() if config.backend.trace else None
   controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, trace=trace)
   tx, schedule = optim.build(config.optim, config.train.num_steps)

@@ -173,7 +173,7 @@ class Controller:
           args = [resolve(node.src)]
         futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
       outputs = {key: resolve(ref) for key, ref in program.outputs.items()}
-    self._inflight.append(outputs)
+    self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
 
   def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
@@ -203,23 +203,16 @@ class Controller:
 
 
 def _block_ready(value) -> None:
-  """Waits for every array in `value` that has not been donated to a later computation.
-
-  Donated outputs (the train state, handed to the next step) are gone; the rest (e.g. metrics)
-  come from the same computation, so waiting on them is enough.
-  """
+  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped."""
   for x in jax.tree.leaves(value):
-    if not isinstance(x, jax.Array):
-      continue
     try:
-      x.block_until_ready()
+      jax.block_until_ready(x)
     except jax.errors.JaxRuntimeError:
-      if not x.is_deleted():
-        raise
+      pass  # donated to a successor: its completion is stamped on the successor's event
 
 
-def _wait_outputs(outputs: dict) -> None:
-  _block_ready([f.result() for f in outputs.values()])
+def _wait_outputs(futures: list) -> None:
+  jax.block_until_ready([f.result() for f in futures])
 
 
 def _device_put(sharding):

@@ -43,6 +43,9 @@ class Transfer:
 class Program:
   nodes: tuple[Node | Transfer, ...]
   outputs: dict[str, Ref]
+  # Outputs fed (and donated) into the next program, e.g. the train state. The controller never
+  # waits on them: once donated they are gone, and the other outputs mark completion.
+  carried: tuple[str, ...] = ()
 
   def __post_init__(self):
     seen: set[str] = set()

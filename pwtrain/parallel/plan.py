@@ -50,15 +50,18 @@ def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
   return shape
 
 
-def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
-  m, t = config.model, mesh_shape["tensor"]
+def check_model_divisibility(config, mesh_shape: dict[str, int]) -> None:
+  """Model dims split over mesh axes must divide evenly (-1 axes are skipped)."""
+  m, t, f = config.model, mesh_shape["tensor"], mesh_shape["fsdp"]
   for key in ("num_heads", "d_ff", "vocab_size"):
-    if m[key] % t:
+    if t > 0 and m[key] % t:
       raise ValueError(f"parallel.tensor={t} does not divide model.{key}={m[key]}")
-  if m.d_model % mesh_shape["fsdp"]:
-    raise ValueError(
-      f"parallel.fsdp={mesh_shape['fsdp']} does not divide model.d_model={m.d_model}"
-    )
+  if f > 0 and m.d_model % f:
+    raise ValueError(f"parallel.fsdp={f} does not divide model.d_model={m.d_model}")
+
+
+def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
+  check_model_divisibility(config, mesh_shape)
   shards = mesh_shape["data"] * mesh_shape["fsdp"]
   micro = config.train.num_microbatches
   if config.train.global_batch % (shards * micro):
@@ -70,7 +73,14 @@ def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
 
 
 def build(config, cluster: Cluster) -> Plan:
+  if len(cluster) != 1:
+    raise ValueError(
+      f"parallel.islands={len(cluster)}: training on more than one island needs pipeline "
+      "stages or pods, which this version does not support yet; set parallel.islands=1"
+    )
   island = cluster.islands[0]
+  # The model's own divisibility is the clearer error, so it is checked before the mesh fill.
+  check_model_divisibility(config, {a: int(config.parallel[a]) for a in MESH_AXES})
   mesh_shape = resolve_mesh_shape(config.parallel, island.num_devices)
   check_divisibility(config, mesh_shape)
   return Plan(islands=cluster.islands, mesh_shape=mesh_shape)

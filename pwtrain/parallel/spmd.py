@@ -92,8 +92,11 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
       Node("train_step", step_exe, ("state", ("batch_in", 0))),
     ),
     outputs={"state": ("train_step", 0), "metrics": ("train_step", 1)},
+    carried=("state",),
   )
-  init_program = Program(nodes=(Node("init", init_exe, ()),), outputs={"state": ("init", 0)})
+  init_program = Program(
+    nodes=(Node("init", init_exe, ()),), outputs={"state": ("init", 0)}, carried=("state",)
+  )
 
   def init():
     return controller.run(init_program, {})["state"].result()

@@ -1,0 +1,288 @@
+"""Step time through pwtrain's Controller vs a plain `jax.jit` loop, in one run, same devices.
+
+Run (8 simulated CPU devices, all data-parallel; then one device):
+  python experiments/bench_controller.py
+  python experiments/bench_controller.py --devices 1 --out /tmp/bench_controller_1dev.json
+Options: --config=configs/palm_tiny.py, --set parallel.data=8 (any config key, repeatable),
+--steps (per timed block), --warmup, --repeats, --devices (or env PWTRAIN_BENCH_DEVICES).
+
+What it measures. Both sides run the same compiled train step (pwtrain.step's model_fns ->
+loss_and_grads -> accumulate -> apply_update -> train_step, the same in/out shardings, the
+state donated) on the same mesh, over the same pre-generated numpy batches, so data loading is
+excluded:
+  pwtrain: `controller.run(step_program.program, {"state": ..., "batch": ...})` as train.py
+           calls it, the state threaded from step to step as futures;
+  jit:     `state, metrics = step(state, jax.device_put(batch, batch_sharding))` in a Python
+           loop, where `step` is `jax.jit` of the same function.
+Blocks of --steps steps alternate (pwtrain, jit, pwtrain, jit, ...) --repeats times so that
+machine noise hits both alike; a block is timed from its first dispatch to
+`jax.block_until_ready` of its last step's outputs. Reported: the median per-step time of each,
+the ratio jit_time / pwtrain_time (1.0 = no overhead; the target is >= 0.97), the time a
+dispatch call takes to return (median over all calls, and over each block's first call, which
+the controller's `max_inflight` bound never holds back), and the largest difference between
+the two sides' final params (the same steps were run on both, so it should be ~0).
+"""
+
+import argparse
+import os
+import re
+import sys
+
+
+def _device_count(argv) -> int:
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--devices", type=int, default=int(os.environ.get("PWTRAIN_BENCH_DEVICES", 8)))
+  return pre.parse_known_args(argv)[0].devices
+
+
+NUM_DEVICES = _device_count(sys.argv[1:])
+os.environ["XLA_FLAGS"] = (
+  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import ast  # noqa: E402
+import hashlib  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from pwtrain import optim  # noqa: E402
+from pwtrain import step as step_lib  # noqa: E402
+from pwtrain.backend import Controller  # noqa: E402
+from pwtrain.backend import controller as controller_lib  # noqa: E402
+from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain.parallel import sharding as sharding_lib  # noqa: E402
+from pwtrain.parallel import spmd  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override, e.g. parallel.data=8 (repeatable)")  # fmt: skip
+  p.add_argument("--steps", type=int, default=20, help="steps per timed block")
+  p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
+  p.add_argument("--repeats", type=int, default=5, help="timed blocks per side")
+  p.add_argument("--num_batches", type=int, default=8, help="distinct batches, cycled")
+  p.add_argument("--devices", type=int, default=NUM_DEVICES, help="simulated CPU devices")
+  p.add_argument("--out", default="/tmp/bench_controller.json")
+  return p.parse_args(argv)
+
+
+def load_config(path: str, overrides: list[str]):
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set {item!r} must be KEY=VALUE")
+    *sections, name = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    old = node[name]
+    if isinstance(old, bool):
+      value = text.lower() in ("1", "true", "yes")
+    elif isinstance(old, (int, float, str)):
+      value = type(old)(text)
+    else:
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        value = text
+    node[name] = value
+  return config
+
+
+def make_batches(config, num: int, seed: int = 0) -> list[dict]:
+  rng = np.random.default_rng(seed)
+  shape = (config.train.global_batch, config.data.seq_len + 1)
+  out = []
+  for _ in range(num):
+    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
+    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
+  return out
+
+
+def build_plain_jit(config, mesh, tx, schedule):
+  """The same step as spmd.build, as an ordinary jax.jit; returns (step, init, batch_sharding)."""
+  fns = step_lib.model_fns(config.model)
+  init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
+  shardings = spmd.state_shardings(fns, tx, mesh, jax.eval_shape(init_fn))
+  batch_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
+  grad_fn = step_lib.accumulate(
+    step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
+  )
+  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule))
+  step = jax.jit(
+    train_step,
+    in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
+    out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
+    donate_argnums=(0,),
+  )
+  init = jax.jit(init_fn, out_shardings=shardings)
+  return step, init, batch_sharding
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  load_start = os.getloadavg()
+  config = load_config(args.config, args.set)
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
+  mesh = cluster.islands[0].mesh(plan.mesh_shape)
+  tx, schedule = optim.build(config.optim, config.train.num_steps)
+  batches = make_batches(config, args.num_batches)
+  controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
+  step_program = spmd.build(config, plan, controller, tx, schedule)
+  jit_step, jit_init, batch_sharding = build_plain_jit(config, mesh, tx, schedule)
+
+  sides = {
+    "pwtrain": {"state": step_program.init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
+    "jit": {"state": jit_init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
+  }
+
+  def run_pwtrain(n: int, record: bool) -> float:
+    side = sides["pwtrain"]
+    state, dispatch = side["state"], []
+    start = time.perf_counter()
+    for _ in range(n):
+      t = time.perf_counter()
+      out = controller.run(
+        step_program.program, {"state": state, "batch": batches[side["i"] % len(batches)]}
+      )
+      dispatch.append(time.perf_counter() - t)
+      state, side["i"] = out["state"], side["i"] + 1
+    jax.block_until_ready((out["state"].result(), out["metrics"].result()))
+    elapsed = time.perf_counter() - start
+    controller.wait()  # drains the in-flight deque (all done already), outside the timing
+    side["state"] = state
+    if record:
+      side["blocks"].append(elapsed / n)
+      side["dispatch"].extend(dispatch)
+      side["first"].append(dispatch[0])
+    return elapsed
+
+  def run_jit(n: int, record: bool) -> float:
+    side = sides["jit"]
+    state, dispatch = side["state"], []
+    start = time.perf_counter()
+    for _ in range(n):
+      t = time.perf_counter()
+      batch = jax.device_put(batches[side["i"] % len(batches)], batch_sharding)
+      state, metrics = jit_step(state, batch)
+      dispatch.append(time.perf_counter() - t)
+      side["i"] += 1
+    jax.block_until_ready((state, metrics))
+    elapsed = time.perf_counter() - start
+    side["state"] = state
+    if record:
+      side["blocks"].append(elapsed / n)
+      side["dispatch"].extend(dispatch)
+      side["first"].append(dispatch[0])
+    return elapsed
+
+  # The jit step traces on its first call: resolve the model's activation constraints on
+  # `mesh`, as Controller.compile does.
+  with sharding_lib.activate(mesh):
+    t0 = time.perf_counter()
+    run_pwtrain(args.warmup, record=False)
+    run_jit(args.warmup, record=False)
+    print(f"warmup ({args.warmup} steps each, incl. jit compile): {time.perf_counter() - t0:.1f}s")
+    for r in range(args.repeats):
+      a = run_pwtrain(args.steps, record=True)
+      b = run_jit(args.steps, record=True)
+      print(f"repeat {r}: pwtrain {a / args.steps * 1e3:8.2f} ms/step   "
+            f"jit {b / args.steps * 1e3:8.2f} ms/step   ratio {b / a:.3f}")  # fmt: skip
+
+  final = {
+    name: jax.device_get(s["state"].result() if name == "pwtrain" else s["state"])
+    for name, s in sides.items()
+  }
+  controller.close()
+  param_diff = max(
+    float(np.max(np.abs(a - b)))
+    for a, b in zip(
+      jax.tree.leaves(final["pwtrain"]["params"]),
+      jax.tree.leaves(final["jit"]["params"]),
+      strict=True,
+    )
+  )
+
+  ms = lambda xs: statistics.median(xs) * 1e3
+  summary = {name: {"step_ms": ms(s["blocks"]), "min_step_ms": min(s["blocks"]) * 1e3,
+                    "dispatch_ms": ms(s["dispatch"]),
+                    "first_dispatch_ms": ms(s["first"]),
+                    "blocks_step_ms": [x * 1e3 for x in s["blocks"]]}
+             for name, s in sides.items()}  # fmt: skip
+  pw, jt = summary["pwtrain"], summary["jit"]
+  ratio = jt["step_ms"] / pw["step_ms"]
+  paired = statistics.median(
+    b / a for a, b in zip(sides["pwtrain"]["blocks"], sides["jit"]["blocks"], strict=True)
+  )
+  print()
+  print(f"devices={len(jax.devices())} ({jax.devices()[0].platform}) mesh={plan.mesh_shape} "
+        f"batch={config.train.global_batch}x{config.data.seq_len} "
+        f"max_inflight={config.backend.max_inflight_steps} "
+        f"steps={args.steps} x repeats={args.repeats}")  # fmt: skip
+  print(f"{'':10}{'step ms median':>16}{'min':>10}{'dispatch ms':>14}{'1st dispatch ms':>17}")
+  for name in ("pwtrain", "jit"):
+    s = summary[name]
+    print(f"{name:10}{s['step_ms']:16.2f}{s['min_step_ms']:10.2f}{s['dispatch_ms']:14.3f}"
+          f"{s['first_dispatch_ms']:17.3f}")  # fmt: skip
+  target = "OK" if ratio >= 0.97 else "BELOW TARGET 0.97"
+  print(f"ratio jit/pwtrain: {ratio:.3f} (median of paired blocks {paired:.3f})  {target}")
+  load = os.getloadavg()
+  if load[0] > (os.cpu_count() or 1):
+    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
+  print(f"max |params_pwtrain - params_jit| after identical steps: {param_diff:.3g}")
+
+  result = {
+    "config": args.config,
+    "overrides": args.set,
+    "devices": len(jax.devices()),
+    "platform": jax.devices()[0].platform,
+    "cpu_count": os.cpu_count(),
+    "host": platform.node(),
+    "loadavg_start": load_start,
+    "loadavg_end": load,
+    "jax": jax.__version__,
+    # Which controller was measured (pwtrain/backend is being edited).
+    "controller_sha256": hashlib.sha256(
+      pathlib.Path(controller_lib.__file__).read_bytes()
+    ).hexdigest()[:12],
+    "mesh_shape": plan.mesh_shape,
+    "global_batch": config.train.global_batch,
+    "seq_len": config.data.seq_len,
+    "max_inflight": config.backend.max_inflight_steps,
+    "steps": args.steps,
+    "warmup": args.warmup,
+    "repeats": args.repeats,
+    "pwtrain": pw,
+    "jit": jt,
+    "ratio_jit_over_pwtrain": ratio,
+    "ratio_paired_median": paired,
+    "target_met": ratio >= 0.97,
+    "max_param_diff": param_diff,
+  }
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.out}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

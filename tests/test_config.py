@@ -1,0 +1,115 @@
+"""Bad configs fail early with a ValueError naming the key, the value and what is valid."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import REPO, load_config, tiny_test_config
+
+from pwtrain import config as config_lib
+from pwtrain.parallel import plan as plan_lib
+
+
+@pytest.mark.parametrize("name", ["palm_tiny", "palm_8b", "palm_62b", "palm_540b"])
+def test_shipped_configs_validate(name):
+  config = load_config(name)
+  config_lib.validate(config)
+  assert config.is_locked
+  assert "python -m pwtrain.main" in (REPO / "configs" / f"{name}.py").read_text()
+
+
+@pytest.mark.parametrize(
+  "name,layers,heads,d_model,billions",
+  [
+    ("palm_8b", 32, 16, 4096, 8.6),
+    ("palm_62b", 64, 32, 8192, 62.5),
+    ("palm_540b", 118, 48, 18432, 540.35),
+  ],
+)
+def test_paper_shapes(name, layers, heads, d_model, billions):
+  m = load_config(name).model
+  assert (m.num_layers, m.num_heads, m.d_model, m.d_ff) == (layers, heads, d_model, 4 * d_model)
+  assert m.vocab_size == 256_000 and load_config(name).data.seq_len == 2048
+  # PaLM Table 1 / section 2 parameter counts, within 1%.
+  assert abs(plan_lib.param_count(load_config(name)) / 1e9 - billions) / billions < 0.01
+
+
+def plan(**overrides):
+  config = tiny_test_config(**overrides)
+  config_lib.validate(config)
+  return plan_lib.build(config, plan_lib.make_cluster(config))
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"parallel.data": 3}, "parallel.data * parallel.fsdp * parallel.tensor = 3 * 1 * 1 = 3"),
+    ({"parallel.data": -1, "parallel.fsdp": 16}, "parallel.data=-1 cannot be filled"),
+    ({"parallel.data": -1, "parallel.fsdp": -1}, "only one of parallel."),
+    (
+      {"parallel.data": 1, "parallel.tensor": 8, "model.num_heads": 4, "model.num_kv_heads": 1},
+      "parallel.tensor=8 does not divide model.num_heads=4",
+    ),
+    (
+      {"parallel.data": 1, "parallel.fsdp": 8, "model.d_model": 60},
+      "parallel.fsdp=8 does not divide model.d_model=60",
+    ),
+    ({"train.global_batch": 12}, "train.global_batch=12 must be divisible by"),
+    (
+      {"parallel.data": 4, "parallel.tensor": 2, "train.num_microbatches": 8},
+      "parallel.data * parallel.fsdp * train.num_microbatches = 4 * 8 = 32",
+    ),
+    ({"parallel.islands": 3}, "parallel.islands=3"),
+    ({"parallel.islands": 0}, "parallel.islands=0 must be >= 1"),
+    ({"parallel.islands": 2, "parallel.devices_per_island": 8}, "needs 16 devices"),
+    ({"parallel.fsdp": 0}, "parallel.fsdp=0 must be a positive size or -1"),
+  ],
+)
+def test_bad_parallel_layout(overrides, message):
+  assert len(jax.devices()) == 8
+  with pytest.raises(ValueError, match=".*".join(map(__import__("re").escape, [message]))):
+    plan(**overrides)
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"model.num_kv_heads": 3}, "model.num_kv_heads=3 must divide model.num_heads=8"),
+    ({"model.head_dim": 7}, "model.head_dim=7 must be even"),
+    ({"model.num_layers": 0}, "model.num_layers=0 must be a positive integer"),
+    ({"model.dtype": "float64"}, "model.dtype='float64' is not supported; valid: float32"),
+    ({"optim.name": "lamb"}, "optim.name='lamb' is not an optimizer; valid: adafactor, adamw"),
+    ({"data.tokenizer": "wordpiece"}, "data.tokenizer='wordpiece' is not a tokenizer; valid: byte"),
+    ({"backend.mode": "cloud"}, "backend.mode='cloud' is not a backend"),
+    ({"train.num_microbatches": 3}, "train.num_microbatches=3 does not divide train.global_batch"),
+  ],
+)
+def test_bad_values(overrides, message):
+  import re
+
+  with pytest.raises(ValueError, match=re.escape(message)):
+    config_lib.validate(tiny_test_config(**overrides))
+
+
+def run_main(*args):
+  return subprocess.run(
+    [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+
+
+def test_unknown_key_on_the_command_line_is_refused(tmp_path):
+  result = run_main(f"--workdir={tmp_path}", "--config.train.num_stepz=5")
+  assert result.returncode != 0
+  assert "num_stepz" in result.stderr
+  assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_bad_value_on_the_command_line_names_the_key(tmp_path):
+  result = run_main(f"--workdir={tmp_path}", "--config.parallel.tensor=3")
+  assert result.returncode != 0
+  assert "parallel.tensor=3 does not divide model.num_heads=8" in result.stderr
