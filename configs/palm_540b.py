@@ -1,4 +1,4 @@
-"""PaLM 540b (Chowdhery et al., 2022, Table 1): 118 layers, 48 heads, d_model 18432, 540.35B parameters.
+"""PaLM 540b (Chowdhery et al., 2022, Table 1): 118 layers, 48 heads, d_model 18432, 540.35B params.
 
 Run (needs an accelerator cluster; here it only loads, validates and plans):
   python -m pwtrain.main --config=configs/palm_540b.py --workdir=/tmp/palm_540b

@@ -44,7 +44,7 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict()
   c.train.global_batch = 16
   c.train.num_steps = 300
-  c.train.num_microbatches = 1
+  c.train.num_microbatches = 1  # gradient accumulation, or pipeline microbatches
   c.train.log_every = 10
   c.train.checkpoint_every = 100
   c.train.keep_checkpoints = 3
@@ -69,6 +69,11 @@ def get_config(arg=None):
   c.parallel.data = -1  # -1: whatever is left of the island after fsdp and tensor
   c.parallel.fsdp = 1
   c.parallel.tensor = 1
+  c.parallel.stages = 1  # pipeline stages, one island each (parallel.islands must match)
+  c.parallel.schedule = "1f1b"  # "gpipe" or "1f1b"; microbatches: train.num_microbatches
+  # Layer index where each stage starts, plus num_layers at the end, e.g. (0, 1, 3, 4);
+  # None: the planner balances stages by FLOPs (embedding/head counted to their stages).
+  c.parallel.stage_boundaries = ml_collections.config_dict.placeholder(tuple)
 
   c.backend = ml_collections.ConfigDict()
   c.backend.mode = "embedded"

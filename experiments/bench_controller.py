@@ -10,17 +10,20 @@ What it measures. Both sides run the same compiled train step (pwtrain.step's mo
 loss_and_grads -> accumulate -> apply_update -> train_step, the same in/out shardings, the
 state donated) on the same mesh, over the same pre-generated numpy batches, so data loading is
 excluded:
-  pwtrain: `controller.run(step_program.program, {"state": ..., "batch": ...})` as train.py
-           calls it, the state threaded from step to step as futures;
-  jit:     `state, metrics = step(state, jax.device_put(batch, batch_sharding))` in a Python
-           loop, where `step` is `jax.jit` of the same function.
+  pwtrain: `controller.run(step_program.program, {**state, **step_program.feed(batch)})` as
+           train.py calls it, the state threaded from step to step as futures;
+  jit:     `state, metrics = step(state, batch)` in a Python loop, where `step` is `jax.jit` of
+           the same function with in_shardings, so jit moves the numpy batch to the devices
+           (--jit_device_put: `jax.device_put(batch, batch_sharding)` first, as the controller's
+           transfer node does; slower on GPU).
 Blocks of --steps steps alternate (pwtrain, jit, pwtrain, jit, ...) --repeats times so that
 machine noise hits both alike; a block is timed from its first dispatch to
 `jax.block_until_ready` of its last step's outputs. Reported: the median per-step time of each,
 the ratio jit_time / pwtrain_time (1.0 = no overhead; the target is >= 0.97), the time a
 dispatch call takes to return (median over all calls, and over each block's first call, which
 the controller's `max_inflight` bound never holds back), and the largest difference between
-the two sides' final params (the same steps were run on both, so it should be ~0).
+the two sides' first-step losses and final params (the same steps from the same init ran on
+both: 0 on CPU; on GPU, non-deterministic reductions make the params drift apart over steps).
 """
 
 import argparse
@@ -45,6 +48,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import ast  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
@@ -69,13 +73,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="config override, e.g. parallel.data=8 (repeatable)")  # fmt: skip
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="config override, e.g. parallel.data=8 (repeatable)",
+  )
   p.add_argument("--steps", type=int, default=20, help="steps per timed block")
   p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
   p.add_argument("--repeats", type=int, default=5, help="timed blocks per side")
   p.add_argument("--num_batches", type=int, default=8, help="distinct batches, cycled")
   p.add_argument("--devices", type=int, default=NUM_DEVICES, help="simulated CPU devices")
+  p.add_argument(
+    "--jit_device_put",
+    action="store_true",
+    help="jit side: device_put each batch first instead of passing numpy to jit",
+  )
   p.add_argument("--out", default="/tmp/bench_controller.json")
   return p.parse_args(argv)
 
@@ -126,7 +140,11 @@ def build_plain_jit(config, mesh, tx, schedule):
   grad_fn = step_lib.accumulate(
     step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
   )
-  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule))
+  # Global-norm clipping moved from the optimizer into apply_update; accept either signature.
+  clip = {}
+  if "clip_norm" in inspect.signature(step_lib.apply_update).parameters:
+    clip = {"clip_norm": config.optim.clip_norm}
+  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule, **clip))
   step = jax.jit(
     train_step,
     in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
@@ -150,8 +168,16 @@ def main(argv=None):
   step_program = spmd.build(config, plan, controller, tx, schedule)
   jit_step, jit_init, batch_sharding = build_plain_jit(config, mesh, tx, schedule)
 
+  # StepProgram's state is a dict of futures under `state_keys`, fed with `feed(batch)`; older
+  # versions took and returned the bare state under "state".
+  state_keys = getattr(step_program, "state_keys", ("state",))
+  feed = getattr(step_program, "feed", lambda batch: {"batch": batch})
+  pw_state = step_program.init()
+  if set(pw_state) != set(state_keys):
+    pw_state = {"state": pw_state}
+
   sides = {
-    "pwtrain": {"state": step_program.init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
+    "pwtrain": {"state": pw_state, "i": 0, "blocks": [], "dispatch": [], "first": []},
     "jit": {"state": jit_init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
   }
 
@@ -161,12 +187,13 @@ def main(argv=None):
     start = time.perf_counter()
     for _ in range(n):
       t = time.perf_counter()
-      out = controller.run(
-        step_program.program, {"state": state, "batch": batches[side["i"] % len(batches)]}
-      )
+      inputs = {**state, **feed(batches[side["i"] % len(batches)])}
+      out = controller.run(step_program.program, inputs)
       dispatch.append(time.perf_counter() - t)
-      state, side["i"] = out["state"], side["i"] + 1
-    jax.block_until_ready((out["state"].result(), out["metrics"].result()))
+      if side["i"] == 0:
+        side["first_metrics"] = out["metrics"]
+      state, side["i"] = {k: out[k] for k in state_keys}, side["i"] + 1
+    jax.block_until_ready([f.result() for f in out.values()])
     elapsed = time.perf_counter() - start
     controller.wait()  # drains the in-flight deque (all done already), outside the timing
     side["state"] = state
@@ -182,9 +209,13 @@ def main(argv=None):
     start = time.perf_counter()
     for _ in range(n):
       t = time.perf_counter()
-      batch = jax.device_put(batches[side["i"] % len(batches)], batch_sharding)
+      batch = batches[side["i"] % len(batches)]
+      if args.jit_device_put:
+        batch = jax.device_put(batch, batch_sharding)
       state, metrics = jit_step(state, batch)
       dispatch.append(time.perf_counter() - t)
+      if side["i"] == 0:
+        side["first_metrics"] = metrics
       side["i"] += 1
     jax.block_until_ready((state, metrics))
     elapsed = time.perf_counter() - start
@@ -205,13 +236,22 @@ def main(argv=None):
     for r in range(args.repeats):
       a = run_pwtrain(args.steps, record=True)
       b = run_jit(args.steps, record=True)
-      print(f"repeat {r}: pwtrain {a / args.steps * 1e3:8.2f} ms/step   "
-            f"jit {b / args.steps * 1e3:8.2f} ms/step   ratio {b / a:.3f}")  # fmt: skip
+      print(
+        f"repeat {r}: pwtrain {a / args.steps * 1e3:8.2f} ms/step   "
+        f"jit {b / args.steps * 1e3:8.2f} ms/step   ratio {b / a:.3f}"
+      )
 
+  pw_final = {k: f.result() for k, f in sides["pwtrain"]["state"].items()}
+  to_checkpoint = getattr(step_program, "to_checkpoint", lambda state: state["state"])
   final = {
-    name: jax.device_get(s["state"].result() if name == "pwtrain" else s["state"])
-    for name, s in sides.items()
+    "pwtrain": jax.device_get(to_checkpoint(pw_final)),
+    "jit": jax.device_get(sides["jit"]["state"]),
   }
+  first = {
+    "pwtrain": jax.device_get(sides["pwtrain"]["first_metrics"].result()),
+    "jit": jax.device_get(sides["jit"]["first_metrics"]),
+  }
+  first_loss_diff = abs(float(first["pwtrain"]["loss"]) - float(first["jit"]["loss"]))
   controller.close()
   param_diff = max(
     float(np.max(np.abs(a - b)))
@@ -223,31 +263,44 @@ def main(argv=None):
   )
 
   ms = lambda xs: statistics.median(xs) * 1e3
-  summary = {name: {"step_ms": ms(s["blocks"]), "min_step_ms": min(s["blocks"]) * 1e3,
-                    "dispatch_ms": ms(s["dispatch"]),
-                    "first_dispatch_ms": ms(s["first"]),
-                    "blocks_step_ms": [x * 1e3 for x in s["blocks"]]}
-             for name, s in sides.items()}  # fmt: skip
+  summary = {
+    name: {
+      "step_ms": ms(s["blocks"]),
+      "min_step_ms": min(s["blocks"]) * 1e3,
+      "dispatch_ms": ms(s["dispatch"]),
+      "first_dispatch_ms": ms(s["first"]),
+      "blocks_step_ms": [x * 1e3 for x in s["blocks"]],
+    }
+    for name, s in sides.items()
+  }
   pw, jt = summary["pwtrain"], summary["jit"]
   ratio = jt["step_ms"] / pw["step_ms"]
   paired = statistics.median(
     b / a for a, b in zip(sides["pwtrain"]["blocks"], sides["jit"]["blocks"], strict=True)
   )
   print()
-  print(f"devices={len(jax.devices())} ({jax.devices()[0].platform}) mesh={plan.mesh_shape} "
-        f"batch={config.train.global_batch}x{config.data.seq_len} "
-        f"max_inflight={config.backend.max_inflight_steps} "
-        f"steps={args.steps} x repeats={args.repeats}")  # fmt: skip
+  print(
+    f"devices={len(jax.devices())} ({jax.devices()[0].platform}) mesh={plan.mesh_shape} "
+    f"batch={config.train.global_batch}x{config.data.seq_len} "
+    f"max_inflight={config.backend.max_inflight_steps} "
+    f"steps={args.steps} x repeats={args.repeats}"
+  )
   print(f"{'':10}{'step ms median':>16}{'min':>10}{'dispatch ms':>14}{'1st dispatch ms':>17}")
   for name in ("pwtrain", "jit"):
     s = summary[name]
-    print(f"{name:10}{s['step_ms']:16.2f}{s['min_step_ms']:10.2f}{s['dispatch_ms']:14.3f}"
-          f"{s['first_dispatch_ms']:17.3f}")  # fmt: skip
+    print(
+      f"{name:10}{s['step_ms']:16.2f}{s['min_step_ms']:10.2f}{s['dispatch_ms']:14.3f}"
+      f"{s['first_dispatch_ms']:17.3f}"
+    )
   target = "OK" if ratio >= 0.97 else "BELOW TARGET 0.97"
   print(f"ratio jit/pwtrain: {ratio:.3f} (median of paired blocks {paired:.3f})  {target}")
   load = os.getloadavg()
   if load[0] > (os.cpu_count() or 1):
     print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
+  print(
+    f"first-step loss: pwtrain {float(first['pwtrain']['loss']):.6f}, "
+    f"jit {float(first['jit']['loss']):.6f} (|diff| {first_loss_diff:.3g})"
+  )
   print(f"max |params_pwtrain - params_jit| after identical steps: {param_diff:.3g}")
 
   result = {
@@ -268,6 +321,7 @@ def main(argv=None):
     "global_batch": config.train.global_batch,
     "seq_len": config.data.seq_len,
     "max_inflight": config.backend.max_inflight_steps,
+    "jit_device_put": args.jit_device_put,
     "steps": args.steps,
     "warmup": args.warmup,
     "repeats": args.repeats,
@@ -276,6 +330,7 @@ def main(argv=None):
     "ratio_jit_over_pwtrain": ratio,
     "ratio_paired_median": paired,
     "target_met": ratio >= 0.97,
+    "first_step_loss_diff": first_loss_diff,
     "max_param_diff": param_diff,
   }
   with open(args.out, "w") as f:

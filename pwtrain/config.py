@@ -5,6 +5,7 @@ from pwtrain import optim
 TOKENIZERS = ("byte", "sentencepiece")
 BACKENDS = ("embedded",)
 DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _positive(config, *keys):
@@ -54,6 +55,11 @@ def validate(config) -> None:
   if config.backend.mode not in BACKENDS:
     raise ValueError(
       f"backend.mode={config.backend.mode!r} is not a backend; valid: {', '.join(BACKENDS)}"
+    )
+  if config.parallel.schedule not in SCHEDULES:
+    raise ValueError(
+      f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
+      f"{', '.join(SCHEDULES)}"
     )
   if config.train.global_batch % config.train.num_microbatches:
     raise ValueError(

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from pwtrain import optim
 from pwtrain.models import PaLM, lm_loss
 from pwtrain.parallel.sharding import constrain
 
@@ -33,8 +34,9 @@ class ModelFns:
     return nnx.merge(self.graphdef, params)
 
 
-def model_fns(model_cfg) -> ModelFns:
-  abstract = nnx.eval_shape(lambda: PaLM(model_cfg, rngs=nnx.Rngs(0)))
+def model_fns(model_cfg, **stage) -> ModelFns:
+  """The whole model, or with `stage` (num_layers, has_embed, has_head) one pipeline stage."""
+  abstract = nnx.eval_shape(lambda: PaLM(model_cfg, rngs=nnx.Rngs(0), **stage))
   graphdef, state = nnx.split(abstract)
   axes = jax.tree.map(
     lambda v: tuple(v.get_metadata()["axes"]),
@@ -98,12 +100,24 @@ def accumulate(grad_fn: Callable, num_microbatches: int) -> Callable:
   return fn
 
 
-def apply_update(tx: optax.GradientTransformation, schedule) -> Callable:
-  """(state, summed grads, summed stats) -> (new state, metrics): normalise by tokens, step."""
+def sum_of_squares(tree) -> jax.Array:
+  return sum((jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
-  def fn(state, grads, stats):
+
+def apply_update(tx: optax.GradientTransformation, schedule, clip_norm: float) -> Callable:
+  """(state, summed grads, summed stats[, sumsq]) -> (new state, metrics).
+
+  Normalises the summed gradients by the token count, clips them to global norm `clip_norm`
+  and steps the optimizer. `sumsq` is the squared norm of the summed gradients of the whole
+  model; it defaults to that of `grads`, and is passed in when `grads` is one stage's share.
+  """
+
+  def fn(state, grads, stats, sumsq=None):
     tokens = jnp.maximum(stats["tokens"], 1.0)
+    sumsq = sum_of_squares(grads) if sumsq is None else sumsq
+    grad_norm = jnp.sqrt(sumsq) / tokens
     grads = jax.tree.map(lambda g: g / tokens, grads)
+    grads = optim.clip_by_global_norm(grads, grad_norm, clip_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {
@@ -111,7 +125,7 @@ def apply_update(tx: optax.GradientTransformation, schedule) -> Callable:
       "ce_loss": stats["ce_sum"] / tokens,
       "z_loss": stats["z_sum"] / tokens,
       "tokens": stats["tokens"],
-      "grad_norm": optax.global_norm(grads),
+      "grad_norm": grad_norm,
       "lr": schedule(state["step"]),
     }
     new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}

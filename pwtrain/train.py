@@ -12,15 +12,15 @@ from pwtrain.backend import Controller, Trace
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_train_batches
 from pwtrain.metrics import MetricsLogger, peak_flops
+from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
-from pwtrain.parallel import spmd
 from pwtrain.preemption import StopRequest
 
 
 @dataclasses.dataclass
 class RunResult:
   history: list[dict]  # one row per step run in this call: loss, ce_loss, grad_norm, lr, ...
-  state: dict  # final train state (device arrays)
+  state: dict  # final whole-model train state (device arrays), as checkpointed
   start_step: int
   final_step: int
 
@@ -35,7 +35,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   trace = Trace() if config.backend.trace else None
   controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, trace=trace)
   tx, schedule = optim.build(config.optim, config.train.num_steps)
-  step_program = spmd.build(config, plan, controller, tx, schedule)
+  step_program = build_step_program(config, plan, controller, tx, schedule)
 
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
@@ -60,15 +60,16 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   try:
     with StopRequest() as stop:
       while step < num_steps:
-        out = controller.run(step_program.program, {"state": state, "batch": next(batches)})
-        state, step = out["state"], step + 1
+        inputs = {**state, **step_program.feed(next(batches))}
+        out = controller.run(step_program.program, inputs)
+        state, step = {k: out[k] for k in step_program.state_keys}, step + 1
         logger.record(step, out["metrics"])
         if ckpt.should_save(step, num_steps) or stop.requested:
-          ckpt.save(step, state.result(), batches.get_state())
+          ckpt.save(step, step_program.to_checkpoint(_results(state)), batches.get_state())
         if stop.requested:
           logging.warning("stop requested: checkpointed step %d and stopping", step)
           break
-    state = state.result() if hasattr(state, "result") else state
+    state = step_program.to_checkpoint(_results(state))
   finally:
     logger.close()
     ckpt.wait()
@@ -109,4 +110,8 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
     ) from e
   batches.set_state(data_state)
   logging.info("resumed from step %d", latest)
-  return state, int(jax.device_get(state["step"]))
+  return step_program.from_checkpoint(state), int(jax.device_get(state["step"]))
+
+
+def _results(state: dict) -> dict:
+  return {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}

@@ -66,22 +66,22 @@ def run_steps(config, batches, devices=None):
 
   from pwtrain import optim
   from pwtrain.backend import Controller
+  from pwtrain.parallel import build_step_program
   from pwtrain.parallel import plan as plan_lib
-  from pwtrain.parallel import spmd
 
   cluster = plan_lib.make_cluster(config, devices=devices)
   plan = plan_lib.build(config, cluster)
   tx, schedule = optim.build(config.optim, config.train.num_steps)
   with Controller(cluster) as controller:
-    program = spmd.build(config, plan, controller, tx, schedule)
+    program = build_step_program(config, plan, controller, tx, schedule)
     state = program.init()
     metrics = []
     for batch in batches:
-      out = controller.run(program.program, {"state": state, "batch": batch})
-      state = out["state"]
+      out = controller.run(program.program, {**state, **program.feed(batch)})
+      state = {k: out[k] for k in program.state_keys}
       metrics.append(out["metrics"])
     metrics = jax.device_get([m.result() for m in metrics])
-    state = jax.device_get(state.result())
+    state = jax.device_get(program.to_checkpoint({k: v.result() for k, v in state.items()}))
   return metrics, state
 
 

@@ -15,19 +15,38 @@ from pwtrain.parallel.sharding import constrain
 
 
 class PaLM(nnx.Module):
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  """The decoder, or one pipeline stage of it.
+
+  A stage has `num_layers` blocks (numbered from 0 within the stage), the embedding lookup if it
+  is the first (`has_embed`) and the final norm plus output layer if it is the last
+  (`has_head`); both ends hold the shared embedding matrix.
+  """
+
+  def __init__(
+    self,
+    cfg,
+    *,
+    rngs: nnx.Rngs,
+    num_layers: int | None = None,
+    has_embed: bool = True,
+    has_head: bool = True,
+  ):
     param_dtype = jnp.dtype(cfg.param_dtype)
     self.dtype = jnp.dtype(cfg.dtype)
     self.d_model = cfg.d_model
-    # PaLM: E ~ N(0, 1); the embedding is not followed by a norm, so unit scale is kept.
-    init = nnx.initializers.normal(1.0)
-    self.embedding = nnx.Param(
-      init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
-    )
+    self.has_embed, self.has_head = has_embed, has_head
+    if has_embed or has_head:
+      # PaLM: E ~ N(0, 1); the embedding is not followed by a norm, so unit scale is kept.
+      init = nnx.initializers.normal(1.0)
+      self.embedding = nnx.Param(
+        init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
+      )
+    num_layers = cfg.num_layers if num_layers is None else num_layers
     self.blocks = nnx.List(
-      [ParallelBlock(cfg, rngs=rngs, param_dtype=param_dtype) for _ in range(cfg.num_layers)]
+      [ParallelBlock(cfg, rngs=rngs, param_dtype=param_dtype) for _ in range(num_layers)]
     )
-    self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+    if has_head:
+      self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
 
   def embed(self, tokens):
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
@@ -45,8 +64,12 @@ class PaLM(nnx.Module):
     logits = logits.astype(jnp.float32) * (self.d_model**-0.5)
     return constrain(logits, ("batch", "length", "vocab"))
 
-  def __call__(self, tokens):
-    return self.head(self.run_blocks(self.embed(tokens)))
+  def __call__(self, x):
+    """Tokens -> logits for the whole model; a stage maps its input to its output."""
+    if self.has_embed:
+      x = self.embed(x)
+    x = self.run_blocks(x)
+    return self.head(x) if self.has_head else x
 
 
 def lm_loss(logits, targets, *, pad_id: int = 0, z_loss: float = 1e-4):

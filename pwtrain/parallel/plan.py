@@ -11,6 +11,7 @@ import numpy as np
 
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.parallel.sharding import MESH_AXES
+from pwtrain.parallel.stages import make_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,21 @@ def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
 
 
 def build(config, cluster: Cluster) -> Plan:
-  if len(cluster) != 1:
+  stages = config.parallel.stages
+  if stages < 1:
+    raise ValueError(f"parallel.stages={stages} must be >= 1")
+  if len(cluster) != stages:
     raise ValueError(
-      f"parallel.islands={len(cluster)}: training on more than one island needs pipeline "
-      "stages or pods, which this version does not support yet; set parallel.islands=1"
+      f"parallel.islands={len(cluster)} must equal parallel.stages={stages}: each pipeline "
+      "stage runs on its own island (pods are not supported yet)"
     )
+  if stages > config.model.num_layers:
+    raise ValueError(
+      f"parallel.stages={stages} exceeds model.num_layers={config.model.num_layers}: every "
+      "stage needs at least one layer"
+    )
+  if stages > 1:
+    make_stages(config)  # checks parallel.stage_boundaries
   island = cluster.islands[0]
   # The model's own divisibility is the clearer error, so it is checked before the mesh fill.
   check_model_divisibility(config, {a: int(config.parallel[a]) for a in MESH_AXES})

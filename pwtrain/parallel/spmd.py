@@ -18,12 +18,27 @@ from pwtrain.parallel import sharding as sharding_lib
 
 @dataclasses.dataclass
 class StepProgram:
-  """What the trainer needs from any parallel layout."""
+  """What the trainer needs from any parallel layout.
 
-  program: Program  # inputs: "state", "batch" (host numpy); outputs: "state", "metrics"
-  abstract_state: dict  # ShapeDtypeStructs carrying the shardings (restore target)
-  init: object  # () -> state, run on the controller
+  The program's inputs are the state futures (under `state_keys`) plus `feed(batch)`; its
+  outputs are the next state futures (same keys) and "metrics". Checkpoints always hold the
+  whole-model state, so any layout restores any other's checkpoint.
+  """
+
+  program: Program
+  abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings (restore target)
+  init: object  # () -> {state key: state}, run on the controller
   executables: dict
+  state_keys: tuple = ("state",)
+
+  def feed(self, batch: dict) -> dict:
+    return {"batch": batch}
+
+  def to_checkpoint(self, state: dict) -> dict:
+    return state["state"]
+
+  def from_checkpoint(self, whole: dict) -> dict:
+    return {"state": whole}
 
 
 def state_shardings(fns, tx, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES):
@@ -71,7 +86,9 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   grad_fn = step_lib.accumulate(
     step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
   )
-  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule))
+  train_step = step_lib.train_step(
+    grad_fn, step_lib.apply_update(tx, schedule, config.optim.clip_norm)
+  )
   replicated = NamedSharding(mesh, PartitionSpec())
 
   init_exe = controller.compile(
@@ -99,6 +116,6 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   )
 
   def init():
-    return controller.run(init_program, {})["state"].result()
+    return {"state": controller.run(init_program, {})["state"].result()}
 
   return StepProgram(program, abstract_state, init, {"init": init_exe, "train_step": step_exe})
