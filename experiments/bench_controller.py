@@ -80,9 +80,9 @@ def parse_args(argv=None):
     metavar="KEY=VALUE",
     help="config override, e.g. parallel.data=8 (repeatable)",
   )
-  p.add_argument("--steps", type=int, default=20, help="steps per timed block")
-  p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
-  p.add_argument("--repeats", type=int, default=5, help="timed blocks per side")
+  p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
+  p.add_argument("--repeats", type=int, default=6, help="timed blocks per side")
   p.add_argument("--num_batches", type=int, default=8, help="distinct batches, cycled")
   p.add_argument("--devices", type=int, default=NUM_DEVICES, help="simulated CPU devices")
   p.add_argument(

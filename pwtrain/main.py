@@ -3,10 +3,20 @@
 Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`.
 """
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+import os
 
-from pwtrain import train
+# On a CPU-only machine, simulate 8 devices so that islands, meshes and pipelines have devices
+# to use (ignored by GPU/TPU backends). Must happen before JAX initialises; XLA_FLAGS set by the
+# user take precedence.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from pwtrain import train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True

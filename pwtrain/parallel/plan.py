@@ -108,8 +108,9 @@ def make_cluster(config, devices=None) -> Cluster:
     raise ValueError(f"parallel.islands={n} must be >= 1")
   if per < 1 or n * per > len(devices):
     raise ValueError(
-      f"parallel.islands={n} x parallel.devices_per_island={per} needs {n * per} devices; "
-      f"this machine has {len(devices)}"
+      f"parallel.islands={n} x parallel.devices_per_island={max(per, 1)} needs "
+      f"{n * max(per, 1)} devices; this machine has {len(devices)} (on CPU, simulate more with "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
     )
   return Cluster.local([per] * n, devices=devices)
 
