@@ -75,9 +75,16 @@ def get_config(arg=None):
   # None: the planner balances stages by FLOPs (embedding/head counted to their stages).
   c.parallel.stage_boundaries = ml_collections.config_dict.placeholder(tuple)
 
+  c.parallel.pods = 1  # data-parallel replicas on separate islands (islands = pods * stages)
+
+  c.exchange = ml_collections.ConfigDict()  # how pods share gradients (parallel.pods > 1)
+  c.exchange.mode = "sync"  # "sync" (PaLM) or "overlapped" (per-bucket, during backward)
+  c.exchange.compression = "none"  # "none", "bf16" or "int8" (one scale per row)
+  c.exchange.buckets = 4  # overlapped, one stage: chunks of layers whose grads go separately
+
   c.backend = ml_collections.ConfigDict()
   c.backend.mode = "embedded"
-  c.backend.max_inflight_steps = 2  # how far the controller may run ahead of results
+  c.backend.max_inflight_steps = 1  # unfinished steps allowed when enqueueing the next (0: sync)
   c.backend.trace = False  # write <workdir>/trace.json (Chrome/Perfetto)
 
   c.lock()

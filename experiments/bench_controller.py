@@ -23,7 +23,8 @@ the ratio jit_time / pwtrain_time (1.0 = no overhead; the target is >= 0.97), th
 dispatch call takes to return (median over all calls, and over each block's first call, which
 the controller's `max_inflight` bound never holds back), and the largest difference between
 the two sides' first-step losses and final params (the same steps from the same init ran on
-both: 0 on CPU; on GPU, non-deterministic reductions make the params drift apart over steps).
+both: 0 on CPU, and on GPU with XLA_FLAGS=--xla_gpu_deterministic_ops=true; without it GPU
+reductions are non-deterministic and the params drift apart over the steps).
 """
 
 import argparse
@@ -91,7 +92,10 @@ def parse_args(argv=None):
     help="jit side: device_put each batch first instead of passing numpy to jit",
   )
   p.add_argument("--out", default="/tmp/bench_controller.json")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if min(args.steps, args.warmup, args.repeats, args.num_batches) < 1:
+    p.error("--steps, --warmup, --repeats and --num_batches must be >= 1")
+  return args
 
 
 def load_config(path: str, overrides: list[str]):

@@ -1,6 +1,7 @@
 """Config checks that need no devices: each error names the key, the value and what is valid."""
 
 from pwtrain import optim
+from pwtrain.parallel import exchange
 
 TOKENIZERS = ("byte", "sentencepiece")
 BACKENDS = ("embedded",)
@@ -61,6 +62,13 @@ def validate(config) -> None:
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
       f"{', '.join(SCHEDULES)}"
     )
+  for key, valid in (("mode", exchange.MODES), ("compression", exchange.COMPRESSIONS)):
+    if config.exchange[key] not in valid:
+      raise ValueError(
+        f"exchange.{key}={config.exchange[key]!r} is not supported; valid: {', '.join(valid)}"
+      )
+  if config.exchange.buckets < 1:
+    raise ValueError(f"exchange.buckets={config.exchange.buckets} must be >= 1")
   if config.train.global_batch % config.train.num_microbatches:
     raise ValueError(
       f"train.num_microbatches={config.train.num_microbatches} does not divide "

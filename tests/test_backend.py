@@ -144,5 +144,8 @@ def test_max_inflight_bounds_run_ahead():
     program = Program((Node("heavy", exe, ("x",)),), {"y": ("heavy", 0)})
     first = controller.run(program, {"x": np.eye(512, dtype=np.float32)})
     controller.run(program, {"x": np.eye(512, dtype=np.float32)})
-    # The second run waited for the first program's results before enqueueing.
+    controller.run(program, {"x": np.eye(512, dtype=np.float32)})
+    # The third run waited for the first program's results before enqueueing.
     assert first["y"].result().is_ready()
+  with pytest.raises(ValueError, match="backend.max_inflight_steps=-1 must be >= 0"):
+    Controller(cluster, max_inflight=-1)

@@ -97,7 +97,7 @@ def test_balanced_boundaries():
     (pipe(2, "1f1b", 2, **{"parallel.stage_boundaries": (0, 4, 4)}), "parallel.stage_boundaries="),
     (
       pipe(2, "1f1b", 2, **{"parallel.islands": 4}),
-      "parallel.islands=4 must equal parallel.stages=2",
+      "parallel.islands=4 must equal parallel.pods * parallel.stages = 1 * 2 = 2",
     ),
     (pipe(8, "1f1b", 2, **{"model.num_layers": 4}), "parallel.stages=8 exceeds model.num_layers=4"),
     (pipe(2, "zigzag", 2), "parallel.schedule='zigzag' is not a schedule"),
@@ -141,7 +141,7 @@ def test_whole_step_is_dispatched_before_it_runs():
   assert len(step1) == len(program.program.nodes)
   assert {e.island for e in step1} == {f"island{i}" for i in range(4)}
   last_dispatch = max(e.dispatch for e in step1)
-  first_done = min(e.done for e in step1 if e.name.startswith("FB"))
+  first_done = min(e.done for e in step1 if ":FB" in e.name)
   assert last_dispatch < first_done  # all enqueued before the last stage finished anything
 
 
@@ -156,7 +156,7 @@ def test_activation_memory_1f1b_below_gpipe():
   tx, schedule = optim.build(config.optim, 10)
   with Controller(cluster) as controller:
     program = build_step_program(config, plan, controller, tx, schedule)
-    out_bytes = program.executables[("F", 1)].memory_analysis().output_size_in_bytes
+    out_bytes = program.executables[("F", 0, 1)].memory_analysis().output_size_in_bytes
   assert out_bytes == 2 * 32 * 64 * 4  # one microbatch's activation [2, 32, 64] fp32
   stages = program.stages
   for stage in stages[:-1]:

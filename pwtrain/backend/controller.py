@@ -6,7 +6,7 @@ never deadlock on each other's collectives). `run` enqueues every node of a prog
 lock and returns futures at once; a node's future resolves when the node has been *launched*
 (its outputs are then un-ready jax.Arrays), not when it has finished, so the controller never
 waits for a predecessor's data before enqueueing its successor. `max_inflight` bounds how many
-programs may be launched ahead of the oldest unfinished one.
+earlier programs may still be unfinished when a new one is enqueued (0: run synchronously).
 """
 
 import collections
@@ -99,9 +99,9 @@ class _CompletionWatcher:
 
 
 class Controller:
-  def __init__(self, cluster: Cluster, *, max_inflight: int = 2, trace: Trace | None = None):
-    if max_inflight < 1:
-      raise ValueError(f"backend.max_inflight_steps={max_inflight} must be >= 1")
+  def __init__(self, cluster: Cluster, *, max_inflight: int = 1, trace: Trace | None = None):
+    if max_inflight < 0:
+      raise ValueError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
     self.cluster = cluster
     self.trace = trace
     self.max_inflight = max_inflight
@@ -183,7 +183,7 @@ class Controller:
     return out
 
   def _bound_inflight(self):
-    while len(self._inflight) >= self.max_inflight:
+    while len(self._inflight) > self.max_inflight:
       _wait_outputs(self._inflight.popleft())
 
   def wait(self):

@@ -1,15 +1,21 @@
-"""MPMD pipelining: each stage on its own island, one program of compiled pieces per step.
+"""MPMD steps over islands: pipeline stages, data-parallel pods, or both.
 
-Per stage s and microbatch m the step has these nodes, each compiled once for its island:
+Cell (p, s) is stage s of pod (replica) p, placed on its own island (overlapped exchange also
+cuts a pod into several chunks on one island). Per cell and microbatch m the step has these
+nodes, each compiled once for its island:
   F{s}.{m}   forward of the stage: input activation (or tokens) -> output activation
   B{s}.{m}   backward: recomputes the stage's forward from its saved input (GPipe's
              re-materialisation), pulls back the next stage's activation gradient and adds the
              parameter gradients into the stage's running sums
   FB{s}.{m}  on the last stage: forward, loss, backward in one piece
-  finish{s}  ties the shared embedding's two gradient halves; squared norm of the stage's grads
-  apply{s}   clip by the norm over all stages, normalise by tokens, optimizer update
-plus transfers: activations forward, activation gradients backward, the embedding-gradient
-halves between the first and last stage, loss statistics and squared norms to every stage.
+  enc/reduce with pods: compress the stage's gradients, sum all pods' (decoded) gradients in pod
+             order, as soon as the stage's backward is done
+  emb/finish ties the shared embedding's two gradient halves (first and last stage); the
+             squared norm of the stage's gradients
+  apply{s}   clip by the norm over all stages, normalise by all pods' tokens, optimizer update
+plus transfers: activations forward, activation gradients backward, embedding-gradient halves,
+gradients across pods, loss statistics and squared norms to every cell. Node names are prefixed
+with the pod ("1:F0.3").
 
 Each island's nodes are ordered by the schedule. GPipe: all forwards, then all backwards, so a
 stage holds the inputs of all M microbatches. 1F1B: a warm-up of S-1-s forwards, then one
@@ -28,8 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import lm_loss
+from pwtrain.parallel import exchange, spmd
 from pwtrain.parallel import sharding as sharding_lib
-from pwtrain.parallel import spmd
 from pwtrain.parallel.stages import Stage, make_stages, to_stage, to_whole
 
 STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
@@ -59,59 +65,91 @@ def peak_live_inputs(order: list) -> int:
 
 @dataclasses.dataclass
 class PipelineProgram:
-  """The trainer's contract (see spmd.StepProgram), with one state per stage."""
+  """The trainer's contract (see spmd.StepProgram), with one state per cell."""
 
   program: Program
-  abstract_state: dict  # whole-model state; each leaf sharded on the island that owns it
-  init: object  # () -> {"state/<s>": stage state}
+  abstract_state: dict  # whole-model state; each leaf sharded on pod 0's island that owns it
+  init: object  # () -> {"state/<p>.<s>": cell state}
   executables: dict
   stages: list
-  state_keys: tuple
-  stage_shardings: list
+  num_pods: int
   num_micro: int
+  cell_shardings: dict  # (p, s) -> state shardings
+  exchange_bytes: int  # bytes each pod sends to the other pods per step
+
+  @property
+  def state_keys(self) -> tuple:
+    return tuple(_state_key(c) for c in self.cell_shardings)
 
   def feed(self, batch: dict) -> dict:
-    """Host batch -> per-microbatch inputs; rows m, m+M, ... form microbatch m (as accumulate)."""
+    """Host batch -> per-pod, per-microbatch inputs.
+
+    Pod p takes the p-th contiguous slice of the global batch; within it rows m, m+M, ... form
+    microbatch m (as gradient accumulation does).
+    """
     out = {}
-    for m in range(self.num_micro):
-      out[f"tokens/{m}"] = batch["inputs"][m :: self.num_micro]
-      out[f"targets/{m}"] = batch["targets"][m :: self.num_micro]
+    for p in range(self.num_pods):
+      rows = slice(
+        p * len(batch["inputs"]) // self.num_pods, (p + 1) * len(batch["inputs"]) // self.num_pods
+      )
+      for m in range(self.num_micro):
+        out[f"tokens/{p}.{m}"] = batch["inputs"][rows][m :: self.num_micro]
+        out[f"targets/{p}.{m}"] = batch["targets"][rows][m :: self.num_micro]
     return out
 
   def to_checkpoint(self, state: dict) -> dict:
-    return to_whole([state[k] for k in self.state_keys], self.stages)
+    # Pods hold identical states; pod 0's is saved.
+    return to_whole([state[_state_key((0, s))] for s in range(len(self.stages))], self.stages)
 
   def from_checkpoint(self, whole: dict) -> dict:
     return {
-      key: jax.device_put(to_stage(whole, stage), shardings)
-      for key, stage, shardings in zip(
-        self.state_keys, self.stages, self.stage_shardings, strict=True
-      )
+      _state_key(cell): jax.device_put(to_stage(whole, self.stages[cell[1]]), shardings)
+      for cell, shardings in self.cell_shardings.items()
     }
 
 
+def _state_key(cell) -> str:
+  return f"state/{cell[0]}.{cell[1]}"
+
+
+def cell_islands(config, plan) -> dict:
+  """(pod, stage) -> island. Overlapped exchange on a single stage cuts each pod into
+  `exchange.buckets` chunks that share the pod's island."""
+  num_pods, num_stages = config.parallel.pods, config.parallel.stages
+  if config.exchange.mode == "overlapped" and num_stages == 1 and num_pods > 1:
+    chunks = min(config.exchange.buckets, config.model.num_layers)
+    return {(p, s): plan.islands[p] for p in range(num_pods) for s in range(chunks)}
+  return {
+    (p, s): plan.islands[p * num_stages + s] for p in range(num_pods) for s in range(num_stages)
+  }
+
+
 def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram:
-  stages = make_stages(config)
-  assert len(stages) >= 2, "a pipeline has at least two stages"
-  num_stages, num_micro = len(stages), config.train.num_microbatches
-  islands = plan.islands[:num_stages]
-  meshes = [island.mesh(plan.mesh_shape) for island in islands]
+  placement = cell_islands(config, plan)
+  num_pods = config.parallel.pods
+  num_stages = len(placement) // num_pods
+  stages = make_stages(config, num_stages)
+  assert num_stages > 1 or num_pods > 1, "one stage on one island is spmd.build's job"
+  num_micro = config.train.num_microbatches
+  compression = config.exchange.compression if num_pods > 1 else "none"
   whole_init = lambda: step_lib.init_state(step_lib.model_fns(config.model), tx, config.seed)
   whole_abstract = jax.eval_shape(whole_init)
   update = step_lib.apply_update(tx, schedule, config.optim.clip_norm)
-  mb, seq = config.train.global_batch // num_micro, config.data.seq_len
+  mb = config.train.global_batch // num_pods // num_micro
+  seq = config.data.seq_len
   act_dtype = jnp.dtype(config.model.dtype)
   z_loss = config.model.z_loss
 
-  exes, stage_shardings, stage_abstract = {}, [], []
-  for stage, island, mesh in zip(stages, islands, meshes, strict=True):
-    s = stage.index
+  exes, cell_shardings, cell_abstract = {}, {}, {}
+  exchange_bytes = 0
+  for (p, s), island in placement.items():
+    stage = stages[s]
+    mesh = island.mesh(plan.mesh_shape)
     fns = step_lib.model_fns(config.model, **stage.model_kwargs())
     abstract = to_stage(whole_abstract, stage)
     shardings = spmd.state_shardings(fns, tx, mesh, abstract)
     state_abs = spmd.with_shardings(abstract, shardings)
-    stage_shardings.append(shardings)
-    stage_abstract.append(state_abs)
+    cell_shardings[(p, s)], cell_abstract[(p, s)] = shardings, state_abs
     replicated = NamedSharding(mesh, PartitionSpec())
     act_sharding = sharding_lib.named_sharding(mesh, ("batch", "length", "embed"))
     tok_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
@@ -125,8 +163,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     stats_abs = {k: scalar for k in STAT_KEYS}
     stats_sharding = {k: replicated for k in STAT_KEYS}
 
-    def compile_(kind, fn, args, s=s, island=island, mesh=mesh, **kw):
-      exes[(kind, s)] = controller.compile(f"{kind}{s}", fn, island.name, args, mesh=mesh, **kw)
+    def compile_(kind, fn, args, p=p, s=s, island=island, mesh=mesh, **kw):
+      name = f"{p}:{kind}{s}"
+      exes[(kind, p, s)] = controller.compile(name, fn, island.name, args, mesh=mesh, **kw)
 
     compile_("init", lambda stage=stage: to_stage(whole_init(), stage), (), out_shardings=shardings)
 
@@ -167,7 +206,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
       def b_fn(state, x, g_out, grads, forward=forward, first=stage.first):
         if first:  # tokens are not differentiable
-          _, vjp = jax.vjp(lambda p: forward(p, x), state["params"])
+          _, vjp = jax.vjp(lambda params: forward(params, x), state["params"])
           (g_params,) = vjp(g_out)
           return (jax.tree.map(jnp.add, grads, g_params),)
         _, vjp = jax.vjp(forward, state["params"], x)
@@ -182,6 +221,23 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
         donate_argnums=(3,),
       )
 
+    # Pods: every pod sums the decoded gradients of all pods (its own too) in pod order.
+    if num_pods > 1:
+      parts_abs = (grads_abs,) * num_pods
+      if compression != "none":
+        compile_("enc", lambda g: exchange.encode(g, compression), (grads_abs,))
+        parts_abs = (_with_out_shardings(exes[("enc", p, s)]),) * num_pods
+      if p == 0:
+        exchange_bytes += (num_pods - 1) * exchange.encoded_bytes(grads_abs, compression)
+
+      def reduce_fn(*parts):
+        grads = exchange.decode(parts[0], compression)
+        for part in parts[1:]:
+          grads = jax.tree.map(jnp.add, grads, exchange.decode(part, compression))
+        return grads
+
+      compile_("reduce", reduce_fn, parts_abs, out_shardings=grads_sharding)
+
     tied = num_stages > 1 and (stage.first or stage.last)
     if tied:
       emb_sharding = grads_sharding["embedding"]
@@ -190,132 +246,197 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     def finish_fn(grads, other=None, stage=stage):
       # The embedding's gradient is the sum of its use as input (first stage) and as output
       # layer (last stage); both ends add the halves in the same order, so their copies of the
-      # embedding stay bitwise equal. Only the first stage counts it in the norm.
+      # embedding stay bitwise equal. It is counted in the norm once, on the first stage.
       if other is not None:
         own = grads["embedding"]
         grads = {**grads, "embedding": own + other if stage.first else other + own}
       counted = {k: v for k, v in grads.items() if stage.first or k != "embedding"}
       return grads, step_lib.sum_of_squares(counted)
 
-    finish_args = (grads_abs, grads_abs["embedding"]) if tied else (grads_abs,)
     compile_(
       "finish",
       finish_fn,
-      finish_args,
+      (grads_abs, grads_abs["embedding"]) if tied else (grads_abs,),
       out_shardings=(grads_sharding, replicated),
       donate_argnums=(0,),
     )
 
-    def apply_fn(state, grads, stats, *sumsqs):
-      return update(state, grads, stats, sum(sumsqs))
+    def apply_fn(state, grads, *rest, pod=p):
+      pod_stats, sumsqs = rest[:num_pods], rest[num_pods:]
+      stats = pod_stats[0]
+      for other in pod_stats[1:]:
+        stats = jax.tree.map(jnp.add, stats, other)
+      new_state, metrics = update(state, grads, stats, sum(sumsqs))
+      if num_pods > 1:
+        for q, st in enumerate(pod_stats):
+          metrics[f"pod{q}_loss"] = st["loss_sum"] / jnp.maximum(st["tokens"], 1.0)
+      return new_state, metrics
 
     compile_(
       "apply",
       apply_fn,
-      (state_abs, grads_abs, stats_abs, *[scalar] * num_stages),
+      (state_abs, grads_abs, *[stats_abs] * num_pods, *[scalar] * num_stages),
       out_shardings=(shardings, replicated),
       donate_argnums=(0,),
     )
 
-  layout = _Layout(stages, islands, meshes, exes, num_micro, config.parallel.schedule)
+  layout = _Layout(stages, placement, plan, exes, num_micro, config.parallel.schedule, compression)
   program = layout.step_program()
-  state_keys = tuple(f"state/{s}" for s in range(num_stages))
+  cells = list(placement)
   init_program = Program(
-    nodes=tuple(Node(f"init{s}", exes[("init", s)], ()) for s in range(num_stages)),
-    outputs={k: (f"init{s}", 0) for s, k in enumerate(state_keys)},
-    carried=state_keys,
+    nodes=tuple(Node(f"{p}:init{s}", exes[("init", p, s)], ()) for p, s in cells),
+    outputs={_state_key((p, s)): (f"{p}:init{s}", 0) for p, s in cells},
+    carried=tuple(_state_key(c) for c in cells),
   )
 
   def init():
     out = controller.run(init_program, {})
-    return {k: out[k].result() for k in state_keys}
+    return {k: v.result() for k, v in out.items()}
 
-  # Checkpoints hold the whole model; each leaf is restored onto the island of the stage that
-  # owns it (shared leaves onto the first), and from_checkpoint copies it where else it is used.
-  whole_shardings = to_whole(
-    [jax.tree.map(lambda a: a.sharding, st) for st in stage_abstract], stages
-  )
+  # Checkpoints hold the whole model; each leaf is restored onto pod 0's island of the stage
+  # that owns it (shared leaves onto the first), and from_checkpoint copies it where else it
+  # is used.
+  pod0 = [cell_abstract[(0, s)] for s in range(num_stages)]
+  whole_shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in pod0], stages)
   abstract_state = spmd.with_shardings(whole_abstract, whole_shardings)
   return PipelineProgram(
-    program, abstract_state, init, exes, stages, state_keys, stage_shardings, num_micro
+    program,
+    abstract_state,
+    init,
+    exes,
+    stages,
+    num_pods,
+    num_micro,
+    cell_shardings,
+    exchange_bytes,
+  )
+
+
+def _with_out_shardings(exe):
+  return jax.tree.map(
+    lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+    exe.compiled.out_info,
+    exe.compiled.output_shardings,
   )
 
 
 class _Layout:
-  """Builds the step's nodes island by island, then interleaves them into one dispatch order."""
+  """Builds the step's nodes cell by cell, then interleaves them into one dispatch order."""
 
-  def __init__(self, stages, islands, meshes, exes, num_micro, schedule):
-    self.stages, self.islands, self.meshes = stages, islands, meshes
-    self.exes, self.num_micro, self.schedule = exes, num_micro, schedule
-    self.per_island: list[list] = [[] for _ in stages]
+  def __init__(self, stages, placement, plan, exes, num_micro, schedule, compression):
+    self.stages, self.placement, self.exes = stages, placement, exes
+    self.meshes = {c: island.mesh(plan.mesh_shape) for c, island in placement.items()}
+    self.num_micro, self.schedule, self.compression = num_micro, schedule, compression
+    self.per_cell: dict = {c: [] for c in placement}
 
-  def _move(self, s, name, src, names):
-    sharding = sharding_lib.named_sharding(self.meshes[s], names)
-    self.per_island[s].append(Transfer(name, src, self.islands[s].name, sharding))
+  def _move(self, cell, name, src, names=None, sharding=None):
+    """Transfer `src` onto `cell`'s island, sharded by logical `names` (or `sharding`)."""
+    if sharding is None:
+      sharding = sharding_lib.named_sharding(self.meshes[cell], names)
+    self.per_cell[cell].append(Transfer(name, src, self.placement[cell].name, sharding))
     return (name, 0)
 
-  def _node(self, s, name, kind, *args):
-    self.per_island[s].append(Node(name, self.exes[(kind, s)], args))
+  def _node(self, cell, name, kind, *args):
+    self.per_cell[cell].append(Node(name, self.exes[(kind, *cell)], args))
     return name
 
   def step_program(self) -> Program:
     num_stages, last = len(self.stages), len(self.stages) - 1
+    pods = sorted({p for p, _ in self.placement})
     act, tokens = ("batch", "length", "embed"), ("batch", "length")
-    grads_ref = {}
-    for stage in self.stages:
-      s, state = stage.index, f"state/{stage.index}"
-      self._node(s, f"zeros{s}", "zeros", state)
-      grads, stats = (f"zeros{s}", 0), (f"zeros{s}", 1)
+    grads_ref, stats_ref = {}, {}
+    for p, s in self.placement:
+      stage, cell, state = self.stages[s], (p, s), _state_key((p, s))
+      pre = f"{p}:"
+      self._node(cell, f"{pre}zeros{s}", "zeros", state)
+      grads, stats = (f"{pre}zeros{s}", 0), (f"{pre}zeros{s}", 1)
       for kind, m in island_order(self.schedule, stage, num_stages, self.num_micro):
         if kind == "B":
-          x = (f"tok{m}", 0) if stage.first else (f"act{s}.{m}", 0)
-          src = (f"FB{last}.{m}", 2) if s + 1 == last else (f"B{s + 1}.{m}", 1)
-          g = self._move(s, f"grad{s}.{m}", src, act)
-          grads = (self._node(s, f"B{s}.{m}", "B", state, x, g, grads), 0)
+          x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
+          src = (f"{pre}FB{last}.{m}", 2) if s + 1 == last else (f"{pre}B{s + 1}.{m}", 1)
+          g = self._move(cell, f"{pre}grad{s}.{m}", src, act)
+          grads = (self._node(cell, f"{pre}B{s}.{m}", "B", state, x, g, grads), 0)
           continue
         if stage.first:
-          x = self._move(s, f"tok{m}", f"tokens/{m}", tokens)
+          x = self._move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
         else:
-          x = self._move(s, f"act{s}.{m}", (f"F{s - 1}.{m}", 0), act)
+          x = self._move(cell, f"{pre}act{s}.{m}", (f"{pre}F{s - 1}.{m}", 0), act)
         if kind == "F":
-          self._node(s, f"F{s}.{m}", "F", state, x)
+          self._node(cell, f"{pre}F{s}.{m}", "F", state, x)
         else:
-          y = self._move(s, f"tgt{m}", f"targets/{m}", tokens)
-          name = self._node(s, f"FB{s}.{m}", "FB", state, x, y, grads, stats)
+          y = self._move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
+          name = self._node(cell, f"{pre}FB{s}.{m}", "FB", state, x, y, grads, stats)
           grads, stats = (name, 0), (name, 1)
-      grads_ref[s] = grads
+      grads_ref[cell] = grads
+      if stage.last:
+        stats_ref[p] = stats
 
-    # The shared embedding: each end sends its half of the gradient to the other.
-    ends = (0, last)
-    for s in ends:
-      self._node(s, f"emb{s}", "emb", grads_ref[s])
-    for s in range(num_stages):
-      args = [grads_ref[s]]
-      if s in ends:
+    # Across pods: stage s of every pod receives stage s's gradients of every pod, as soon as
+    # that stage's backward is done (the interleaving below dispatches it right then).
+    if len(pods) > 1:
+      for p, s in self.placement:
+        if self.compression != "none":
+          grads_ref[(p, s)] = (self._node((p, s), f"{p}:enc{s}", "enc", grads_ref[(p, s)]), 0)
+      sent = dict(grads_ref)
+      for p, s in self.placement:
+        cell, parts = (p, s), []
+        for q in pods:
+          if q == p:
+            parts.append(sent[cell])
+          else:
+            sharding = self.exes[("reduce", p, s)].compiled.input_shardings[0][len(parts)]
+            parts.append(self._move(cell, f"{q}>{p}:g{s}", sent[(q, s)], sharding=sharding))
+        grads_ref[cell] = (self._node(cell, f"{p}:reduce{s}", "reduce", *parts), 0)
+
+    # The shared embedding: each end sends its (pod-summed) half of the gradient to the other.
+    for p, s in self.placement:
+      if num_stages > 1 and s in (0, last):
+        self._node((p, s), f"{p}:emb{s}", "emb", grads_ref[(p, s)])
+    for p, s in self.placement:
+      cell, pre, args = (p, s), f"{p}:", [grads_ref[(p, s)]]
+      if num_stages > 1 and s in (0, last):
         other = last if s == 0 else 0
-        args.append(self._move(s, f"emb{other}to{s}", (f"emb{other}", 0), ("vocab", "embed")))
-      self._node(s, f"finish{s}", "finish", *args)
+        args.append(
+          self._move(cell, f"{pre}emb{other}to{s}", (f"{pre}emb{other}", 0), ("vocab", "embed"))
+        )
+      self._node(cell, f"{pre}finish{s}", "finish", *args)
 
-    # Every stage clips by the same global norm and normalises by the same token count.
-    for s in range(num_stages):
+    # Every cell clips by the same global norm and normalises by the same token count.
+    for p, s in self.placement:
+      cell, pre = (p, s), f"{p}:"
       sumsqs = [
-        (f"finish{t}", 1) if t == s else self._move(s, f"sq{t}to{s}", (f"finish{t}", 1), ())
+        (f"{pre}finish{t}", 1)
+        if t == s
+        else self._move(cell, f"{pre}sq{t}to{s}", (f"{pre}finish{t}", 1), ())
         for t in range(num_stages)
       ]
-      st = stats if s == last else self._move(s, f"stats_to{s}", stats, ())
-      self._node(s, f"apply{s}", "apply", f"state/{s}", (f"finish{s}", 0), st, *sumsqs)
+      pod_stats = [
+        stats_ref[q]
+        if (q, last) == cell
+        else self._move(cell, f"{q}>{p}:stats{s}", stats_ref[q], ())
+        for q in pods
+      ]
+      self._node(
+        cell,
+        f"{pre}apply{s}",
+        "apply",
+        _state_key(cell),
+        (f"{pre}finish{s}", 0),
+        *pod_stats,
+        *sumsqs,
+      )
     return Program(
       nodes=self._interleave(),
       outputs={
-        **{f"state/{s}": (f"apply{s}", 0) for s in range(num_stages)},
-        "metrics": (f"apply{last}", 1),
+        **{_state_key(c): (f"{c[0]}:apply{c[1]}", 0) for c in self.placement},
+        "metrics": (f"0:apply{last}", 1),
       },
-      carried=tuple(f"state/{s}" for s in range(num_stages)),
+      carried=tuple(_state_key(c) for c in self.placement),
     )
 
   def _interleave(self) -> tuple:
-    """One dispatch order that keeps each island's order and puts producers before consumers."""
-    queues = [list(q) for q in self.per_island]
+    """One dispatch order that keeps each cell's order and puts producers before consumers."""
+    queues = [list(q) for q in self.per_cell.values()]
     emitted: set[str] = set()
     order = []
     while any(queues):

@@ -64,23 +64,24 @@ def check_model_divisibility(config, mesh_shape: dict[str, int]) -> None:
 def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
   check_model_divisibility(config, mesh_shape)
   shards = mesh_shape["data"] * mesh_shape["fsdp"]
-  micro = config.train.num_microbatches
-  if config.train.global_batch % (shards * micro):
+  micro, pods = config.train.num_microbatches, config.parallel.pods
+  if config.train.global_batch % (pods * shards * micro):
     raise ValueError(
-      f"train.global_batch={config.train.global_batch} must be divisible by "
-      f"parallel.data * parallel.fsdp * train.num_microbatches = {shards} * {micro} = "
-      f"{shards * micro}"
+      f"train.global_batch={config.train.global_batch} must be divisible by parallel.pods * "
+      f"parallel.data * parallel.fsdp * train.num_microbatches = {pods} * {shards} * {micro} "
+      f"= {pods * shards * micro}"
     )
 
 
 def build(config, cluster: Cluster) -> Plan:
-  stages = config.parallel.stages
-  if stages < 1:
-    raise ValueError(f"parallel.stages={stages} must be >= 1")
-  if len(cluster) != stages:
+  stages, pods = config.parallel.stages, config.parallel.pods
+  for key, value in (("stages", stages), ("pods", pods)):
+    if value < 1:
+      raise ValueError(f"parallel.{key}={value} must be >= 1")
+  if len(cluster) != stages * pods:
     raise ValueError(
-      f"parallel.islands={len(cluster)} must equal parallel.stages={stages}: each pipeline "
-      "stage runs on its own island (pods are not supported yet)"
+      f"parallel.islands={len(cluster)} must equal parallel.pods * parallel.stages = "
+      f"{pods} * {stages} = {pods * stages}: each stage of each pod runs on its own island"
     )
   if stages > config.model.num_layers:
     raise ValueError(

@@ -70,15 +70,17 @@ def balanced_boundaries(costs: list[float], num_stages: int, first_extra=0.0, la
   return [0, *reversed(bounds)]
 
 
-def make_stages(config) -> list[Stage]:
+def make_stages(config, num_stages: int | None = None) -> list[Stage]:
+  """`parallel.stages` stages (or `num_stages` chunks, e.g. exchange buckets) of the layers."""
   p, num_layers = config.parallel, config.model.num_layers
-  num_stages = p.stages
+  explicit = num_stages is None or num_stages == p.stages
+  num_stages = p.stages if num_stages is None else num_stages
   if num_stages > num_layers:
     raise ValueError(
       f"parallel.stages={num_stages} exceeds model.num_layers={num_layers}: every stage needs "
       "at least one layer"
     )
-  if p.stage_boundaries is not None:
+  if explicit and p.stage_boundaries is not None:
     bounds = [int(b) for b in p.stage_boundaries]
     if (
       len(bounds) != num_stages + 1

@@ -1,0 +1,114 @@
+"""Pods: data-parallel replicas on separate islands exchanging gradients.
+
+sync and overlapped must equal one island with the same global batch (norm-wise, as in
+test_parity) and keep the pods bitwise identical; compression is lossy by design and is checked
+against its own error bound.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import random_batches, run_steps, tiny_test_config
+from test_parity import SGD, assert_close, assert_trees_close
+
+from pwtrain import optim
+from pwtrain.backend import Controller
+from pwtrain.parallel import build_step_program, exchange
+from pwtrain.parallel import plan as plan_lib
+
+NUM_STEPS = 2
+PODS = {"model.num_layers": 4, "parallel.islands": 2, "parallel.pods": 2}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  config = tiny_test_config(**SGD, **{"model.num_layers": 4})
+  batches = random_batches(config, NUM_STEPS)
+  return batches, run_steps(config, batches, jax.devices()[:1])
+
+
+def run_pods(config, batches):
+  """Like conftest.run_steps, but returns every pod's final state."""
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
+  tx, schedule = optim.build(config.optim, config.train.num_steps)
+  with Controller(cluster) as controller:
+    program = build_step_program(config, plan, controller, tx, schedule)
+    state = program.init()
+    metrics = []
+    for batch in batches:
+      out = controller.run(program.program, {**state, **program.feed(batch)})
+      state = {k: out[k] for k in program.state_keys}
+      metrics.append(out["metrics"])
+    metrics = jax.device_get([m.result() for m in metrics])
+    states = jax.device_get({k: v.result() for k, v in state.items()})
+  return program, metrics, states
+
+
+LAYOUTS = {
+  "sync": {},
+  "overlapped_4buckets": {"exchange.mode": "overlapped", "exchange.buckets": 4},
+  "sync_pods_x_2stages": {"parallel.islands": 4, "parallel.stages": 2, "train.num_microbatches": 2},
+  "sync_tp2_inside_pods": {"parallel.data": 2, "parallel.tensor": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pods_match_one_island(reference, layout):
+  batches, (ref_metrics, ref_state) = reference
+  config = tiny_test_config(**{**SGD, **PODS, **LAYOUTS[layout]})
+  program, metrics, states = run_pods(config, batches)
+  for got, want in zip(metrics, ref_metrics, strict=True):
+    for key in ("loss", "grad_norm", "tokens"):
+      assert_close(got[key], want[key], key)
+    # Per-pod losses are logged, and their token-weighted mean is the global loss.
+    assert "pod0_loss" in got and "pod1_loss" in got
+  whole = jax.device_get(program.to_checkpoint(states))
+  assert_trees_close(whole["params"], ref_state["params"], "params")
+  assert_trees_close(whole["opt_state"], ref_state["opt_state"], "opt_state")
+  # Pods hold bitwise-identical parameters and optimizer state.
+  num_stages = len(program.stages)
+  for s in range(num_stages):
+    jax.tree.map(np.testing.assert_array_equal, states[f"state/0.{s}"], states[f"state/1.{s}"])
+
+
+def test_overlapped_sends_each_bucket_before_the_backward_ends():
+  """Each bucket's gradients leave the pod before the backward of the buckets below it."""
+  config = tiny_test_config(**SGD, **PODS, **LAYOUTS["overlapped_4buckets"])
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
+  tx, schedule = optim.build(config.optim, 10)
+  with Controller(cluster) as controller:
+    program = build_step_program(config, plan, controller, tx, schedule)
+  names = [n.name for n in program.program.nodes]
+  # Bucket 3 (the top layers and head) is sent to pod 1 before pod 0 runs bucket 0's backward.
+  assert names.index("0>1:g3") < names.index("0:B0.0")
+  assert len(program.stages) == 4
+
+
+@pytest.mark.parametrize("compression,bound", [("bf16", 2**-8), ("int8", 1 / 127)])
+def test_compression_round_trip_error(compression, bound):
+  x = {
+    "a": jax.random.normal(jax.random.key(0), (16, 64)),
+    "b": jax.random.normal(jax.random.key(1), (64,)),
+  }
+  y = exchange.decode(exchange.encode(x, compression), compression)
+  for k in x:
+    scale = np.max(np.abs(np.asarray(x[k])), axis=-1, keepdims=True)
+    assert np.all(np.abs(np.asarray(y[k]) - np.asarray(x[k])) <= bound * scale + 1e-7)
+  assert exchange.encoded_bytes(x, compression) < exchange.encoded_bytes(x, "none")
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_compressed_exchange_keeps_pods_identical(reference, compression):
+  batches, (ref_metrics, _) = reference
+  config = tiny_test_config(**SGD, **PODS, **{"exchange.compression": compression})
+  program, metrics, states = run_pods(config, batches)
+  jax.tree.map(np.testing.assert_array_equal, states["state/0.0"], states["state/1.0"])
+  # The loss of the first step is computed before any compressed update: exact.
+  assert_close(metrics[0]["loss"], ref_metrics[0]["loss"], "loss")
+  full = 2 * 1  # bytes: (pods - 1) * payload, fp32 payload below
+  del full
+  assert program.exchange_bytes < exchange.encoded_bytes(
+    jax.eval_shape(lambda: program.abstract_state["params"]), "none"
+  )
