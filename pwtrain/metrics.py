@@ -44,8 +44,10 @@ class MetricsLogger:
     flops_per_token: float,
     num_devices: int,
     peak_flops_per_device: float | None,
+    exchange_bytes_per_step: int = 0,
     show_progress: bool = True,
   ):
+    self.exchange_bytes = exchange_bytes_per_step
     self.log_every = log_every
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
@@ -90,6 +92,8 @@ class MetricsLogger:
           self._tb.add_scalar(f"train/{k}", x, step)
     speed = {"tokens_per_s": tokens_per_s, "steps_per_s": done / elapsed}
     speed["model_tflops_per_s"] = tokens_per_s * self.flops_per_token / 1e12
+    if self.exchange_bytes:
+      speed["exchange_bytes_per_step"] = self.exchange_bytes
     if self.peak:
       speed["mfu"] = tokens_per_s * self.flops_per_token / self.peak
     for k, x in speed.items():

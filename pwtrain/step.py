@@ -17,6 +17,8 @@ from pwtrain import optim
 from pwtrain.models import PaLM, lm_loss
 from pwtrain.parallel.sharding import constrain
 
+STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFns:

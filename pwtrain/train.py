@@ -54,6 +54,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     flops_per_token=plan_lib.flops_per_token(config),
     num_devices=sum(i.num_devices for i in plan.islands),
     peak_flops_per_device=peak_flops(plan.islands[0].devices[0]),
+    exchange_bytes_per_step=step_program.exchange_bytes,
     show_progress=show_progress,
   )
   step = start

@@ -41,7 +41,7 @@ def run_pods(config, batches):
       state = {k: out[k] for k in program.state_keys}
       metrics.append(out["metrics"])
     metrics = jax.device_get([m.result() for m in metrics])
-    states = jax.device_get({k: v.result() for k, v in state.items()})
+    states = jax.device_get({k: getattr(v, "result", lambda v=v: v)() for k, v in state.items()})
   return program, metrics, states
 
 
@@ -112,3 +112,61 @@ def test_compressed_exchange_keeps_pods_identical(reference, compression):
   assert program.exchange_bytes < exchange.encoded_bytes(
     jax.eval_shape(lambda: program.abstract_state["params"]), "none"
   )
+
+
+def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
+  import json
+
+  from test_train import small_config
+
+  from pwtrain import train
+
+  pods = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
+  one = train.run(
+    small_config(**{"train.checkpoint_every": 3}), str(tmp_path / "one"), show_progress=False
+  )
+  first = train.run(
+    small_config(**pods, **{"train.num_steps": 6}), str(tmp_path / "pods"), show_progress=False
+  )
+  second = train.run(small_config(**pods), str(tmp_path / "pods"), show_progress=False)
+  assert second.start_step == 6 and second.final_step == 12
+  losses = [r["loss"] for r in first.history + second.history]
+  np.testing.assert_allclose(losses, [r["loss"] for r in one.history], rtol=1e-4)
+  rows = [json.loads(line) for line in open(tmp_path / "pods" / "metrics.jsonl")]
+  assert any(r.get("exchange_bytes_per_step", 0) > 0 for r in rows)
+  assert all("pod0_loss" in r for r in rows if "loss" in r)
+
+
+def test_stale_exchange_applies_last_steps_gradients():
+  """Documented numerics: step t computes g_t at the current parameters and applies g_{t-1}
+  (nothing at step 1). So after 2 steps stale equals sync after 1; after 3 steps, with SGD with
+  momentum mu and constant lr, theta_3 = theta_0 - lr * g_1 - lr * (mu * g_1 + g_2), where g_1
+  and g_2 are both taken at theta_0 (theta_1 = theta_0)."""
+  from conftest import grads_at_init
+
+  config = tiny_test_config(**{**SGD, **PODS})
+  batches = random_batches(config, 3)
+  _, sync_metrics, sync_states = run_pods(config, batches[:1])
+  stale_cfg = tiny_test_config(**{**SGD, **PODS, "exchange.mode": "stale"})
+  _, _, after2 = run_pods(stale_cfg, batches[:2])
+  for key in ("params", "opt_state"):
+    assert_trees_close(after2["state/0.0"][key], sync_states["state/0.0"][key], key)
+
+  _, stale_metrics, after3 = run_pods(stale_cfg, batches)
+  one = tiny_test_config(**SGD, **{"model.num_layers": 4})
+  lr, mu = one.optim.lr, one.optim.b1
+  g = []
+  for batch in batches[:2]:
+    grads, stats = grads_at_init(one, batch, jax.devices()[:1])
+    g.append(jax.tree.map(lambda x, t=stats["tokens"]: x / t, grads))
+  _, theta0 = run_pods(config, [])[1:]
+  expected = jax.tree.map(
+    lambda t0, g1, g2: t0 - lr * g1 - lr * (mu * g1 + g2),
+    theta0["state/0.0"]["params"],
+    g[0],
+    g[1],
+  )
+  assert_trees_close(after3["state/0.0"]["params"], expected, "params")
+  # The logged loss is the current step's: at theta_0 for steps 1 and 2.
+  assert_close(stale_metrics[0]["loss"], sync_metrics[0]["loss"], "loss")
+  jax.tree.map(np.testing.assert_array_equal, after3["state/0.0"], after3["state/1.0"])

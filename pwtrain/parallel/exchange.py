@@ -7,6 +7,11 @@ global batch; the exchange makes every pod apply the same update, PaLM-style:
   overlapped  the same sum, but each pod's model is cut into `exchange.buckets` chunks that are
               differentiated one after another, and a chunk's gradients are sent as soon as it
               is done, so the transfer overlaps the backward of the chunks before it.
+  stale       one-step staleness: step t applies the all-pod gradient sum of step t-1 (computed
+              at the parameters of step t-1), so the exchange has a whole step to complete. The
+              first step has nothing to apply and leaves parameters and optimizer state as they
+              are. Pods stay identical. Numerics: after step t+1 the parameters equal the sync
+              run's after step t (same batches, constant learning rate).
 Compression applies to what is sent; every pod sums the decoded values, its own included, so the
 pods stay identical under compression too.
 """
@@ -14,7 +19,9 @@ pods stay identical under compression too.
 import jax
 import jax.numpy as jnp
 
-MODES = ("sync", "overlapped")
+from pwtrain.step import STAT_KEYS
+
+MODES = ("sync", "overlapped", "stale")
 COMPRESSIONS = ("none", "bf16", "int8")
 
 
@@ -51,3 +58,34 @@ def _int8_encode(x):
 def encoded_bytes(abstract_tree, compression: str) -> int:
   out = jax.eval_shape(lambda t: encode(t, compression), abstract_tree)
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
+
+
+def init_pending(params) -> dict:
+  """The stale exchange's carried state: last step's summed gradients, stats and squared norm."""
+  return {
+    "grads": jax.tree.map(jnp.zeros_like, params),
+    "stats": {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS},
+    "sumsq": jnp.zeros((), jnp.float32),
+  }
+
+
+def stale(update):
+  """Wraps a (state, grads, stats, sumsq) -> (state, metrics) update to apply last step's sum.
+
+  The metrics describe the current step (its loss and gradient norm); the update applied is the
+  previous step's.
+  """
+
+  def fn(state, grads, stats, sumsq):
+    pending = state["pending"]
+    base = {k: v for k, v in state.items() if k != "pending"}
+    new, _ = update(base, pending["grads"], pending["stats"], pending["sumsq"])
+    ready = pending["stats"]["tokens"] > 0
+    for key in ("params", "opt_state"):
+      new[key] = jax.tree.map(lambda a, b: jnp.where(ready, a, b), new[key], base[key])
+    new["pending"] = {"grads": grads, "stats": stats, "sumsq": sumsq}
+    # Metrics of the current step; XLA drops the rest of this second update as dead code.
+    _, metrics = update(base, grads, stats, sumsq)
+    return new, metrics
+
+  return fn

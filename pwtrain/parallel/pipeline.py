@@ -38,7 +38,7 @@ from pwtrain.parallel import exchange, spmd
 from pwtrain.parallel import sharding as sharding_lib
 from pwtrain.parallel.stages import Stage, make_stages, to_stage, to_whole
 
-STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
+STAT_KEYS = step_lib.STAT_KEYS
 
 
 def island_order(schedule: str, stage: Stage, num_stages: int, num_micro: int) -> list:
@@ -132,9 +132,16 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   assert num_stages > 1 or num_pods > 1, "one stage on one island is spmd.build's job"
   num_micro = config.train.num_microbatches
   compression = config.exchange.compression if num_pods > 1 else "none"
-  whole_init = lambda: step_lib.init_state(step_lib.model_fns(config.model), tx, config.seed)
+  stale = num_pods > 1 and config.exchange.mode == "stale"
+
+  def whole_init():
+    state = step_lib.init_state(step_lib.model_fns(config.model), tx, config.seed)
+    return {**state, "pending": exchange.init_pending(state["params"])} if stale else state
+
   whole_abstract = jax.eval_shape(whole_init)
   update = step_lib.apply_update(tx, schedule, config.optim.clip_norm)
+  if stale:
+    update = exchange.stale(update)
   mb = config.train.global_batch // num_pods // num_micro
   seq = config.data.seq_len
   act_dtype = jnp.dtype(config.model.dtype)

@@ -30,6 +30,7 @@ class StepProgram:
   init: object  # () -> {state key: state}, run on the controller
   executables: dict
   state_keys: tuple = ("state",)
+  exchange_bytes: int = 0  # bytes sent across pods per step (one island: none)
 
   def feed(self, batch: dict) -> dict:
     return {"batch": batch}
@@ -59,7 +60,14 @@ def state_shardings(fns, tx, mesh, abstract_state, rules=sharding_lib.DEFAULT_RU
     abstract_state["params"],
     transform_non_params=lambda _: replicated,
   )
-  return {"step": replicated, "params": params, "opt_state": opt_state, "rng": replicated}
+  out = {"step": replicated, "params": params, "opt_state": opt_state, "rng": replicated}
+  if "pending" in abstract_state:  # the stale exchange's carried gradients (see exchange.py)
+    out["pending"] = {
+      "grads": params,
+      "stats": jax.tree.map(lambda _: replicated, abstract_state["pending"]["stats"]),
+      "sumsq": replicated,
+    }
+  return out
 
 
 def with_shardings(abstract, shardings):
