@@ -78,9 +78,12 @@ def get_config(arg=None):
   c.parallel.pods = 1  # data-parallel replicas on separate islands (islands = pods * stages)
 
   c.exchange = ml_collections.ConfigDict()  # how pods share gradients (parallel.pods > 1)
-  c.exchange.mode = "sync"  # "sync" (PaLM) or "overlapped" (per-bucket, during backward)
+  c.exchange.mode = "sync"  # "sync" (PaLM), "overlapped", "stale" or "diloco" (exchange.py)
   c.exchange.compression = "none"  # "none", "bf16" or "int8" (one scale per row)
   c.exchange.buckets = 4  # overlapped, one stage: chunks of layers whose grads go separately
+  c.exchange.inner_steps = 10  # diloco: local steps between outer steps (H)
+  c.exchange.outer_lr = 0.7  # diloco: outer SGD learning rate (DiLoCo's value)
+  c.exchange.outer_momentum = 0.9  # diloco: outer Nesterov momentum
 
   c.backend = ml_collections.ConfigDict()
   c.backend.mode = "embedded"

@@ -139,7 +139,7 @@ def build_plain_jit(config, mesh, tx, schedule):
   """The same step as spmd.build, as an ordinary jax.jit; returns (step, init, batch_sharding)."""
   fns = step_lib.model_fns(config.model)
   init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
-  shardings = spmd.state_shardings(fns, tx, mesh, jax.eval_shape(init_fn))
+  shardings = spmd.state_shardings(fns, mesh, jax.eval_shape(init_fn))
   batch_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
   grad_fn = step_lib.accumulate(
     step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches

@@ -67,8 +67,9 @@ def validate(config) -> None:
       raise ValueError(
         f"exchange.{key}={config.exchange[key]!r} is not supported; valid: {', '.join(valid)}"
       )
-  if config.exchange.buckets < 1:
-    raise ValueError(f"exchange.buckets={config.exchange.buckets} must be >= 1")
+  for key in ("buckets", "inner_steps"):
+    if config.exchange[key] < 1:
+      raise ValueError(f"exchange.{key}={config.exchange[key]} must be >= 1")
   if config.train.global_batch % config.train.num_microbatches:
     raise ValueError(
       f"train.num_microbatches={config.train.num_microbatches} does not divide "

@@ -4,8 +4,6 @@ import dataclasses
 import logging
 import os
 
-import jax
-
 from pwtrain import config as config_lib
 from pwtrain import optim
 from pwtrain.backend import Controller, Trace
@@ -62,7 +60,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     with StopRequest() as stop:
       while step < num_steps:
         inputs = {**state, **step_program.feed(next(batches))}
-        out = controller.run(step_program.program, inputs)
+        out = controller.run(step_program.program_for(step), inputs)
         state, step = {k: out[k] for k in step_program.state_keys}, step + 1
         logger.record(step, out["metrics"])
         if ckpt.should_save(step, num_steps) or stop.requested:
@@ -111,7 +109,7 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
     ) from e
   batches.set_state(data_state)
   logging.info("resumed from step %d", latest)
-  return step_program.from_checkpoint(state), int(jax.device_get(state["step"]))
+  return step_program.from_checkpoint(state), latest
 
 
 def _results(state: dict) -> dict:

@@ -57,10 +57,10 @@ def random_batches(config, num, seed=0):
   return out
 
 
-def run_steps(config, batches, devices=None):
-  """Builds the single-island step for `config` on `devices`; runs it on `batches`.
+def run_program(config, batches, devices=None):
+  """Builds the compiled step for `config` on `devices` and runs it on `batches`.
 
-  Returns (list of host metrics, final host state).
+  Returns (step program, list of host metrics, final host state of every cell).
   """
   import jax
 
@@ -76,13 +76,19 @@ def run_steps(config, batches, devices=None):
     program = build_step_program(config, plan, controller, tx, schedule)
     state = program.init()
     metrics = []
-    for batch in batches:
-      out = controller.run(program.program, {**state, **program.feed(batch)})
+    for i, batch in enumerate(batches):
+      out = controller.run(program.program_for(i), {**state, **program.feed(batch)})
       state = {k: out[k] for k in program.state_keys}
       metrics.append(out["metrics"])
     metrics = jax.device_get([m.result() for m in metrics])
-    state = jax.device_get(program.to_checkpoint({k: v.result() for k, v in state.items()}))
-  return metrics, state
+    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+  return program, metrics, jax.device_get(state)
+
+
+def run_steps(config, batches, devices=None):
+  """As run_program; returns (list of host metrics, final whole-model host state)."""
+  program, metrics, state = run_program(config, batches, devices)
+  return metrics, program.to_checkpoint(state)
 
 
 def grads_at_init(config, batch, devices=None):
@@ -102,7 +108,7 @@ def grads_at_init(config, batch, devices=None):
   tx, _ = optim.build(config.optim, config.train.num_steps)
   init = lambda: step_lib.init_state(fns, tx, config.seed)["params"]
   abstract = jax.eval_shape(lambda: step_lib.init_state(fns, tx, config.seed))
-  shardings = spmd.state_shardings(fns, tx, mesh, abstract)["params"]
+  shardings = spmd.state_shardings(fns, mesh, abstract)["params"]
   params = jax.jit(init, out_shardings=shardings)()
   batch = jax.device_put(batch, sharding_lib.named_sharding(mesh, ("batch", "length")))
   grad_fn = step_lib.accumulate(

@@ -8,7 +8,7 @@ against its own error bound.
 import jax
 import numpy as np
 import pytest
-from conftest import random_batches, run_steps, tiny_test_config
+from conftest import random_batches, run_program, run_steps, tiny_test_config
 from test_parity import SGD, assert_close, assert_trees_close
 
 from pwtrain import optim
@@ -28,21 +28,8 @@ def reference():
 
 
 def run_pods(config, batches):
-  """Like conftest.run_steps, but returns every pod's final state."""
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
-  with Controller(cluster) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    metrics = []
-    for batch in batches:
-      out = controller.run(program.program, {**state, **program.feed(batch)})
-      state = {k: out[k] for k in program.state_keys}
-      metrics.append(out["metrics"])
-    metrics = jax.device_get([m.result() for m in metrics])
-    states = jax.device_get({k: getattr(v, "result", lambda v=v: v)() for k, v in state.items()})
-  return program, metrics, states
+  """(program, metrics, every pod's final state), on all 8 devices."""
+  return run_program(config, batches)
 
 
 LAYOUTS = {
@@ -170,3 +157,57 @@ def test_stale_exchange_applies_last_steps_gradients():
   # The logged loss is the current step's: at theta_0 for steps 1 and 2.
   assert_close(stale_metrics[0]["loss"], sync_metrics[0]["loss"], "loss")
   jax.tree.map(np.testing.assert_array_equal, after3["state/0.0"], after3["state/1.0"])
+
+
+def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
+  """H=1, outer lr 1, no outer momentum: each step the pods' parameters become the mean of
+  their own SGD steps, theta - lr * mean_p(g_p / tokens_p), g_p from pod p's half-batch."""
+  from conftest import grads_at_init
+
+  overrides = {
+    **SGD, **PODS, "optim.b1": 0.0, "optim.clip_norm": 1e9, "exchange.mode": "diloco",
+    "exchange.inner_steps": 1,
+    "exchange.outer_lr": 1.0, "exchange.outer_momentum": 0.0,
+  }  # fmt: skip
+  config = tiny_test_config(**overrides)
+  batches = random_batches(config, 1)
+  program, _, states = run_pods(config, batches)
+  _, _, init_states = run_pods(config, [])
+  one = tiny_test_config(**SGD, **{"model.num_layers": 4, "train.global_batch": 8})
+  steps = []
+  for rows in (slice(0, 8), slice(8, 16)):
+    half = {k: v[rows] for k, v in batches[0].items()}
+    grads, stats = grads_at_init(one, half, jax.devices()[:1])
+    steps.append(jax.tree.map(lambda x, t=stats["tokens"]: config.optim.lr * x / t, grads))
+  theta0 = init_states["state/0.0"]["params"]
+  expected = jax.tree.map(lambda t, a, b: t - (a + b) / 2, theta0, *steps)
+  assert_trees_close(states["state/0.0"]["params"], expected, "params")
+  jax.tree.map(
+    np.testing.assert_array_equal, states["state/0.0"]["params"], states["state/1.0"]["params"]
+  )
+  assert program.per_pod_checkpoint
+
+
+def test_diloco_pods_diverge_between_outer_steps_and_resume_exactly(tmp_path):
+  from test_train import small_config
+
+  from pwtrain import train
+
+  diloco = {
+    "parallel.islands": 2, "parallel.pods": 2, "exchange.mode": "diloco",
+    "exchange.inner_steps": 3, "train.checkpoint_every": 4,
+  }  # fmt: skip
+  straight = train.run(small_config(**diloco), str(tmp_path / "a"), show_progress=False)
+  pods = straight.state["pods"]
+  # Step 12 ends with an outer step: parameters agree; the inner optimizer states do not.
+  jax.tree.map(np.testing.assert_array_equal, pods[0]["params"], pods[1]["params"])
+  same = jax.tree.map(np.array_equal, pods[0]["opt_state"], pods[1]["opt_state"])
+  assert not all(jax.tree.leaves(same))
+  train.run(
+    small_config(**diloco, **{"train.num_steps": 4}), str(tmp_path / "b"), show_progress=False
+  )
+  resumed = train.run(small_config(**diloco), str(tmp_path / "b"), show_progress=False)
+  assert resumed.start_step == 4  # mid-way between outer steps: pods differed when saved
+  np.testing.assert_array_equal(
+    [r["loss"] for r in resumed.history], [r["loss"] for r in straight.history[4:]]
+  )

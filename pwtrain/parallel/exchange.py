@@ -12,16 +12,23 @@ global batch; the exchange makes every pod apply the same update, PaLM-style:
               first step has nothing to apply and leaves parameters and optimizer state as they
               are. Pods stay identical. Numerics: after step t+1 the parameters equal the sync
               run's after step t (same batches, constant learning rate).
+  diloco      DiLoCo (Douillard et al., 2023): pods take `exchange.inner_steps` optimizer steps
+              on their own gradients alone; then each sends its parameter delta since the last
+              outer step, all average the deltas in pod order and step the shared anchor with
+              SGD + Nesterov momentum (`exchange.outer_lr`, `exchange.outer_momentum`), and set
+              their parameters to it. Pods are identical after each outer step; their inner
+              optimizer states stay their own (so checkpoints hold every pod's state).
 Compression applies to what is sent; every pod sums the decoded values, its own included, so the
 pods stay identical under compression too.
 """
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from pwtrain.step import STAT_KEYS
 
-MODES = ("sync", "overlapped", "stale")
+MODES = ("sync", "overlapped", "stale", "diloco")
 COMPRESSIONS = ("none", "bf16", "int8")
 
 
@@ -89,3 +96,28 @@ def stale(update):
     return new, metrics
 
   return fn
+
+
+def outer_optimizer(exchange_cfg) -> optax.GradientTransformation:
+  return optax.sgd(exchange_cfg.outer_lr, momentum=exchange_cfg.outer_momentum, nesterov=True)
+
+
+def init_outer(params, outer_tx) -> dict:
+  """DiLoCo's carried state: the anchor (parameters after the last outer step), its optimizer."""
+  return {"anchor": params, "opt_state": outer_tx.init(params)}
+
+
+def outer_delta(state):
+  """The pseudo-gradient: how far the inner steps moved the parameters from the anchor."""
+  return jax.tree.map(jnp.subtract, state["outer"]["anchor"], state["params"])
+
+
+def outer_update(state, deltas: list, outer_tx) -> dict:
+  mean = deltas[0]
+  for d in deltas[1:]:
+    mean = jax.tree.map(jnp.add, mean, d)
+  mean = jax.tree.map(lambda x: x / len(deltas), mean)
+  outer = state["outer"]
+  updates, opt_state = outer_tx.update(mean, outer["opt_state"], outer["anchor"])
+  anchor = optax.apply_updates(outer["anchor"], updates)
+  return {**state, "params": anchor, "outer": {"anchor": anchor, "opt_state": opt_state}}

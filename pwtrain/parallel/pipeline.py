@@ -75,11 +75,20 @@ class PipelineProgram:
   num_pods: int
   num_micro: int
   cell_shardings: dict  # (p, s) -> state shardings
-  exchange_bytes: int  # bytes each pod sends to the other pods per step
+  exchange_bytes: int  # bytes each pod sends to the other pods per (outer) step
+  outer_program: Program | None = None  # DiLoCo: the step that ends with the outer update
+  inner_steps: int = 1
+  per_pod_checkpoint: bool = False  # DiLoCo: pods differ between outer steps
 
   @property
   def state_keys(self) -> tuple:
     return tuple(_state_key(c) for c in self.cell_shardings)
+
+  def program_for(self, step: int) -> Program:
+    """The program of step `step` (0-based): DiLoCo's every `inner_steps`-th is the outer one."""
+    if self.outer_program is not None and (step + 1) % self.inner_steps == 0:
+      return self.outer_program
+    return self.program
 
   def feed(self, batch: dict) -> dict:
     """Host batch -> per-pod, per-microbatch inputs.
@@ -97,13 +106,22 @@ class PipelineProgram:
         out[f"targets/{p}.{m}"] = batch["targets"][rows][m :: self.num_micro]
     return out
 
+  def _pod_whole(self, state: dict, p: int) -> dict:
+    return to_whole([state[_state_key((p, s))] for s in range(len(self.stages))], self.stages)
+
   def to_checkpoint(self, state: dict) -> dict:
-    # Pods hold identical states; pod 0's is saved.
-    return to_whole([state[_state_key((0, s))] for s in range(len(self.stages))], self.stages)
+    if self.per_pod_checkpoint:
+      return {"pods": [self._pod_whole(state, p) for p in range(self.num_pods)]}
+    return self._pod_whole(state, 0)  # pods hold identical states
 
   def from_checkpoint(self, whole: dict) -> dict:
     return {
-      _state_key(cell): jax.device_put(to_stage(whole, self.stages[cell[1]]), shardings)
+      _state_key(cell): jax.device_put(
+        to_stage(
+          whole["pods"][cell[0]] if self.per_pod_checkpoint else whole, self.stages[cell[1]]
+        ),
+        shardings,
+      )
       for cell, shardings in self.cell_shardings.items()
     }
 
@@ -133,10 +151,16 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   num_micro = config.train.num_microbatches
   compression = config.exchange.compression if num_pods > 1 else "none"
   stale = num_pods > 1 and config.exchange.mode == "stale"
+  diloco = num_pods > 1 and config.exchange.mode == "diloco"
+  outer_tx = exchange.outer_optimizer(config.exchange) if diloco else None
 
   def whole_init():
     state = step_lib.init_state(step_lib.model_fns(config.model), tx, config.seed)
-    return {**state, "pending": exchange.init_pending(state["params"])} if stale else state
+    if stale:
+      state["pending"] = exchange.init_pending(state["params"])
+    if diloco:
+      state["outer"] = exchange.init_outer(state["params"], outer_tx)
+    return state
 
   whole_abstract = jax.eval_shape(whole_init)
   update = step_lib.apply_update(tx, schedule, config.optim.clip_norm)
@@ -154,7 +178,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     mesh = island.mesh(plan.mesh_shape)
     fns = step_lib.model_fns(config.model, **stage.model_kwargs())
     abstract = to_stage(whole_abstract, stage)
-    shardings = spmd.state_shardings(fns, tx, mesh, abstract)
+    shardings = spmd.state_shardings(fns, mesh, abstract)
     state_abs = spmd.with_shardings(abstract, shardings)
     cell_shardings[(p, s)], cell_abstract[(p, s)] = shardings, state_abs
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -229,7 +253,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       )
 
     # Pods: every pod sums the decoded gradients of all pods (its own too) in pod order.
-    if num_pods > 1:
+    if num_pods > 1 and not diloco:
       parts_abs = (grads_abs,) * num_pods
       if compression != "none":
         compile_("enc", lambda g: exchange.encode(g, compression), (grads_abs,))
@@ -273,11 +297,39 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       stats = pod_stats[0]
       for other in pod_stats[1:]:
         stats = jax.tree.map(jnp.add, stats, other)
-      new_state, metrics = update(state, grads, stats, sum(sumsqs))
+      if diloco:  # each pod steps on its own gradients; the metrics still cover every pod
+        new_state, _ = update(state, grads, pod_stats[pod], sum(sumsqs))
+        _, metrics = update(state, grads, stats, sum(sumsqs))
+      else:
+        new_state, metrics = update(state, grads, stats, sum(sumsqs))
       if num_pods > 1:
         for q, st in enumerate(pod_stats):
           metrics[f"pod{q}_loss"] = st["loss_sum"] / jnp.maximum(st["tokens"], 1.0)
       return new_state, metrics
+
+    if diloco:
+      # Outer step: the pods' parameter deltas since the last outer step (pseudo-gradients),
+      # compressed like gradients, averaged in pod order, fed to the outer optimizer.
+      compile_(
+        "delta",
+        lambda st: exchange.encode(exchange.outer_delta(st), compression),
+        (state_abs,),
+      )
+      delta_abs = _with_out_shardings(exes[("delta", p, s)])
+      if p == 0:
+        exchange_bytes += (num_pods - 1) * exchange.encoded_bytes(grads_abs, compression)
+
+      def outer_fn(state, *deltas):
+        deltas = [exchange.decode(d, compression) for d in deltas]
+        return exchange.outer_update(state, deltas, outer_tx)
+
+      compile_(
+        "outer",
+        outer_fn,
+        (state_abs, *[delta_abs] * num_pods),
+        out_shardings=shardings,
+        donate_argnums=(0,),
+      )
 
     compile_(
       "apply",
@@ -287,8 +339,12 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       donate_argnums=(0,),
     )
 
-  layout = _Layout(stages, placement, plan, exes, num_micro, config.parallel.schedule, compression)
-  program = layout.step_program()
+  def layout(outer=False):
+    return _Layout(
+      stages, placement, plan, exes, num_micro, config.parallel.schedule, compression, diloco
+    ).step_program(outer)
+
+  program = layout()
   cells = list(placement)
   init_program = Program(
     nodes=tuple(Node(f"{p}:init{s}", exes[("init", p, s)], ()) for p, s in cells),
@@ -306,6 +362,13 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   pod0 = [cell_abstract[(0, s)] for s in range(num_stages)]
   whole_shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in pod0], stages)
   abstract_state = spmd.with_shardings(whole_abstract, whole_shardings)
+  if diloco:  # every pod's state is saved: they differ between outer steps
+    pods_abstract = []
+    for p in range(num_pods):
+      cells = [cell_abstract[(p, s)] for s in range(num_stages)]
+      pod_shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in cells], stages)
+      pods_abstract.append(spmd.with_shardings(whole_abstract, pod_shardings))
+    abstract_state = {"pods": pods_abstract}
   return PipelineProgram(
     program,
     abstract_state,
@@ -316,6 +379,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     num_micro,
     cell_shardings,
     exchange_bytes,
+    outer_program=layout(outer=True) if diloco else None,
+    inner_steps=config.exchange.inner_steps if diloco else 1,
+    per_pod_checkpoint=diloco,
   )
 
 
@@ -330,8 +396,8 @@ def _with_out_shardings(exe):
 class _Layout:
   """Builds the step's nodes cell by cell, then interleaves them into one dispatch order."""
 
-  def __init__(self, stages, placement, plan, exes, num_micro, schedule, compression):
-    self.stages, self.placement, self.exes = stages, placement, exes
+  def __init__(self, stages, placement, plan, exes, num_micro, schedule, compression, diloco):
+    self.stages, self.placement, self.exes, self.diloco = stages, placement, exes, diloco
     self.meshes = {c: island.mesh(plan.mesh_shape) for c, island in placement.items()}
     self.num_micro, self.schedule, self.compression = num_micro, schedule, compression
     self.per_cell: dict = {c: [] for c in placement}
@@ -347,7 +413,7 @@ class _Layout:
     self.per_cell[cell].append(Node(name, self.exes[(kind, *cell)], args))
     return name
 
-  def step_program(self) -> Program:
+  def step_program(self, outer: bool = False) -> Program:
     num_stages, last = len(self.stages), len(self.stages) - 1
     pods = sorted({p for p, _ in self.placement})
     act, tokens = ("batch", "length", "embed"), ("batch", "length")
@@ -380,7 +446,7 @@ class _Layout:
 
     # Across pods: stage s of every pod receives stage s's gradients of every pod, as soon as
     # that stage's backward is done (the interleaving below dispatches it right then).
-    if len(pods) > 1:
+    if len(pods) > 1 and not self.diloco:
       for p, s in self.placement:
         if self.compression != "none":
           grads_ref[(p, s)] = (self._node((p, s), f"{p}:enc{s}", "enc", grads_ref[(p, s)]), 0)
@@ -432,10 +498,23 @@ class _Layout:
         *pod_stats,
         *sumsqs,
       )
+    final = {c: (f"{c[0]}:apply{c[1]}", 0) for c in self.placement}
+    if outer:  # DiLoCo: every pod sends its delta; each averages them and steps the anchor
+      for p, s in self.placement:
+        self._node((p, s), f"{p}:delta{s}", "delta", final[(p, s)])
+      for p, s in self.placement:
+        cell, parts = (p, s), []
+        for q in pods:
+          if q == p:
+            parts.append((f"{p}:delta{s}", 0))
+          else:
+            sharding = self.exes[("outer", p, s)].compiled.input_shardings[0][1 + len(parts)]
+            parts.append(self._move(cell, f"{q}>{p}:d{s}", (f"{q}:delta{s}", 0), sharding=sharding))
+        final[cell] = (self._node(cell, f"{p}:outer{s}", "outer", final[cell], *parts), 0)
     return Program(
       nodes=self._interleave(),
       outputs={
-        **{_state_key(c): (f"{c[0]}:apply{c[1]}", 0) for c in self.placement},
+        **{_state_key(c): ref for c, ref in final.items()},
         "metrics": (f"0:apply{last}", 1),
       },
       carried=tuple(_state_key(c) for c in self.placement),

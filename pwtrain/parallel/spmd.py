@@ -8,7 +8,6 @@ import dataclasses
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain import step as step_lib
@@ -32,6 +31,10 @@ class StepProgram:
   state_keys: tuple = ("state",)
   exchange_bytes: int = 0  # bytes sent across pods per step (one island: none)
 
+  def program_for(self, step: int) -> Program:
+    del step
+    return self.program
+
   def feed(self, batch: dict) -> dict:
     return {"batch": batch}
 
@@ -42,32 +45,34 @@ class StepProgram:
     return {"state": whole}
 
 
-def state_shardings(fns, tx, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES):
-  """Params by their logical axes; optimizer moments like their params; scalars replicated."""
+def _is_param_dict(x) -> bool:
+  return isinstance(x, dict) and "blocks" in x
+
+
+def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES):
+  """Shardings for a train state: params by their logical axes; every param-shaped dict in it
+  (optimizer moments, stale gradients, DiLoCo's anchor and momentum) like the params; the rest
+  (counters, scalars, the RNG key) replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   params = jax.tree.map(
     lambda axes: sharding_lib.named_sharding(mesh, axes, rules),
     fns.logical_axes,
     is_leaf=lambda x: isinstance(x, tuple),
   )
-  # Param-shaped moments shard like their param; per-param placeholders of other shapes (e.g.
-  # Adafactor's unused factored rows/columns) are replicated.
-  opt_state = optax.tree_map_params(
-    tx,
-    lambda leaf, s, p: s if leaf.shape == p.shape else replicated,
-    abstract_state["opt_state"],
-    params,
-    abstract_state["params"],
-    transform_non_params=lambda _: replicated,
-  )
-  out = {"step": replicated, "params": params, "opt_state": opt_state, "rng": replicated}
-  if "pending" in abstract_state:  # the stale exchange's carried gradients (see exchange.py)
-    out["pending"] = {
-      "grads": params,
-      "stats": jax.tree.map(lambda _: replicated, abstract_state["pending"]["stats"]),
-      "sumsq": replicated,
-    }
-  return out
+
+  def shard(x):
+    if not _is_param_dict(x):
+      return replicated
+    # Per-param placeholders of other shapes (e.g. Adafactor's unused factored rows/columns)
+    # are replicated.
+    return jax.tree.map(
+      lambda leaf, s, p: s if leaf.shape == p.shape else replicated,
+      x,
+      params,
+      abstract_state["params"],
+    )
+
+  return jax.tree.map(shard, abstract_state, is_leaf=_is_param_dict)
 
 
 def with_shardings(abstract, shardings):
@@ -82,7 +87,7 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   fns = step_lib.model_fns(config.model)
   init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
   abstract = jax.eval_shape(init_fn)
-  shardings = state_shardings(fns, tx, mesh, abstract)
+  shardings = state_shardings(fns, mesh, abstract)
   abstract_state = with_shardings(abstract, shardings)
 
   batch_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
