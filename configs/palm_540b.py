@@ -2,11 +2,26 @@
 
 Run (needs an accelerator cluster; here it only loads, validates and plans):
   python -m pwtrain.main --config=configs/palm_540b.py --workdir=/tmp/palm_540b
+Plan it for its cluster without devices (memory per chip, bytes across pods, step time):
+  python -m pwtrain.main --config=configs/palm_540b.py --dry_run
+Expected: 540.36B parameters on 2 pods x 3072 TPU v4 chips, mesh data=1 x fsdp=256 x tensor=12,
+~0.73 GB of parameters per chip, ~1.4 GB of bf16 gradients per host pair per step across pods
+(PaLM reports ~1.3 GB), and an estimated ~19 s step at ~43% MFU (PaLM measured 46.2%).
 
 Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
-vocabulary, sequence length 2048, global batch 6144 sequences. It starts from palm_tiny and keeps
-its optimizer (Adafactor, PaLM schedule with 10k constant steps), with bf16 compute.
+vocabulary, sequence length 2048. It starts from palm_tiny and keeps its optimizer (Adafactor,
+PaLM schedule with 10k constant steps), with bf16 compute. The global batch is 2048 sequences,
+where PaLM's batch ramp (512 -> 1024 -> 2048 sequences) ended and spent most of its steps.
+
+The cluster is PaLM's (section 4): two TPU v4 pods of 3072 chips (768 hosts each), one island
+per pod, joined by the data-center network; pods are data-parallel replicas that exchange
+gradients every step (synchronously, in bf16). Inside a pod, PaLM used 12-way model parallelism
+and 256-way fully sharded data parallelism: every weight is split over all 3072 chips. Here that
+is fsdp=256 (batch and the "embed" dim of weights split over it) with data=1: data=256 would
+replicate the weights over the batch axis and shard them only 12 ways (~180 GB per chip).
 """
+
+import ml_collections
 
 from pwtrain.config import base_config
 
@@ -27,13 +42,41 @@ def get_config(arg=None):
   c.data.sp_vocab_size = 256_000
   c.data.seq_len = 2048
 
-  c.train.global_batch = 6144
+  c.train.global_batch = 2048
   c.train.num_steps = 255_000
   c.train.checkpoint_every = 1000
   c.train.log_every = 50
 
   c.optim.warmup_steps = 0
   c.optim.constant_steps = 10_000
+
+  c.parallel.pods = 2  # two TPU v4 pods, data-parallel replicas of the whole model
+  c.parallel.stages = 1  # no pipelining (PaLM avoided it)
+  c.parallel.islands = 2  # one island per pod
+  c.parallel.devices_per_island = 3072  # chips per pod
+  c.parallel.data = 1
+  c.parallel.fsdp = 256
+  # Does not divide vocab_size=256000: the embedding's vocab dim is padded to 256008 for
+  # sharding (see pwtrain/parallel/dryrun.py).
+  c.parallel.tensor = 12
+
+  c.exchange.mode = "sync"
+  c.exchange.compression = "bf16"  # gradients cross the DCN in bf16 (~1.3 GB per host pair)
+
+  # The cluster's hardware, for the dry run's estimates: the tpu_v4 preset's numbers, each
+  # sourced in pwtrain/parallel/dryrun.py; any can be overridden, e.g.
+  # --config.hardware.dcn_bytes_per_s=12.5e9.
+  c.hardware = ml_collections.ConfigDict(
+    {
+      "name": "tpu_v4",
+      "peak_flops": 275e12,  # bf16 FLOP/s per chip
+      "memory_bytes": 32.0 * 2**30,  # HBM per chip
+      "devices_per_host": 4,
+      "ici_bytes_per_s": 1.1e15 / 4096,  # per chip: v4 pod all-reduce bandwidth / 4096 chips
+      "dcn_bytes_per_s": 81e12 / 8 / 1536,  # per host: PaLM's 81 Tb/s burst over 1536 hosts
+      "efficiency": 0.578,  # PaLM 540B's measured hardware FLOPs utilisation
+    }
+  )
 
   c.lock()
   return c

@@ -56,7 +56,7 @@ STYLE = {
   "emb": ("#937860", "emb (tied-embedding grad half)"),
   "finish": ("#55A868", "finish (tie grads, norm)"),
   "apply": ("#C44E52", "apply (clip, optimizer)"),
-  "enc": ("#8C8C8C", "enc/reduce (pod gradient exchange)"),
+  "enc": ("#8C8C8C", "reduce/enc (grad sum over pods, norm)"),
   "step": ("#64B5CD", "train step (single island)"),
   "xfer": ("#2CA02C", "transfer (from source ready)"),
   "other": ("#999999", "other"),
@@ -271,7 +271,7 @@ def pick_step(spans: list, transfers, requested=None) -> int:
   return compute[-2] if len(compute) >= 3 else compute[-1]
 
 
-def summarize(islands: dict, spans: list, step: int, transfers) -> dict:
+def summarize(islands: dict, spans: list, dispatches: list, step: int, transfers) -> dict:
   mine = [s for s in spans if s["step"] == step]
   t0, t1 = min(s["start"] for s in mine), max(s["end"] for s in mine)
   busy = {}
@@ -281,9 +281,13 @@ def summarize(islands: dict, spans: list, step: int, transfers) -> dict:
   per_kind = collections.defaultdict(list)
   for s in mine:
     per_kind[(islands[s["pid"]], kind_of(s["name"], transfers))].append(s["end"] - s["start"])
+  sent = [d["t"] for d in dispatches if d["step"] == step]
   return {
     "step": step,
     "step_ms": t1 - t0,
+    "num_nodes": len(sent),
+    "dispatch_ms": max(sent) - min(sent),  # first to last enqueue of the step's nodes
+    "dispatch_lead_ms": t0 - max(sent),  # > 0: the whole step was enqueued before it ran
     "busy_fraction": busy,
     "median_ms": {f"{i}/{k}": statistics.median(v) for (i, k), v in sorted(per_kind.items())},
   }
@@ -300,12 +304,14 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
   transfers = set(sources or ())
   correct_transfers(spans, sources)
   step = pick_step(spans, transfers, step)
-  summary = summarize(islands, spans, step, transfers)
+  summary = summarize(islands, spans, dispatches, step, transfers)
   mine = [s for s in spans if s["step"] == step]
   sent = [d for d in dispatches if d["step"] == step]
   origin = min(s["start"] for s in mine)
-  lo = min(min(d["t"] for d in sent), origin) - origin
   hi = max(s["end"] for s in mine) - origin
+  first_sent = min(d["t"] for d in sent) - origin
+  # The step was dispatched while earlier steps ran; show at most 40% of a step before it.
+  lo = max(min(first_sent, 0.0), -0.4 * hi)
   pad = 0.02 * (hi - lo)
   lo, hi = lo - pad, hi + pad
 
@@ -338,10 +344,15 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
       )
   for d in sent:
     y = row[d["pid"]]
-    ax.vlines(d["t"] - origin, y + 0.47, y + 0.6, color="black", lw=0.6)
+    ax.vlines(max(d["t"] - origin, lo), y + 0.47, y + 0.6, color="black", lw=0.6)
   ax.set_yticks([row[p] for p in pids])
+  count = collections.Counter(d["pid"] for d in sent)
   ax.set_yticklabels(
-    [f"{islands[p]}\nbusy {summary['busy_fraction'][islands[p]]:.0%}" for p in pids]
+    [
+      f"{islands[p]}\nbusy {summary['busy_fraction'][islands[p]]:.0%}\n{count[p]} nodes"
+      for p in pids
+    ],
+    fontsize=9,
   )
   ax.set_ylim(-0.55, len(pids) - 0.3)
   ax.set_xlim(lo, hi)
@@ -350,6 +361,7 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
   ax.axvline(summary["step_ms"], color="black", lw=0.5, ls=":")
   handles = [Patch(color=STYLE[k][0], label=STYLE[k][1]) for k in STYLE if k in used]
   handles.append(plt.Line2D([], [], color="black", lw=0.8, label="dispatched (controller enqueue)"))
+  handles.append(Patch(color="#E3E3E3", label="neighbouring steps"))
   ax.legend(
     handles=handles,
     loc="upper center",
@@ -358,10 +370,24 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
     fontsize=8,
     frameon=False,
   )
-  ax.set_title(f"{title}step {step}: {summary['step_ms']:.1f} ms", fontsize=10)
+  ax.set_title(
+    f"{title}step {step}: {summary['step_ms']:.1f} ms; its {len(sent)} nodes were dispatched "
+    f"{-first_sent:.0f} to {summary['dispatch_lead_ms']:.0f} ms before its first node ran "
+    "(ticks; clipped at the left edge)",
+    fontsize=10,
+  )
+  fig.text(
+    0.01,
+    0.01,
+    "Bars: execute spans from Trace.to_chrome (start = max(launch, previous node on the island "
+    "done), end = outputs ready). A node whose outputs are all donated onward (e.g. B on the first "
+    "stage, zeros) gets no reliable completion time: its run shows in the next bar.",
+    fontsize=7,
+    color="#555555",
+  )
   ax.grid(axis="x", color="#EEEEEE")
   ax.set_axisbelow(True)
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.03, 1, 1))
   fig.savefig(png, dpi=130)
   plt.close(fig)
   return summary
@@ -393,7 +419,11 @@ def main(argv=None):
       f"batch {config.train.global_batch}x{config.data.seq_len} - "
     )
   summary = draw(trace, png, args.step, title, sources)
-  print(f"step {summary['step']}: {summary['step_ms']:.1f} ms")
+  print(
+    f"step {summary['step']}: {summary['step_ms']:.1f} ms; {summary['num_nodes']} nodes "
+    f"dispatched in {summary['dispatch_ms']:.1f} ms, the last {summary['dispatch_lead_ms']:.0f} "
+    "ms before the step's first node started"
+  )
   for island, frac in summary["busy_fraction"].items():
     print(f"  {island}: busy {frac:.0%} (compute nodes, transfers excluded)")
   for key, ms in summary["median_ms"].items():

@@ -40,9 +40,10 @@ class Executable:
 class _IslandScheduler:
   """One thread, one queue: launches the island's work strictly in enqueue order."""
 
-  def __init__(self, name: str, trace: Trace | None):
+  def __init__(self, name: str, trace: Trace | None, serial):
     self.name = name
     self.trace = trace
+    self.serial = serial
     self.queue: queue.Queue = queue.Queue()
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
@@ -56,7 +57,12 @@ class _IslandScheduler:
       launch, args, out, event = item
       try:
         values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
-        result = launch(*values)
+        if self.serial is None:
+          result = launch(*values)
+        else:
+          with self.serial:  # see Controller: run to completion, one computation at a time
+            result = launch(*values)
+            _block_ready(result)
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
         out.set_exception(e)
         continue
@@ -99,13 +105,33 @@ class _CompletionWatcher:
 
 
 class Controller:
-  def __init__(self, cluster: Cluster, *, max_inflight: int = 1, trace: Trace | None = None):
+  """Compiles and dispatches for a cluster.
+
+  `serialize_execution` (default: on for CPU devices) makes each launched computation run to
+  completion before the next one starts, across all islands. XLA's CPU runtime runs the
+  per-device parts of a collective on a shared thread pool; several multi-device computations
+  in flight at once (two islands, or steps run ahead) can occupy every thread with waiting
+  participants and deadlock (XLA aborts after 40 s). GPUs and TPUs have no such limit. The
+  controller still never waits: the island schedulers do.
+  """
+
+  def __init__(
+    self,
+    cluster: Cluster,
+    *,
+    max_inflight: int = 1,
+    trace: Trace | None = None,
+    serialize_execution: bool | None = None,
+  ):
     if max_inflight < 0:
       raise ValueError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
     self.cluster = cluster
     self.trace = trace
     self.max_inflight = max_inflight
-    self._schedulers = {i.name: _IslandScheduler(i.name, trace) for i in cluster.islands}
+    if serialize_execution is None:
+      serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
+    serial = threading.Lock() if serialize_execution else None
+    self._schedulers = {i.name: _IslandScheduler(i.name, trace, serial) for i in cluster.islands}
     self._dispatch_lock = threading.Lock()
     self._inflight: collections.deque = collections.deque()
     self._step = 0

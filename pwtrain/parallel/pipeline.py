@@ -261,13 +261,17 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       if p == 0:
         exchange_bytes += (num_pods - 1) * exchange.encoded_bytes(grads_abs, compression)
 
-      def reduce_fn(*parts):
-        grads = exchange.decode(parts[0], compression)
+      def reduce_fn(*parts, stage=stage):
+        parts = [exchange.decode(part, compression) for part in parts]
+        grads = parts[0]
         for part in parts[1:]:
-          grads = jax.tree.map(jnp.add, grads, exchange.decode(part, compression))
-        return grads
+          grads = jax.tree.map(jnp.add, grads, part)
+        # Each pod's squared gradient norm, for per-pod metrics. Under pipelining a pod's
+        # embedding gradient is split in two halves; it is counted by its first-stage half.
+        counted = [{k: v for k, v in g.items() if stage.first or k != "embedding"} for g in parts]
+        return grads, jnp.stack([step_lib.sum_of_squares(g) for g in counted])
 
-      compile_("reduce", reduce_fn, parts_abs, out_shardings=grads_sharding)
+      compile_("reduce", reduce_fn, parts_abs, out_shardings=(grads_sharding, replicated))
 
     tied = num_stages > 1 and (stage.first or stage.last)
     if tied:
@@ -292,8 +296,11 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       donate_argnums=(0,),
     )
 
-    def apply_fn(state, grads, *rest, pod=p):
-      pod_stats, sumsqs = rest[:num_pods], rest[num_pods:]
+    # Pod 0's last stage reports the metrics, including each pod's gradient norm.
+    pod_norms = num_pods > 1 and not diloco and (p, s) == (0, num_stages - 1)
+
+    def apply_fn(state, grads, *rest, pod=p, pod_norms=pod_norms):
+      pod_stats, sumsqs = rest[:num_pods], rest[num_pods : num_pods + num_stages]
       stats = pod_stats[0]
       for other in pod_stats[1:]:
         stats = jax.tree.map(jnp.add, stats, other)
@@ -305,6 +312,10 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       if num_pods > 1:
         for q, st in enumerate(pod_stats):
           metrics[f"pod{q}_loss"] = st["loss_sum"] / jnp.maximum(st["tokens"], 1.0)
+      if pod_norms:
+        per_pod = jnp.sqrt(sum(rest[num_pods + num_stages :]))
+        for q, st in enumerate(pod_stats):
+          metrics[f"pod{q}_grad_norm"] = per_pod[q] / jnp.maximum(st["tokens"], 1.0)
       return new_state, metrics
 
     if diloco:
@@ -334,7 +345,14 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     compile_(
       "apply",
       apply_fn,
-      (state_abs, grads_abs, *[stats_abs] * num_pods, *[scalar] * num_stages),
+      (
+        state_abs,
+        grads_abs,
+        *[stats_abs] * num_pods,
+        *[scalar] * num_stages,
+        *[jax.ShapeDtypeStruct((num_pods,), np.float32, sharding=replicated)]
+        * (num_stages if pod_norms else 0),
+      ),
       out_shardings=(shardings, replicated),
       donate_argnums=(0,),
     )
@@ -489,6 +507,12 @@ class _Layout:
         else self._move(cell, f"{q}>{p}:stats{s}", stats_ref[q], ())
         for q in pods
       ]
+      norms = []
+      if cell == (0, last) and len(pods) > 1 and not self.diloco:
+        norms = [
+          (f"0:reduce{t}", 1) if t == s else self._move(cell, f"0:pn{t}", (f"0:reduce{t}", 1), ())
+          for t in range(num_stages)
+        ]
       self._node(
         cell,
         f"{pre}apply{s}",
@@ -497,6 +521,7 @@ class _Layout:
         (f"{pre}finish{s}", 0),
         *pod_stats,
         *sumsqs,
+        *norms,
       )
     final = {c: (f"{c[0]}:apply{c[1]}", 0) for c in self.placement}
     if outer:  # DiLoCo: every pod sends its delta; each averages them and steps the anchor

@@ -1,0 +1,398 @@
+"""Pipeline efficiency: GPipe and 1F1B over S islands vs the bubble bound and one data-parallel
+island, for a sweep of microbatch counts M, in one run.
+
+Run (8 simulated CPU devices; about 3 minutes on 2 cores):
+  python experiments/bench_pipeline.py
+  python experiments/bench_pipeline.py --stages=2 --microbatches=1,2,4 --out=/tmp/bp2.json
+Options: --config (default configs/palm_tiny.py), --set KEY=VALUE (any config key, repeatable,
+applied to both sides), --stages, --microbatches, --schedules, --steps (per timed block),
+--repeats, --compile_cache (a directory to keep compiled pieces between runs).
+
+Model: palm_tiny widened to d_model 256 (d_ff 1024, 8 heads of 32, multi-query), 4 layers,
+sequence 32, vocab 512. The global batch is FIXED at 16 sequences for every M (the same
+optimisation problem and the same FLOPs per step; as M grows the microbatches shrink, so the
+bubble shrinks while per-node overheads grow: the real trade-off). Islands are 8/S devices,
+data-parallel inside (parallel.data=-1), so M must leave each island an even microbatch; M
+values that do not are skipped with a note.
+
+Measured, per schedule and M:
+  step ms     pipelined step through the Controller (as pwtrain.train drives it: dispatch
+              without waiting, backend.max_inflight_steps in flight), median over blocks;
+  single ms   the same model and global batch as ONE island of all 8 devices (spmd step,
+              data parallel, no microbatching); blocks alternate pipe, single, pipe, single...
+              so that machine noise hits both alike;
+  pipe/single throughput ratio = single ms / step ms.
+  c_s         per-microbatch compute of stage s: F+B (B re-computes the forward), or FB on the
+              last stage, timed in isolation: one step is run node by node in the program's
+              order, blocking on each node (the "serial profile").
+  eff         (M * sum_s c_s / S) / step ms: the fraction of the step an average island spends
+              on microbatch compute. On S truly parallel islands with balanced stages and no
+              overhead it approaches the bubble bound M / (M + S - 1).
+  sim ms      the step replayed on S parallel islands: each node takes its isolated time and
+              starts when its island's previous node and its inputs are done (transfers occupy
+              their destination island, as the controller queues them there); sim eff uses
+              sim ms. This is what the emitted schedule would achieve on real parallel
+              hardware with this per-node cost, including stage imbalance, the end-of-step
+              nodes (gradient sums, tied embedding, norm, optimizer) and transfer costs.
+  serial ms   the sum of all the step's isolated node times; serial/step > 1 means the
+              islands overlapped some work, < 1 means runtime overhead beyond compute.
+
+Caveat: this machine's "devices" are CPU threads simulated by XLA on few cores (2 when this was
+written). Islands do not compute in parallel, so the measured pipelined step is roughly the
+SUM of all stages' work, not the max; eff then cannot exceed about 1/S x (cores used), and the
+pipe/single ratio reflects per-node overheads and smaller matmuls, not the bubble. What stays
+meaningful: the serial profile (per-stage cost and balance, per-node overheads as M grows), the
+simulated efficiency against the bubble bound (does the emitted schedule reach it?), GPipe vs
+1F1B, and serial/step (does the asynchronous runtime add overhead over bare compute?).
+"""
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["XLA_FLAGS"] = (
+  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pwtrain import config as config_lib  # noqa: E402
+from pwtrain import optim  # noqa: E402
+from pwtrain.backend import Controller, Node, Transfer  # noqa: E402
+from pwtrain.parallel import build_step_program  # noqa: E402
+from pwtrain.parallel import plan as plan_lib  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODEL = {
+  "model.d_model": 256,
+  "model.d_ff": 1024,
+  "model.num_heads": 8,
+  "model.head_dim": 32,
+  "model.num_layers": 4,
+  "data.seq_len": 32,
+  "train.global_batch": 16,
+}
+COMPUTE = re.compile(r"(?:^|:)(FB|F|B)(\d+)\.(\d+)$")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  p.add_argument("--stages", type=int, default=4, help="S: stages, one island of 8/S devices each")
+  p.add_argument("--microbatches", default="1,2,4,8", help="M values, comma-separated")
+  p.add_argument("--schedules", default="gpipe,1f1b")
+  p.add_argument("--steps", type=int, default=2, help="steps per timed block")
+  p.add_argument("--repeats", type=int, default=3, help="timed blocks per side and config")
+  p.add_argument(
+    "--profile_steps", type=int, default=2, help="serial-profile steps (min per node is kept)"
+  )
+  p.add_argument("--compile_cache", default=None, help="persistent compile cache directory")
+  p.add_argument("--out", default="/tmp/bench_pipeline.json")
+  return p.parse_args(argv)
+
+
+def load_config(path: str, overrides: dict):
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.unlock()
+  for key, value in overrides.items():
+    *sections, name = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return config
+
+
+def parse_sets(items: list[str]) -> dict:
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set {item!r} must be KEY=VALUE")
+    try:
+      out[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[key] = text
+  return out
+
+
+def make_batches(config, num: int, seed: int = 0) -> list[dict]:
+  rng = np.random.default_rng(seed)
+  shape = (config.train.global_batch, config.data.seq_len + 1)
+  out = []
+  for _ in range(num):
+    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
+    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
+  return out
+
+
+class Side:
+  """One compiled step program on its own Controller, with its state threaded through."""
+
+  def __init__(self, config, batches):
+    config_lib.validate(config)
+    self.config, self.batches, self.i = config, batches, 0
+    cluster = plan_lib.make_cluster(config)
+    plan = plan_lib.build(config, cluster)
+    tx, schedule = optim.build(config.optim, config.train.num_steps)
+    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
+    t = time.perf_counter()
+    self.step_program = build_step_program(config, plan, self.controller, tx, schedule)
+    self.compile_s = time.perf_counter() - t
+    self.state = self.step_program.init()
+
+  def inputs(self) -> dict:
+    batch = self.batches[self.i % len(self.batches)]
+    self.i += 1
+    return {**self.state, **self.step_program.feed(batch)}
+
+  def run(self, n: int) -> float:
+    """Seconds per step over `n` steps, from the first dispatch to the last step's outputs."""
+    program = self.step_program.program
+    start = time.perf_counter()
+    for _ in range(n):
+      out = self.controller.run(program, self.inputs())
+      self.state = {k: out[k] for k in self.step_program.state_keys}
+    jax.block_until_ready([f.result() for f in out.values()])
+    elapsed = time.perf_counter() - start
+    self.controller.wait()
+    self.state = {k: v.result() for k, v in self.state.items()}
+    return elapsed / n
+
+  def profile(self) -> dict:
+    """One step node by node in program order, blocking on each: {node: (island, seconds)}."""
+    program, inputs, values, times = self.step_program.program, self.inputs(), {}, {}
+
+    def get(ref):
+      if isinstance(ref, str):
+        return inputs[ref]
+      value = values[ref[0]]
+      return value[ref[1]] if isinstance(value, tuple) else value
+
+    for node in program.nodes:
+      t = time.perf_counter()
+      if isinstance(node, Node):
+        out = node.executable.compiled(*[get(r) for r in node.args])
+      else:
+        assert isinstance(node, Transfer)
+        out = jax.device_put(get(node.src), node.sharding)
+      jax.block_until_ready(out)
+      times[node.name] = (node.island, time.perf_counter() - t)
+      values[node.name] = out
+    self.state = {k: get(program.outputs[k]) for k in self.step_program.state_keys}
+    return times
+
+  def close(self):
+    self.controller.close()
+
+
+def simulate(program, times: dict) -> float:
+  """Step time with islands in parallel: a node starts when its island is free and its inputs
+  are done. Program order is a topological order that keeps each island's queue order."""
+  done, free = {}, {}
+  for node in program.nodes:
+    refs = node.args if isinstance(node, Node) else (node.src,)
+    ready = max([done[r[0]] for r in refs if not isinstance(r, str)], default=0.0)
+    island, seconds = times[node.name]
+    done[node.name] = max(ready, free.get(island, 0.0)) + seconds
+    free[island] = done[node.name]
+  return max(done.values())
+
+
+def stage_costs(times: dict, num_stages: int) -> list[float]:
+  """Per-microbatch compute of each stage (median over microbatches of F+B, or FB), seconds."""
+  per = {}
+  for name, (_, seconds) in times.items():
+    m = COMPUTE.search(name)
+    if m:
+      key = (int(m.group(2)), int(m.group(3)))
+      per[key] = per.get(key, 0.0) + seconds
+  costs = [statistics.median(v for (s, _), v in per.items() if s == st) for st in range(num_stages)]
+  return costs
+
+
+def kind_costs(times: dict, num_stages: int) -> list[dict]:
+  """Per stage: median ms of each compute kind (F, B, FB per microbatch; the rest per step)."""
+  per = [{} for _ in range(num_stages)]
+  for name, (_, seconds) in times.items():
+    m = COMPUTE.search(name) or re.search(r"(?:^|:)(zeros|emb|finish|reduce|enc|apply)(\d+)$", name)
+    if m and int(m.group(2)) < num_stages:
+      per[int(m.group(2))].setdefault(m.group(1), []).append(seconds * 1e3)
+  return [{k: statistics.median(v) for k, v in sorted(d.items())} for d in per]
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  load_start = os.getloadavg()
+  cache = args.compile_cache or tempfile.mkdtemp(prefix="bench_pipeline_cache_")
+  # Pieces that do not depend on the schedule or M (init, optimizer update, ...) compile once.
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  num_stages, num_devices = args.stages, len(jax.devices())
+  micros = [int(m) for m in args.microbatches.split(",")]
+  schedules = args.schedules.split(",")
+  common = {**MODEL, **parse_sets(args.set)}
+  t_start = time.perf_counter()
+
+  single_config = load_config(
+    args.config,
+    {
+      **common,
+      "parallel.islands": 1,
+      "parallel.stages": 1,
+      "parallel.data": -1,
+      "train.num_microbatches": 1,
+    },
+  )
+  batches = make_batches(single_config, 4)
+  single = Side(single_config, batches)
+  single.run(2)  # warm up
+  gb, seq = single_config.train.global_batch, single_config.data.seq_len
+  print(
+    f"model d_model={single_config.model.d_model} layers={single_config.model.num_layers} "
+    f"seq={seq} global_batch={gb} (fixed); {num_devices} {jax.devices()[0].platform} devices; "
+    f"single island: {single.compile_s:.1f}s to compile"
+  )
+  print(
+    f"NOTE: {num_devices} simulated devices on {os.cpu_count()} CPU cores: islands do not run "
+    "in parallel here; see the module docstring for what the numbers mean."
+  )
+
+  rows = []
+  for micro in micros:
+    for schedule in schedules:
+      config = load_config(
+        args.config,
+        {
+          **common,
+          "parallel.islands": num_stages,
+          "parallel.stages": num_stages,
+          "parallel.data": -1,
+          "parallel.schedule": schedule,
+          "train.num_microbatches": micro,
+        },
+      )
+      try:
+        pipe = Side(config, batches)
+      except ValueError as e:
+        print(f"skip {schedule} M={micro}: {e}")
+        continue
+      pipe.run(1)  # warm up
+      # Each node's isolated time: the least over a few profiled steps (noise only adds).
+      runs = [pipe.profile() for _ in range(args.profile_steps)]
+      times = {k: (v[0], min(r[k][1] for r in runs)) for k, v in runs[0].items()}
+      pipe_blocks, single_blocks = [], []
+      for _ in range(args.repeats):
+        pipe_blocks.append(pipe.run(args.steps))
+        single_blocks.append(single.run(args.steps))
+      pipe.close()
+      costs = stage_costs(times, num_stages)
+      step, one = statistics.median(pipe_blocks), statistics.median(single_blocks)
+      sim = simulate(pipe.step_program.program, times)
+      work = micro * sum(costs) / num_stages
+      serial = sum(s for _, s in times.values())
+      xfer = sum(s for n, (_, s) in times.items() if n in _transfers(pipe.step_program.program))
+      row = {
+        "schedule": schedule,
+        "stages": num_stages,
+        "microbatches": micro,
+        "microbatch_size": gb // micro,
+        "compile_s": pipe.compile_s,
+        "step_ms": step * 1e3,
+        "single_ms": one * 1e3,
+        "throughput_ratio": one / step,
+        "stage_ms": [c * 1e3 for c in costs],
+        "stage_kind_ms": kind_costs(times, num_stages),
+        "efficiency": work / step,
+        "sim_ms": sim * 1e3,
+        "sim_efficiency": work / sim,
+        "bubble_bound": micro / (micro + num_stages - 1),
+        "serial_ms": serial * 1e3,
+        "serial_over_step": serial / step,
+        "transfer_ms": xfer * 1e3,
+        "num_nodes": len(times),
+        "step_blocks_ms": [b * 1e3 for b in pipe_blocks],
+        "single_blocks_ms": [b * 1e3 for b in single_blocks],
+      }
+      rows.append(row)
+      print(
+        f"{schedule:5} M={micro:<2} step {row['step_ms']:7.1f} ms  single {row['single_ms']:6.1f} "
+        f"ms  stage ms/microbatch {[round(c, 1) for c in row['stage_ms']]}  compile "
+        f"{pipe.compile_s:.1f}s  [{time.perf_counter() - t_start:.0f}s]",
+        flush=True,
+      )
+  single.close()
+  if args.compile_cache is None:
+    shutil.rmtree(cache, ignore_errors=True)
+
+  print()
+  header = (
+    f"{'schedule':8} {'S':>2} {'M':>3} {'mb':>3} {'step ms':>8} {'single ms':>9} "
+    f"{'pipe/single':>11} {'eff':>5} {'sim ms':>7} {'sim eff':>7} {'bound':>5} "
+    f"{'serial ms':>9} {'serial/step':>11} {'xfer ms':>7}"
+  )
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    print(
+      f"{r['schedule']:8} {r['stages']:>2} {r['microbatches']:>3} {r['microbatch_size']:>3} "
+      f"{r['step_ms']:8.1f} {r['single_ms']:9.1f} {r['throughput_ratio']:11.2f} "
+      f"{r['efficiency']:5.2f} {r['sim_ms']:7.1f} {r['sim_efficiency']:7.2f} "
+      f"{r['bubble_bound']:5.2f} {r['serial_ms']:9.1f} {r['serial_over_step']:11.2f} "
+      f"{r['transfer_ms']:7.1f}"
+    )
+  print(
+    "eff = (M * sum_s c_s / S) / step ms, c_s = stage s's isolated F+B (or FB) time per "
+    "microbatch;\nsim = the step replayed on S parallel islands with isolated node times; "
+    "bound = M/(M+S-1);\nserial = sum of the step's isolated node times (islands cannot overlap "
+    "on this CPU, so serial/step ~ 1 means little runtime overhead)."
+  )
+  load = os.getloadavg()
+  if max(load[0], load_start[0]) > (os.cpu_count() or 1):
+    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
+  result = {
+    "argv": sys.argv[1:],
+    "config": args.config,
+    "model": common,
+    "devices": num_devices,
+    "platform": jax.devices()[0].platform,
+    "cpu_count": os.cpu_count(),
+    "host": platform.node(),
+    "jax": jax.__version__,
+    "loadavg_start": load_start,
+    "loadavg_end": load,
+    "steps_per_block": args.steps,
+    "repeats": args.repeats,
+    "single_compile_s": single.compile_s,
+    "rows": rows,
+  }
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f}s)")
+  return result
+
+
+def _transfers(program) -> set:
+  return {n.name for n in program.nodes if isinstance(n, Transfer)}
+
+
+if __name__ == "__main__":
+  main()
