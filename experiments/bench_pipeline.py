@@ -49,6 +49,7 @@ simulated efficiency against the bubble bound (does the emitted schedule reach i
 import argparse
 import ast
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -102,6 +103,11 @@ def parse_args(argv=None):
   )
   p.add_argument("--compile_cache", default=None, help="persistent compile cache directory")
   p.add_argument("--out", default="/tmp/bench_pipeline.json")
+  p.add_argument(
+    "--concurrent",
+    action="store_true",
+    help="Controller(serialize_execution=False): let islands run at once on CPU (needs cores)",
+  )
   return p.parse_args(argv)
 
 
@@ -146,13 +152,16 @@ def make_batches(config, num: int, seed: int = 0) -> list[dict]:
 class Side:
   """One compiled step program on its own Controller, with its state threaded through."""
 
-  def __init__(self, config, batches):
+  def __init__(self, config, batches, concurrent=False):
     config_lib.validate(config)
     self.config, self.batches, self.i = config, batches, 0
     cluster = plan_lib.make_cluster(config)
     plan = plan_lib.build(config, cluster)
     tx, schedule = optim.build(config.optim, config.train.num_steps)
-    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
+    kwargs = {"serialize_execution": False} if concurrent else {}
+    if concurrent and "serialize_execution" not in inspect.signature(Controller).parameters:
+      raise SystemExit("--concurrent: this Controller has no serialize_execution option")
+    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, **kwargs)
     t = time.perf_counter()
     self.step_program = build_step_program(config, plan, self.controller, tx, schedule)
     self.compile_s = time.perf_counter() - t
@@ -263,7 +272,7 @@ def main(argv=None):
     },
   )
   batches = make_batches(single_config, 4)
-  single = Side(single_config, batches)
+  single = Side(single_config, batches, args.concurrent)
   single.run(2)  # warm up
   gb, seq = single_config.train.global_batch, single_config.data.seq_len
   print(
@@ -291,7 +300,7 @@ def main(argv=None):
         },
       )
       try:
-        pipe = Side(config, batches)
+        pipe = Side(config, batches, args.concurrent)
       except ValueError as e:
         print(f"skip {schedule} M={micro}: {e}")
         continue
@@ -382,6 +391,13 @@ def main(argv=None):
     "steps_per_block": args.steps,
     "repeats": args.repeats,
     "single_compile_s": single.compile_s,
+    "concurrent": args.concurrent,
+    "serialized_execution": not args.concurrent
+    and any(
+      s.serial is not None
+      for s in getattr(single.controller, "_schedulers", {}).values()
+      if hasattr(s, "serial")
+    ),
     "rows": rows,
   }
   with open(args.out, "w") as f:

@@ -9,30 +9,40 @@ Draw an existing trace (e.g. from a training run with tracing on):
   python experiments/pipeline_timeline.py --trace=/tmp/pp/trace.json
 Options: --config, --set KEY=VALUE (any config key, repeatable), --schedule (gpipe|1f1b),
 --microbatches, --steps (recorded steps), --step (which controller step to draw; default a
-steady-state one), --out_dir (default /tmp/pwtrain_timeline).
+steady-state one), --out_dir (default /tmp/pwtrain_timeline), --concurrent (record with
+Controller(serialize_execution=False)), --serialized (auto|yes|no, see below).
 
 Recording. The step program is built exactly as pwtrain.train does and driven through a
 `Controller(trace=Trace())` with the config's `backend.max_inflight_steps`, on random token
 batches (no data pipeline); then `trace.write(<out_dir>/trace.json)` (open it in
-https://ui.perfetto.dev) and the picture is drawn from that JSON, as with --trace.
+https://ui.perfetto.dev), each transfer's source node beside it (trace.sources.json), and the
+picture is drawn from those files, as with --trace.
 
 The picture (<out_dir>/timeline.png): one row per island over the chosen step's time window.
 Bars are the execute spans of Trace.to_chrome (a node starts when it was launched and the
 island's previous node finished, and ends when its outputs were ready): forward F, backward B,
 fused forward+loss+backward FB of the last stage, labelled by microbatch; zeros, emb, finish,
-apply; and transfers (thin bars). A transfer's span in the trace starts when its island's
-scheduler handed it to the runtime, which is as soon as its source node was *launched*, so it
-also covers the wait for the source's data. For pipeline programs the picture starts a transfer
-bar when its source node (named by the pipeline's conventions, e.g. act2.5 <- F1.5) finished,
-so that waiting shows as white space: the bubble. Nodes of neighbouring steps in the window are
-grey. Ticks above each row mark when the controller dispatched (enqueued) the step's nodes for
-that island: the whole step is enqueued long before it runs.
+reduce, apply; and transfers (thin bars). A transfer's span in the trace starts when its
+island's scheduler handed it to the runtime, which is as soon as its source node was
+*launched*, so it also covers the wait for the source's data; the picture starts a transfer bar
+when its source node finished (sources from trace.sources.json, else guessed from the
+pipeline's names, e.g. act2.5 <- F1.5), so that waiting shows as white space: the bubble. Nodes
+of neighbouring steps in the window are grey. Ticks above each row mark when the controller
+dispatched (enqueued) the step's nodes for that island: the whole step is enqueued long before
+it runs.
+
+Serialized execution. On CPU, pwtrain's Controller runs one computation at a time over all
+islands (serialize_execution, to avoid XLA CPU collective deadlocks) and stamps `launch` only
+after the computation finished, so the trace's spans are slivers. Such traces are detected
+(--serialized=auto: span time < 20% of wall time) and each node is drawn from the previous
+launch stamp of any island (or its own dispatch, if later) to its own launch stamp.
 """
 
 import argparse
 import ast
 import collections
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -76,6 +86,17 @@ def parse_args(argv=None):
   p.add_argument("--step", type=int, default=None, help="controller step to draw")
   p.add_argument("--trace", default=None, help="draw this trace.json instead of recording")
   p.add_argument("--out_dir", default="/tmp/pwtrain_timeline")
+  p.add_argument(
+    "--concurrent",
+    action="store_true",
+    help="record with Controller(serialize_execution=False): islands overlap on CPU too",
+  )
+  p.add_argument(
+    "--serialized",
+    choices=("auto", "yes", "no"),
+    default="auto",
+    help="the trace comes from serialized execution (spans rebuilt from launch stamps)",
+  )
   return p.parse_args(argv)
 
 
@@ -118,7 +139,7 @@ def random_batches(config, num: int, seed: int = 0) -> list[dict]:
   return out
 
 
-def record(config, num_steps: int, path: str):
+def record(config, num_steps: int, path: str, concurrent: bool = False):
   """Runs `num_steps` steps through a traced Controller; writes the Chrome trace and, beside it,
   each transfer's source node (`<path>.sources.json`). Returns (trace dict, sources)."""
   import jax
@@ -135,7 +156,10 @@ def record(config, num_steps: int, path: str):
   tx, schedule = optim.build(config.optim, config.train.num_steps)
   trace = Trace()
   max_inflight = config.backend.max_inflight_steps
-  with Controller(cluster, max_inflight=max_inflight, trace=trace) as controller:
+  kwargs = {"serialize_execution": False} if concurrent else {}
+  if concurrent and "serialize_execution" not in inspect.signature(Controller).parameters:
+    raise ValueError("--concurrent: this Controller has no serialize_execution option")
+  with Controller(cluster, max_inflight=max_inflight, trace=trace, **kwargs) as controller:
     program = build_step_program(config, plan, controller, tx, schedule)
     state = program.init()
     for batch in random_batches(config, num_steps):
@@ -259,6 +283,27 @@ def correct_transfers(spans: list, sources: dict | None) -> None:
         s["start"] = min(max(s["start"], src["end"]), s["end"])
 
 
+def is_serialized(spans: list) -> bool:
+  """Execution serialized across islands (pwtrain's CPU default) stamps `launch` after the
+  computation ran, so the trace's execute spans are slivers: far less busy time than wall time."""
+  wall = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+  return sum(s["end"] - s["start"] for s in spans) < 0.2 * wall
+
+
+def rebuild_serialized(spans: list, dispatches: list) -> None:
+  """One computation at a time, across all islands: each node ran from the previous node's
+  launch stamp (or its own dispatch, if later) to its own launch stamp."""
+  sent = {(d["name"], d["step"]): d["t"] for d in dispatches}
+  previous = None
+  for s in sorted(spans, key=lambda s: s["start"]):
+    stamp = s["start"]  # max(launch, previous done on the island) = launch here
+    start = sent.get((s["name"], s["step"]), stamp)
+    if previous is not None:
+      start = max(start, previous)
+    s["start"], s["end"] = min(start, stamp), stamp
+    previous = stamp
+
+
 def pick_step(spans: list, transfers, requested=None) -> int:
   steps = sorted({s["step"] for s in spans})
   if requested is not None:
@@ -271,7 +316,7 @@ def pick_step(spans: list, transfers, requested=None) -> int:
   return compute[-2] if len(compute) >= 3 else compute[-1]
 
 
-def summarize(islands: dict, spans: list, dispatches: list, step: int, transfers) -> dict:
+def summarize(islands, spans, dispatches, step: int, transfers, serialized: bool) -> dict:
   mine = [s for s in spans if s["step"] == step]
   t0, t1 = min(s["start"] for s in mine), max(s["end"] for s in mine)
   busy = {}
@@ -284,6 +329,7 @@ def summarize(islands: dict, spans: list, dispatches: list, step: int, transfers
   sent = [d["t"] for d in dispatches if d["step"] == step]
   return {
     "step": step,
+    "serialized": serialized,
     "step_ms": t1 - t0,
     "num_nodes": len(sent),
     "dispatch_ms": max(sent) - min(sent),  # first to last enqueue of the step's nodes
@@ -293,7 +339,7 @@ def summarize(islands: dict, spans: list, dispatches: list, step: int, transfers
   }
 
 
-def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dict:
+def draw(trace: dict, png: str, step=None, title: str = "", sources=None, serialized="auto"):
   import matplotlib
 
   matplotlib.use("Agg")
@@ -302,9 +348,14 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
 
   islands, spans, dispatches = parse_chrome(trace)
   transfers = set(sources or ())
-  correct_transfers(spans, sources)
+  serial = is_serialized(spans) if serialized == "auto" else serialized == "yes"
+  if serial:
+    rebuild_serialized(spans, dispatches)
+    title += "serialized execution (spans rebuilt from launch stamps) - "
+  else:
+    correct_transfers(spans, sources)
   step = pick_step(spans, transfers, step)
-  summary = summarize(islands, spans, dispatches, step, transfers)
+  summary = summarize(islands, spans, dispatches, step, transfers, serial)
   mine = [s for s in spans if s["step"] == step]
   sent = [d for d in dispatches if d["step"] == step]
   origin = min(s["start"] for s in mine)
@@ -376,15 +427,15 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None) -> dic
     "(ticks; clipped at the left edge)",
     fontsize=10,
   )
-  fig.text(
-    0.01,
-    0.01,
-    "Bars: execute spans from Trace.to_chrome (start = max(launch, previous node on the island "
-    "done), end = outputs ready). A node whose outputs are all donated onward (e.g. B on the first "
-    "stage, zeros) gets no reliable completion time: its run shows in the next bar.",
-    fontsize=7,
-    color="#555555",
+  note = (
+    "Serialized execution (one computation at a time over all islands, pwtrain's CPU default): "
+    "each bar runs from the previous launch stamp (or its dispatch) to its own launch stamp."
+    if serial
+    else "Bars: execute spans from Trace.to_chrome (start = max(launch, previous node on the "
+    "island done), end = outputs ready). A node whose outputs are all donated onward (e.g. B on "
+    "the first stage, zeros) gets no reliable completion time: its run shows in the next bar."
   )
+  fig.text(0.01, 0.01, note, fontsize=7, color="#555555")
   ax.grid(axis="x", color="#EEEEEE")
   ax.set_axisbelow(True)
   fig.tight_layout(rect=(0, 0.03, 1, 1))
@@ -412,13 +463,14 @@ def main(argv=None):
     if args.microbatches:
       config.train.num_microbatches = args.microbatches
     config.lock()
-    trace, sources = record(config, args.steps, os.path.join(args.out_dir, "trace.json"))
+    path = os.path.join(args.out_dir, "trace.json")
+    trace, sources = record(config, args.steps, path, args.concurrent)
     title = (
       f"{pathlib.Path(args.config).stem}: {config.parallel.stages} stages, "
       f"{config.parallel.schedule}, M={config.train.num_microbatches}, "
       f"batch {config.train.global_batch}x{config.data.seq_len} - "
     )
-  summary = draw(trace, png, args.step, title, sources)
+  summary = draw(trace, png, args.step, title, sources, args.serialized)
   print(
     f"step {summary['step']}: {summary['step_ms']:.1f} ms; {summary['num_nodes']} nodes "
     f"dispatched in {summary['dispatch_ms']:.1f} ms, the last {summary['dispatch_lead_ms']:.0f} "

@@ -17,17 +17,26 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pwtrain import train  # noqa: E402
+from pwtrain.parallel import dryrun  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pwtrain", "Checkpoints, metrics and traces.")
+_DRY_RUN = flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Print the plan for the configured cluster and exit; uses no devices, writes nothing.",
+)
 
 
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
+  if _DRY_RUN.value:
+    print(dryrun.report(_CONFIG.value))
+    return
   train.run(_CONFIG.value, _WORKDIR.value)
 
 

@@ -58,7 +58,7 @@ def plan(**overrides):
     ({"train.global_batch": 12}, "train.global_batch=12 must be divisible by"),
     (
       {"parallel.data": 4, "parallel.tensor": 2, "train.num_microbatches": 8},
-      "parallel.data * parallel.fsdp * train.num_microbatches = 4 * 8 = 32",
+      "parallel.data * parallel.fsdp * train.num_microbatches = 1 * 4 * 8 = 32",
     ),
     ({"parallel.islands": 3}, "parallel.islands=3"),
     ({"parallel.islands": 0}, "parallel.islands=0 must be >= 1"),

@@ -17,8 +17,9 @@ d/H/K/g/F = d_model/num_heads/head_dim/num_kv_heads/d_ff, T = seq_len):
                 8 V/t (float32 logits and their gradient) + B d. With per-layer remat a layer
                 keeps only its input (B d) and one layer's full set is live during its backward.
   compute       the step's matmul FLOPs (stages.layer_costs; x 4/3 when the forward is
-                recomputed: remat or pipeline backward) / (devices x peak x efficiency),
-                times the pipeline bubble (M + S - 1) / M.
+                recomputed: a pipeline stage's backward, or remat, assumed whenever the
+                activations as the step saves them do not fit) / (devices x peak x
+                efficiency), times the pipeline bubble (M + S - 1) / M.
   cross-pod     each pod sends its (encoded) gradients to every other pod; each host sends its
                 devices' share, bytes / hosts per island, at the host's DCN bandwidth. Exposed:
                 all of it (sync), the part the backward cannot hide (overlapped), what exceeds a
@@ -213,6 +214,24 @@ def _head_activation_bytes(m, tensor: int) -> float:
   return 8 * math.ceil(m.vocab_size / tensor) + jnp.dtype(m.dtype).itemsize * m.d_model
 
 
+def _exposed_s(config, transfer_s: float, compute_s: float | None) -> float | None:
+  """The part of the cross-pod transfer the step waits for."""
+  mode = config.exchange.mode
+  if mode == "sync":  # sent when the backward is done, summed before the update
+    return transfer_s
+  if mode == "diloco":  # one exchange every inner_steps steps
+    return transfer_s / config.exchange.inner_steps
+  if compute_s is None:
+    return None
+  if mode == "stale":  # a whole step to arrive
+    return max(0.0, transfer_s - compute_s)
+  # overlapped: a bucket's transfer hides under the backward of the buckets after it; the last
+  # bucket's is always exposed.
+  buckets = min(config.exchange.buckets, config.model.num_layers)
+  backward_s = compute_s * 2 / 3
+  return max(transfer_s / buckets, transfer_s - backward_s * (buckets - 1) / buckets)
+
+
 def estimate(config) -> dict:
   """The plan and its cost model for `config` on its configured cluster, as numbers.
 
@@ -352,38 +371,28 @@ def estimate(config) -> dict:
     bubble = (num_micro + num_islands_per_pod - 1) / num_micro
     compute_s = max(island_s) * bubble
 
-  # In-island collectives, per device and step (assumed overlapped with compute).
+  # In-island collectives, per device and step (assumed overlapped with compute): FSDP
+  # all-gathers of the parameters in each pass (forward, backward, recomputed forward) and the
+  # gradient reduce-scatter, per microbatch; one tensor all-reduce of the block output per layer
+  # and pass (PaLM's parallel block sums attention and MLP before reducing); the data-parallel
+  # gradient all-reduce once per step.
+  passes = 3 if remat else 2
   param_bytes = max(r["param_bytes"] for r in island_rows)
-  gathers = 3 if remat else 2  # forward, backward (and the recomputed forward)
-  fsdp_bytes = num_micro * (gathers + 1) * (f - 1) * param_bytes  # + gradient reduce-scatter
   layers = max(sum(s.num_layers for s in sl) for sl in islands.values())
-  # PaLM's parallel block needs one all-reduce forward and one backward (plus the recompute).
   allreduce = 2 * (t - 1) / t * tokens_per_device * m.d_model * act_bytes
-  tensor_bytes = num_micro * layers * gathers * allreduce
-  data_bytes = 2 * (dp - 1) / dp * param_bytes
-  ici_bytes = fsdp_bytes + tensor_bytes + data_bytes
+  ici_bytes = (
+    num_micro * (passes + 1) * (f - 1) * param_bytes
+    + num_micro * layers * passes * allreduce
+    + 2 * (dp - 1) / dp * param_bytes
+  )
   ici_s = ici_bytes / hw.ici_bytes_per_s if hw.ici_bytes_per_s else None
 
-  # Cross-pod exchange.
-  mode = config.exchange.mode
+  # Cross-pod exchange: each host sends its devices' share to its counterpart in every other pod.
   per_host = max(r["gradient_bytes_per_pod"] for r in island_rows) / hosts_per_island
-  transfer_s = exposed_s = None
+  transfer_s = exposed_s = 0.0 if not exchanges else None
   if exchanges and hw.dcn_bytes_per_s:
     transfer_s = (num_pods - 1) * per_host / hw.dcn_bytes_per_s
-    if compute_s is None:
-      exposed_s = transfer_s if mode == "sync" else None
-    elif mode == "sync":
-      exposed_s = transfer_s
-    elif mode == "overlapped":
-      buckets = min(config.exchange.buckets, m.num_layers)
-      backward_s = compute_s * 2 / 3
-      exposed_s = max(transfer_s / buckets, transfer_s - backward_s * (buckets - 1) / buckets)
-    elif mode == "stale":
-      exposed_s = max(0.0, transfer_s - compute_s)
-    else:  # diloco: one exchange every inner_steps steps
-      exposed_s = transfer_s / config.exchange.inner_steps
-  elif not exchanges:
-    transfer_s = exposed_s = 0.0
+    exposed_s = _exposed_s(config, transfer_s, compute_s)
 
   flops_per_token = plan_lib.flops_per_token(config)
   num_devices = devices_per_island * len(plan.islands)
@@ -418,7 +427,7 @@ def estimate(config) -> dict:
     "ici_bytes": ici_bytes,
     "ici_s": ici_s,
     "exchange": {
-      "mode": mode if exchanges else None,
+      "mode": config.exchange.mode if exchanges else None,
       "compression": compression,
       # Gradients one pod sends to one other pod per (outer) step; the whole step sends
       # (pods - 1) x this per pod (= the step program's exchange_bytes).
