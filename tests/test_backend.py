@@ -149,3 +149,22 @@ def test_max_inflight_bounds_run_ahead():
     assert first["y"].result().is_ready()
   with pytest.raises(ValueError, match="backend.max_inflight_steps=-1 must be >= 0"):
     Controller(cluster, max_inflight=-1)
+
+
+def test_resource_manager_spreads_clients_then_shares_islands():
+  from pwtrain.backend import ResourceManager
+
+  cluster = Cluster.local([2, 2, 2, 2])
+  rm = ResourceManager(cluster)
+  a = rm.allocate("a", 2, 2)
+  b = rm.allocate("b", 2, 2)
+  assert [i.name for i in a] == ["island0", "island1"]
+  assert [i.name for i in b] == ["island2", "island3"]  # least loaded first
+  c = rm.allocate("c", 3, 2)  # more than are free: shares, least loaded, in cluster order
+  assert len(c) == 3 and all(rm.load(i.name) == 2 for i in c)
+  rm.release("a")
+  assert rm.load("island0") == (1 if cluster["island0"] in c else 0)
+  with pytest.raises(ValueError, match="5 islands of 2 devices requested, but the cluster has 4"):
+    rm.allocate("d", 5, 2)
+  with pytest.raises(ValueError, match="already holds islands"):
+    rm.allocate("b", 1, 2)

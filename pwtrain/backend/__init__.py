@@ -3,6 +3,17 @@
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.controller import Controller, Executable
 from pwtrain.backend.program import Node, Program, Transfer
+from pwtrain.backend.resources import ResourceManager
 from pwtrain.backend.trace import Trace
 
-__all__ = ["Cluster", "Controller", "Executable", "Island", "Node", "Program", "Trace", "Transfer"]
+__all__ = [
+  "Cluster",
+  "Controller",
+  "Executable",
+  "Island",
+  "Node",
+  "Program",
+  "ResourceManager",
+  "Trace",
+  "Transfer",
+]

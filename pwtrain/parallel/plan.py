@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.backend.resources import ResourceManager
 from pwtrain.parallel.sharding import MESH_AXES
 from pwtrain.parallel.stages import make_stages
 
@@ -73,7 +74,9 @@ def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
     )
 
 
-def build(config, cluster: Cluster) -> Plan:
+def build(config, cluster: Cluster, resources: ResourceManager | None = None) -> Plan:
+  """The plan for `config` on `cluster`; its islands are allocated from `resources` (a fresh
+  resource manager for the cluster unless one shared with other clients is given)."""
   stages, pods = config.parallel.stages, config.parallel.pods
   for key, value in (("stages", stages), ("pods", pods)):
     if value < 1:
@@ -90,12 +93,14 @@ def build(config, cluster: Cluster) -> Plan:
     )
   if stages > 1:
     make_stages(config)  # checks parallel.stage_boundaries
-  island = cluster.islands[0]
+  resources = resources or ResourceManager(cluster)
+  islands = resources.allocate("train", stages * pods, cluster.islands[0].num_devices)
+  island = islands[0]
   # The model's own divisibility is the clearer error, so it is checked before the mesh fill.
   check_model_divisibility(config, {a: int(config.parallel[a]) for a in MESH_AXES})
   mesh_shape = resolve_mesh_shape(config.parallel, island.num_devices)
   check_divisibility(config, mesh_shape)
-  return Plan(islands=cluster.islands, mesh_shape=mesh_shape)
+  return Plan(islands=islands, mesh_shape=mesh_shape)
 
 
 def make_cluster(config, devices=None) -> Cluster:
