@@ -80,6 +80,7 @@ def get_config(arg=None):
   c.exchange = ml_collections.ConfigDict()  # how pods share gradients (parallel.pods > 1)
   c.exchange.mode = "sync"  # "sync" (PaLM), "overlapped", "stale" or "diloco" (exchange.py)
   c.exchange.compression = "none"  # "none", "bf16" or "int8" (one scale per row)
+  c.exchange.error_feedback = False  # carry what compression lost into the next step
   c.exchange.buckets = 4  # overlapped, one stage: chunks of layers whose grads go separately
   c.exchange.inner_steps = 10  # diloco: local steps between outer steps (H)
   c.exchange.outer_lr = 0.7  # diloco: outer SGD learning rate (DiLoCo's value)

@@ -19,7 +19,9 @@ global batch; the exchange makes every pod apply the same update, PaLM-style:
               their parameters to it. Pods are identical after each outer step; their inner
               optimizer states stay their own (so checkpoints hold every pod's state).
 Compression applies to what is sent; every pod sums the decoded values, its own included, so the
-pods stay identical under compression too.
+pods stay identical under compression too. With error feedback, what a step's encoding lost is
+added to the next step's gradients before encoding, so nothing is lost for good (the residuals
+differ per pod, so checkpoints then hold every pod's state).
 """
 
 import jax
@@ -60,6 +62,13 @@ def _int8_encode(x):
   scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
   scale = jnp.where(scale == 0, 1.0, scale)
   return {"q": jnp.round(x / scale).astype(jnp.int8), "scale": scale}
+
+
+def encode_with_feedback(grads, residual, compression: str):
+  """Encodes grads + residual; returns (encoded, new residual = what the encoding lost)."""
+  target = jax.tree.map(jnp.add, grads, residual)
+  encoded = encode(target, compression)
+  return encoded, jax.tree.map(jnp.subtract, target, decode(encoded, compression))
 
 
 def encoded_bytes(abstract_tree, compression: str) -> int:

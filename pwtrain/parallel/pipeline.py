@@ -152,6 +152,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   compression = config.exchange.compression if num_pods > 1 else "none"
   stale = num_pods > 1 and config.exchange.mode == "stale"
   diloco = num_pods > 1 and config.exchange.mode == "diloco"
+  # Error feedback keeps what compression lost and adds it to the next step's gradients.
+  feedback = compression != "none" and config.exchange.error_feedback and not diloco
+  per_pod = diloco or feedback  # pods' states differ: every pod's is checkpointed
   outer_tx = exchange.outer_optimizer(config.exchange) if diloco else None
 
   def whole_init():
@@ -160,6 +163,8 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       state["pending"] = exchange.init_pending(state["params"])
     if diloco:
       state["outer"] = exchange.init_outer(state["params"], outer_tx)
+    if feedback:
+      state["residual"] = jax.tree.map(jnp.zeros_like, state["params"])
     return state
 
   whole_abstract = jax.eval_shape(whole_init)
@@ -256,8 +261,16 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     if num_pods > 1 and not diloco:
       parts_abs = (grads_abs,) * num_pods
       if compression != "none":
-        compile_("enc", lambda g: exchange.encode(g, compression), (grads_abs,))
-        parts_abs = (_with_out_shardings(exes[("enc", p, s)]),) * num_pods
+        if feedback:
+          compile_(
+            "enc",
+            lambda g, st: exchange.encode_with_feedback(g, st["residual"], compression),
+            (grads_abs, state_abs),
+          )
+          parts_abs = (_with_out_shardings(exes[("enc", p, s)])[0],) * num_pods
+        else:
+          compile_("enc", lambda g: exchange.encode(g, compression), (grads_abs,))
+          parts_abs = (_with_out_shardings(exes[("enc", p, s)]),) * num_pods
       if p == 0:
         exchange_bytes += (num_pods - 1) * exchange.encoded_bytes(grads_abs, compression)
 
@@ -300,6 +313,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     pod_norms = num_pods > 1 and not diloco and (p, s) == (0, num_stages - 1)
 
     def apply_fn(state, grads, *rest, pod=p, pod_norms=pod_norms):
+      if feedback:  # the residual the encoding left, kept for the next step
+        state = {**state, "residual": rest[-1]}
+        rest = rest[:-1]
       pod_stats, sumsqs = rest[:num_pods], rest[num_pods : num_pods + num_stages]
       stats = pod_stats[0]
       for other in pod_stats[1:]:
@@ -352,6 +368,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
         *[scalar] * num_stages,
         *[jax.ShapeDtypeStruct((num_pods,), np.float32, sharding=replicated)]
         * (num_stages if pod_norms else 0),
+        *([grads_abs] if feedback else []),
       ),
       out_shardings=(shardings, replicated),
       donate_argnums=(0,),
@@ -359,7 +376,15 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
   def layout(outer=False):
     return _Layout(
-      stages, placement, plan, exes, num_micro, config.parallel.schedule, compression, diloco
+      stages,
+      placement,
+      plan,
+      exes,
+      num_micro,
+      config.parallel.schedule,
+      compression,
+      diloco,
+      feedback,
     ).step_program(outer)
 
   program = layout()
@@ -380,7 +405,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   pod0 = [cell_abstract[(0, s)] for s in range(num_stages)]
   whole_shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in pod0], stages)
   abstract_state = spmd.with_shardings(whole_abstract, whole_shardings)
-  if diloco:  # every pod's state is saved: they differ between outer steps
+  if per_pod:  # every pod's state is saved: they differ (DiLoCo, error feedback residuals)
     pods_abstract = []
     for p in range(num_pods):
       cells = [cell_abstract[(p, s)] for s in range(num_stages)]
@@ -399,7 +424,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     exchange_bytes,
     outer_program=layout(outer=True) if diloco else None,
     inner_steps=config.exchange.inner_steps if diloco else 1,
-    per_pod_checkpoint=diloco,
+    per_pod_checkpoint=per_pod,
   )
 
 
@@ -414,8 +439,11 @@ def _with_out_shardings(exe):
 class _Layout:
   """Builds the step's nodes cell by cell, then interleaves them into one dispatch order."""
 
-  def __init__(self, stages, placement, plan, exes, num_micro, schedule, compression, diloco):
+  def __init__(
+    self, stages, placement, plan, exes, num_micro, schedule, compression, diloco, feedback
+  ):
     self.stages, self.placement, self.exes, self.diloco = stages, placement, exes, diloco
+    self.feedback = feedback
     self.meshes = {c: island.mesh(plan.mesh_shape) for c, island in placement.items()}
     self.num_micro, self.schedule, self.compression = num_micro, schedule, compression
     self.per_cell: dict = {c: [] for c in placement}
@@ -464,9 +492,13 @@ class _Layout:
 
     # Across pods: stage s of every pod receives stage s's gradients of every pod, as soon as
     # that stage's backward is done (the interleaving below dispatches it right then).
+    residual = {}
     if len(pods) > 1 and not self.diloco:
       for p, s in self.placement:
-        if self.compression != "none":
+        if self.feedback:
+          name = self._node((p, s), f"{p}:enc{s}", "enc", grads_ref[(p, s)], _state_key((p, s)))
+          grads_ref[(p, s)], residual[(p, s)] = (name, 0), (name, 1)
+        elif self.compression != "none":
           grads_ref[(p, s)] = (self._node((p, s), f"{p}:enc{s}", "enc", grads_ref[(p, s)]), 0)
       sent = dict(grads_ref)
       for p, s in self.placement:
@@ -522,6 +554,7 @@ class _Layout:
         *pod_stats,
         *sumsqs,
         *norms,
+        *([residual[cell]] if self.feedback else []),
       )
     final = {c: (f"{c[0]}:apply{c[1]}", 0) for c in self.placement}
     if outer:  # DiLoCo: every pod sends its delta; each averages them and steps the anchor
