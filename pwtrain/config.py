@@ -67,6 +67,14 @@ def validate(config) -> None:
       raise ValueError(
         f"exchange.{key}={config.exchange[key]!r} is not supported; valid: {', '.join(valid)}"
       )
+  if config.exchange.error_feedback and (
+    config.exchange.compression == "none" or config.exchange.mode == "diloco"
+  ):
+    raise ValueError(
+      "exchange.error_feedback=True needs exchange.compression='bf16' or 'int8' and a gradient "
+      f"exchange (not exchange.mode='diloco'); got compression={config.exchange.compression!r}, "
+      f"mode={config.exchange.mode!r}"
+    )
   for key in ("buckets", "inner_steps"):
     if config.exchange[key] < 1:
       raise ValueError(f"exchange.{key}={config.exchange[key]} must be >= 1")

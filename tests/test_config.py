@@ -82,6 +82,10 @@ def test_bad_parallel_layout(overrides, message):
     ({"optim.name": "lamb"}, "optim.name='lamb' is not an optimizer; valid: adafactor, adamw"),
     ({"data.tokenizer": "wordpiece"}, "data.tokenizer='wordpiece' is not a tokenizer; valid: byte"),
     ({"backend.mode": "cloud"}, "backend.mode='cloud' is not a backend"),
+    ({"exchange.mode": "gossip"}, "exchange.mode='gossip' is not supported; valid: sync"),
+    ({"exchange.compression": "fp4"}, "exchange.compression='fp4' is not supported"),
+    ({"exchange.error_feedback": True}, "exchange.error_feedback=True needs"),
+    ({"exchange.inner_steps": 0}, "exchange.inner_steps=0 must be >= 1"),
     ({"train.num_microbatches": 3}, "train.num_microbatches=3 does not divide train.global_batch"),
   ],
 )
