@@ -9,9 +9,9 @@ Expected: 540.36B parameters on 2 pods x 3072 TPU v4 chips, mesh data=1 x fsdp=2
 (PaLM reports ~1.3 GB), and an estimated ~19 s step at ~43% MFU (PaLM measured 46.2%).
 
 Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
-vocabulary, sequence length 2048. It starts from palm_tiny and keeps its optimizer (Adafactor,
-PaLM schedule with 10k constant steps), with bf16 compute. The global batch is 2048 sequences,
-where PaLM's batch ramp (512 -> 1024 -> 2048 sequences) ended and spent most of its steps.
+vocabulary, sequence length 2048; the rest (optimizer, data, bf16 compute) as palm_62b/palm_8b.
+The global batch is 2048 sequences, where PaLM's batch ramp (512 -> 1024 -> 2048 sequences)
+ended and spent most of its steps.
 
 The cluster is PaLM's (section 4): two TPU v4 pods of 3072 chips (768 hosts each), one island
 per pod, joined by the data-center network; pods are data-parallel replicas that exchange
@@ -27,28 +27,12 @@ from pwtrain.config import base_config
 
 
 def get_config(arg=None):
-  c = base_config(__file__, "palm_tiny", arg)
+  c = base_config(__file__, "palm_62b", arg)
   c.model.num_layers = 118
   c.model.num_heads = 48
-  c.model.num_kv_heads = 1
   c.model.d_model = 18432
-  c.model.head_dim = 256
   c.model.d_ff = 4 * 18432
-  c.model.vocab_size = 256_000
-  c.model.dtype = "bfloat16"
-
-  c.data.dataset = "c4"  # any prepared TFDS text dataset (PaLM used its own mixture)
-  c.data.tokenizer = "sentencepiece"
-  c.data.sp_vocab_size = 256_000
-  c.data.seq_len = 2048
-
   c.train.global_batch = 2048
-  c.train.num_steps = 255_000
-  c.train.checkpoint_every = 1000
-  c.train.log_every = 50
-
-  c.optim.warmup_steps = 0
-  c.optim.constant_steps = 10_000
 
   c.parallel.pods = 2  # two TPU v4 pods, data-parallel replicas of the whole model
   c.parallel.stages = 1  # no pipelining (PaLM avoided it)

@@ -3,37 +3,19 @@
 Run (needs an accelerator cluster; here it only loads, validates and plans):
   python -m pwtrain.main --config=configs/palm_62b.py --workdir=/tmp/palm_62b
 
-Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
-vocabulary, sequence length 2048, global batch 4096 sequences. It starts from palm_tiny and keeps
-its optimizer (Adafactor, PaLM schedule with 10k constant steps), with bf16 compute.
+palm_8b with the 62B shapes (d_ff = 4 d_model, head_dim 256, multi-query attention) and global
+batch 1024 sequences (the end of PaLM 62B's 512 -> 1024 ramp).
 """
 
 from pwtrain.config import base_config
 
 
 def get_config(arg=None):
-  c = base_config(__file__, "palm_tiny", arg)
+  c = base_config(__file__, "palm_8b", arg)
   c.model.num_layers = 64
   c.model.num_heads = 32
-  c.model.num_kv_heads = 1
   c.model.d_model = 8192
-  c.model.head_dim = 256
   c.model.d_ff = 4 * 8192
-  c.model.vocab_size = 256_000
-  c.model.dtype = "bfloat16"
-
-  c.data.dataset = "c4"  # any prepared TFDS text dataset (PaLM used its own mixture)
-  c.data.tokenizer = "sentencepiece"
-  c.data.sp_vocab_size = 256_000
-  c.data.seq_len = 2048
-
-  c.train.global_batch = 4096
-  c.train.num_steps = 255_000
-  c.train.checkpoint_every = 1000
-  c.train.log_every = 50
-
-  c.optim.warmup_steps = 0
-  c.optim.constant_steps = 10_000
-
+  c.train.global_batch = 1024
   c.lock()
   return c

@@ -4,8 +4,9 @@ Run (needs an accelerator cluster; here it only loads, validates and plans):
   python -m pwtrain.main --config=configs/palm_8b.py --workdir=/tmp/palm_8b
 
 Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
-vocabulary, sequence length 2048, global batch 2048 sequences. It starts from palm_tiny and keeps
-its optimizer (Adafactor, PaLM schedule with 10k constant steps), with bf16 compute.
+vocabulary, sequence length 2048, global batch 512 sequences (the end of PaLM 8B's 256 -> 512
+ramp). It starts from palm_tiny and keeps its optimizer (Adafactor, PaLM schedule with 10k
+constant steps), with bf16 compute; palm_62b and palm_540b start from it.
 """
 
 from pwtrain.config import base_config
@@ -27,7 +28,7 @@ def get_config(arg=None):
   c.data.sp_vocab_size = 256_000
   c.data.seq_len = 2048
 
-  c.train.global_batch = 2048
+  c.train.global_batch = 512
   c.train.num_steps = 255_000
   c.train.checkpoint_every = 1000
   c.train.log_every = 50
