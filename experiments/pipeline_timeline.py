@@ -351,7 +351,7 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None, serial
   serial = is_serialized(spans) if serialized == "auto" else serialized == "yes"
   if serial:
     rebuild_serialized(spans, dispatches)
-    title += "serialized execution (spans rebuilt from launch stamps) - "
+    title += "serialized execution (spans rebuilt from launch stamps); "
   else:
     correct_transfers(spans, sources)
   step = pick_step(spans, transfers, step)
@@ -422,9 +422,9 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None, serial
     frameon=False,
   )
   ax.set_title(
-    f"{title}step {step}: {summary['step_ms']:.1f} ms; its {len(sent)} nodes were dispatched "
+    f"{title}step {step}: {summary['step_ms']:.1f} ms\nits {len(sent)} nodes were dispatched "
     f"{-first_sent:.0f} to {summary['dispatch_lead_ms']:.0f} ms before its first node ran "
-    "(ticks; clipped at the left edge)",
+    "(ticks above the rows; clipped at the left edge)",
     fontsize=10,
   )
   note = (
@@ -455,7 +455,7 @@ def main(argv=None):
     if os.path.exists(sources_path(args.trace)):
       with open(sources_path(args.trace)) as f:
         sources = json.load(f)
-    title = f"{args.trace}: "
+    title = f"{args.trace}; "
   else:
     config = load_config(args.config, args.set)
     if args.schedule:
@@ -468,7 +468,7 @@ def main(argv=None):
     title = (
       f"{pathlib.Path(args.config).stem}: {config.parallel.stages} stages, "
       f"{config.parallel.schedule}, M={config.train.num_microbatches}, "
-      f"batch {config.train.global_batch}x{config.data.seq_len} - "
+      f"batch {config.train.global_batch}x{config.data.seq_len}; "
     )
   summary = draw(trace, png, args.step, title, sources, args.serialized)
   print(

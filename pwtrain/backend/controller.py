@@ -47,7 +47,10 @@ class _IslandScheduler:
     self.queue: queue.Queue = queue.Queue()
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
-    self.watcher = _CompletionWatcher(name) if trace and trace.record_completion else None
+    # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
+    # (a lower bound for nodes whose outputs were all donated onwards before it looked).
+    record = trace is not None and trace.record_completion and serial is None
+    self.watcher = _CompletionWatcher(name) if record else None
 
   def _loop(self):
     while True:
@@ -58,18 +61,22 @@ class _IslandScheduler:
       try:
         values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
         if self.serial is None:
+          if event is not None:
+            event.launch = self.trace.now()
           result = launch(*values)
+          if self.watcher:
+            self.watcher.watch(result, event, self.trace)
         else:
           with self.serial:  # see Controller: run to completion, one computation at a time
+            if event is not None:
+              event.launch = self.trace.now()
             result = launch(*values)
             _block_ready(result)
+            if event is not None:  # exact: nothing else runs until this has finished
+              event.done = self.trace.now()
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
         out.set_exception(e)
         continue
-      if event is not None:
-        event.launch = self.trace.now()
-        if self.watcher:
-          self.watcher.watch(result, event, self.trace)
       out.set_result(result)
 
   def stop(self):

@@ -1,0 +1,538 @@
+"""Pods: 2 data-parallel pods x 4 devices vs one island of 8, gradient-exchange overlap, and the
+loss cost of the relaxed exchanges, in one run.
+
+Run (8 simulated CPU devices; about 5-6 minutes on 2 cores):
+  python experiments/bench_pods.py
+  python experiments/bench_pods.py --sections=throughput --repeats=5 --out=/tmp/bench_pods.json
+Options: --config (default configs/palm_tiny.py), --set KEY=VALUE (any config key, repeatable,
+applied to every side of sections 1-2), --modes (pod variants of section 1), --steps (per timed
+block), --repeats, --train_steps and --inner_steps (section 3), --sections, --compile_cache (keep
+compiled pieces between runs), --no_concurrent (skip the 1-device-island overlap line).
+
+1. Throughput. Model: palm_tiny widened to d_model 256 (d_ff 1024, 8 heads of 32, multi-query),
+   4 layers, sequence 128, global batch 16, vocab 512. The same model and global batch run as
+     single      ONE island of all 8 devices, data parallel (the spmd step);
+     pods        parallel.islands=2, parallel.pods=2: two islands of 4 devices, data parallel
+                 inside, each pod computes half of the batch and the pods exchange gradients
+                 (exchange.mode sync, overlapped with exchange.buckets chunks, stale, diloco;
+                 sync with exchange.compression bf16 and int8).
+   Steps go through the Controller exactly as pwtrain.train drives them
+   (`controller.run(program.program_for(i), {**state, **program.feed(batch)})`, dispatch without
+   waiting, backend.max_inflight_steps in flight) on pre-generated synthetic batches (no data
+   loading). A block of --steps steps is timed from its first dispatch until every output of its
+   last step is ready; blocks of all sides alternate (single, sync, overlapped, ..., single,
+   sync, ...) --repeats times so machine noise hits all alike; the median block is reported.
+   ratio = single ms / pods ms (throughput of the pods relative to one island; the Pathways
+   paper reports 97% for 2 x 1024 TPU cores vs one island of 2048). DiLoCo's inner steps (no
+   exchange) and its outer step (inner step + delta exchange + outer update) are timed
+   separately, each in its own blocks, and combined as ((H-1) * inner + outer) / H for
+   H = exchange.inner_steps.
+
+2. Exchange overlap. One step of sync and of overlapped is run again on a Controller with a
+   Trace. For each pod p: bwd_end = when the last backward node of p (p:FB*, p:B*) finished;
+   the exchange work of p is what its island runs for the exchange: the incoming gradient
+   transfers q>p:g* and p:reduce* (and p:enc* with compression). Reported: the fraction of these
+   nodes started, and finished, before bwd_end, and the fraction of their run time that lies
+   before bwd_end ("hidden"), averaged over the pods.
+   CAVEAT: on CPU the Controller serializes execution (serialize_execution, on by default there:
+   XLA's CPU runtime deadlocks when several multi-device computations with collectives run at
+   once), so nothing runs concurrently and nothing is truly hidden: every node's time adds to
+   the step. On CPU these fractions are STRUCTURAL: how much exchange work the schedule issues
+   and completes before the backward ends, i.e. what could overlap on hardware that runs
+   transfers and compute at once. Under serialization a node's start is taken as the previous
+   node's end (the trace stamps `launch` only after the serialized computation has finished).
+   --concurrent line (unless --no_concurrent): the same two modes with pods of ONE device each
+   (no collectives, so serialize_execution=False is safe), timed in alternating blocks and
+   traced: here compute and transfers of the two pods do run at once (on the machine's cores),
+   so the fractions are measured overlap; the start of a node is estimated as the later of its
+   launch and the end of the previous node on its island.
+
+3. Loss margins. palm_tiny (configs/palm_tiny.py, its data: the built-in Python-stdlib corpus)
+   trained with pwtrain.train.run for --train_steps steps on 2 pods (2 x 4 devices) in sync,
+   stale and diloco (exchange.inner_steps = --inner_steps); final loss = mean of the last 10
+   steps' logged loss (for DiLoCo the loss each pod sees at its own inner parameters, summed
+   over pods, as pwtrain logs it); delta = final - sync final (negative: lower loss than sync).
+"""
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["XLA_FLAGS"] = (
+  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pwtrain import config as config_lib  # noqa: E402
+from pwtrain import optim, train  # noqa: E402
+from pwtrain.backend import Controller, Trace  # noqa: E402
+from pwtrain.parallel import build_step_program  # noqa: E402
+from pwtrain.parallel import plan as plan_lib  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODEL = {
+  "model.d_model": 256,
+  "model.d_ff": 1024,
+  "model.num_heads": 8,
+  "model.head_dim": 32,
+  "model.num_layers": 4,
+  "data.seq_len": 128,
+  "train.global_batch": 16,
+}
+SINGLE = {"parallel.islands": 1, "parallel.pods": 1, "parallel.data": -1}
+PODS = {"parallel.islands": 2, "parallel.pods": 2, "parallel.data": -1}
+# Section-1 pod variants: name -> exchange overrides.
+VARIANTS = {
+  "sync": {"exchange.mode": "sync"},
+  "overlapped": {"exchange.mode": "overlapped"},
+  "stale": {"exchange.mode": "stale"},
+  "diloco": {"exchange.mode": "diloco"},
+  "sync_bf16": {"exchange.mode": "sync", "exchange.compression": "bf16"},
+  "sync_int8": {"exchange.mode": "sync", "exchange.compression": "int8"},
+}
+SECTIONS = ("throughput", "overlap", "loss")
+BACKWARD = re.compile(r"^(\d+):(FB|B)\d+\.\d+$")
+EXCHANGE = re.compile(r"^(?:\d+>(\d+):g\d+|(\d+):(?:reduce|enc)\d+)$")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  p.add_argument("--modes", default=",".join(VARIANTS), help="section-1 pod variants")
+  p.add_argument("--steps", type=int, default=2, help="steps per timed block")
+  p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
+  p.add_argument("--train_steps", type=int, default=150, help="section 3: steps per run")
+  p.add_argument("--inner_steps", type=int, default=10, help="section 3: DiLoCo's H")
+  p.add_argument("--sections", default=",".join(SECTIONS))
+  p.add_argument("--compile_cache", default=None, help="persistent compile cache directory")
+  p.add_argument("--no_concurrent", action="store_true", help="skip the 1-device-island line")
+  p.add_argument("--out", default="/tmp/bench_pods.json")
+  return p.parse_args(argv)
+
+
+def load_config(path: str, overrides: dict):
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.unlock()
+  for key, value in overrides.items():
+    *sections, name = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return config
+
+
+def parse_sets(items: list[str]) -> dict:
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set {item!r} must be KEY=VALUE")
+    try:
+      out[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[key] = text
+  return out
+
+
+def make_batches(config, num: int, seed: int = 0) -> list[dict]:
+  rng = np.random.default_rng(seed)
+  shape = (config.train.global_batch, config.data.seq_len + 1)
+  out = []
+  for _ in range(num):
+    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
+    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
+  return out
+
+
+class Side:
+  """One compiled step program on its own Controller, its state threaded from block to block."""
+
+  def __init__(self, config, batches, serialize_execution=None):
+    config_lib.validate(config)
+    self.config, self.batches, self.i = config, batches, 0
+    self.cluster = plan_lib.make_cluster(config)
+    plan = plan_lib.build(config, self.cluster)
+    tx, schedule = optim.build(config.optim, config.train.num_steps)
+    self.serialize = serialize_execution
+    self.controller = self._controller()
+    t = time.perf_counter()
+    self.step_program = build_step_program(config, plan, self.controller, tx, schedule)
+    self.compile_s = time.perf_counter() - t
+    self.state = self.step_program.init()
+
+  def _controller(self, trace=None):
+    return Controller(
+      self.cluster,
+      max_inflight=self.config.backend.max_inflight_steps,
+      trace=trace,
+      serialize_execution=self.serialize,
+    )
+
+  def run(self, n: int, program=None, controller=None) -> float:
+    """Seconds per step over `n` steps, from the first dispatch to the last step's outputs.
+
+    `program`: always this one (default: `program_for(step)`, as pwtrain.train does).
+    """
+    controller = controller or self.controller
+    sp = self.step_program
+    start = time.perf_counter()
+    for _ in range(n):
+      batch = self.batches[self.i % len(self.batches)]
+      out = controller.run(program or sp.program_for(self.i), {**self.state, **sp.feed(batch)})
+      self.i += 1
+      self.state = {k: out[k] for k in sp.state_keys}
+    jax.block_until_ready([f.result() for f in out.values()])
+    elapsed = time.perf_counter() - start
+    controller.wait()
+    self.state = {k: v.result() for k, v in self.state.items()}
+    return elapsed / n
+
+  def traced_step(self, warmup: int = 1) -> tuple[list, float]:
+    """Runs `warmup` + 1 steps on a fresh traced Controller; the last step's events, its ms."""
+    trace = Trace()
+    controller = self._controller(trace)
+    try:
+      self.run(warmup, controller=controller)
+      ms = self.run(1, controller=controller) * 1e3
+    finally:
+      controller.close()
+    return [e for e in trace.events if e.step == warmup], ms
+
+  def close(self):
+    self.controller.close()
+
+
+def overlap(events: list, serialized: bool) -> dict:
+  """Exchange work started / finished / run before each pod's backward ends, averaged over pods.
+
+  Each event gets a start estimate: serialized, the end of the previous computation anywhere
+  (launch is stamped after the run); concurrent, the later of its launch and the previous end on
+  its island.
+  """
+  events = sorted(events, key=lambda e: e.launch)
+  start, prev, prev_island = {}, None, {}
+  for e in events:
+    if serialized:
+      start[e.name] = max(e.dispatch, prev if prev is not None else e.dispatch)
+      prev = e.launch
+    else:
+      start[e.name] = max(e.launch, prev_island.get(e.island, e.launch))
+      prev_island[e.island] = e.done
+  end = {e.name: e.launch if serialized else e.done for e in events}
+  pods = sorted({int(m.group(1)) for e in events if (m := BACKWARD.match(e.name))})
+  per_pod = []
+  for p in pods:
+    bwd_end = max(end[e.name] for e in events if (m := BACKWARD.match(e.name)) and int(m[1]) == p)
+    work = [e.name for e in events if (m := EXCHANGE.match(e.name)) and int(m[1] or m[2]) == p]
+    if not work:
+      continue
+    total = sum(max(end[n] - start[n], 0.0) for n in work)
+    before = sum(max(min(end[n], bwd_end) - start[n], 0.0) for n in work)
+    per_pod.append(
+      {
+        "pod": p,
+        "nodes": len(work),
+        "started_before": sum(start[n] < bwd_end for n in work) / len(work),
+        "finished_before": sum(end[n] <= bwd_end for n in work) / len(work),
+        "hidden_time": before / total if total > 0 else 0.0,
+        "exchange_ms": total * 1e3,
+        "order": [n for n in sorted(start, key=start.get) if n in work or n.startswith(f"{p}:")],
+      }
+    )
+  keys = ("started_before", "finished_before", "hidden_time", "exchange_ms")
+  mean = {k: statistics.mean(r[k] for r in per_pod) for k in keys} if per_pod else {}
+  return {**mean, "per_pod": per_pod}
+
+
+def throughput(args, common, variants, cache_note) -> dict:
+  single_cfg = load_config(args.config, {**common, **SINGLE})
+  batches = make_batches(single_cfg, 4)
+  sides = {"single": Side(single_cfg, batches)}
+  print(f"compiled single in {sides['single'].compile_s:.1f}s", flush=True)
+  for name in variants:
+    config = load_config(args.config, {**common, **PODS, **VARIANTS[name]})
+    sides[name] = Side(config, batches)
+    print(f"compiled {name} in {sides[name].compile_s:.1f}s{cache_note}", flush=True)
+  # Timed blocks: (label, side, fixed program or None).
+  blocks = []
+  for name, side in sides.items():
+    if name == "diloco":
+      blocks.append(("diloco_inner", side, side.step_program.program))
+      blocks.append(("diloco_outer", side, side.step_program.outer_program))
+    else:
+      blocks.append((name, side, None))
+  for _, side, program in blocks:  # warm up every executable
+    side.run(1, program)
+  times = {label: [] for label, _, _ in blocks}
+  for r in range(args.repeats):
+    for label, side, program in blocks:
+      times[label].append(side.run(args.steps, program))
+    print(f"  round {r + 1}/{args.repeats} done", flush=True)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  single = med["single"]
+  rows = []
+  for label, side, _ in blocks:
+    rows.append(_row(label, med[label], single, times[label], times["single"], side))
+  if "diloco" in sides:
+    h = sides["diloco"].config.exchange.inner_steps
+    amort = ((h - 1) * med["diloco_inner"] + med["diloco_outer"]) / h
+    rows.append(
+      {
+        "side": f"diloco_H{h}",
+        "step_ms": amort * 1e3,
+        "ratio": single / amort,
+        "paired_ratio": None,
+        "exchange_mb": sides["diloco"].step_program.exchange_bytes / 1e6 / h,
+        "compile_s": None,
+        "blocks_ms": None,
+      }
+    )
+  return {"rows": rows, "sides": sides, "batches": batches}
+
+
+def _row(label, med, single, blocks, single_blocks, side) -> dict:
+  paired = statistics.median(s / b for s, b in zip(single_blocks, blocks, strict=True))
+  exchange = getattr(side.step_program, "exchange_bytes", 0)
+  if label == "diloco_inner":
+    exchange = 0
+  return {
+    "side": label,
+    "step_ms": med * 1e3,
+    "ratio": single / med,
+    "paired_ratio": paired,
+    "exchange_mb": exchange / 1e6,
+    "compile_s": side.compile_s,
+    "blocks_ms": [b * 1e3 for b in blocks],
+  }
+
+
+def print_throughput(rows):
+  header = f"{'side':14} {'step ms':>8} {'single/pods':>11} {'paired':>7} {'xchg MB/step':>12}"
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    paired = f"{r['paired_ratio']:7.3f}" if r["paired_ratio"] is not None else f"{'-':>7}"
+    print(
+      f"{r['side']:14} {r['step_ms']:8.1f} {r['ratio']:11.3f} {paired} {r['exchange_mb']:12.2f}"
+    )
+  print(
+    "single/pods = median single-island step / median pods step (throughput relative to one "
+    "island; >1 faster);\npaired = median over rounds of the same ratio within a round; xchg = "
+    "bytes each pod sends the other per step."
+  )
+
+
+def overlap_section(args, common, sides, batches) -> dict:
+  out = {}
+  for name in ("sync", "overlapped"):
+    if name in sides:
+      side = sides[name]
+    else:
+      side = Side(load_config(args.config, {**common, **PODS, **VARIANTS[name]}), batches)
+    events, ms = side.traced_step()
+    out[name] = {"step_ms": ms, **overlap(events, serialized=True)}
+  if not args.no_concurrent:
+    conc = {}
+    one = {**common, **PODS, "parallel.devices_per_island": 1, "train.global_batch": 8}
+    for name in ("sync", "overlapped"):
+      config = load_config(args.config, {**one, **VARIANTS[name]})
+      try:
+        conc[name] = Side(config, make_batches(config, 4), serialize_execution=False)
+      except Exception as e:  # noqa: BLE001 - reported, the rest of the run goes on
+        print(f"concurrent {name}: failed to build: {e!r}")
+    if len(conc) == 2:
+      for side in conc.values():
+        side.run(1)
+      blocks = {name: [] for name in conc}
+      for _ in range(args.repeats):
+        for name, side in conc.items():
+          blocks[name].append(side.run(args.steps))
+      for name, side in conc.items():
+        events, ms = side.traced_step()
+        out[f"{name}_concurrent_1dev"] = {
+          "step_ms": statistics.median(blocks[name]) * 1e3,
+          "traced_step_ms": ms,
+          "blocks_ms": [b * 1e3 for b in blocks[name]],
+          **overlap(events, serialized=False),
+        }
+        side.close()
+  return out
+
+
+def print_overlap(rows: dict):
+  header = (
+    f"{'mode':26} {'step ms':>8} {'started<bwd':>11} {'finished<bwd':>12} {'hidden':>7} "
+    f"{'xchg ms':>8}"
+  )
+  print(header)
+  print("-" * len(header))
+  for name, r in rows.items():
+    print(
+      f"{name:26} {r['step_ms']:8.1f} {r['started_before']:11.2f} {r['finished_before']:12.2f} "
+      f"{r['hidden_time']:7.2f} {r['exchange_ms']:8.1f}"
+    )
+  print(
+    "Fractions of each pod's exchange work (incoming gradient transfers q>p:g*, p:reduce*) "
+    "started / finished /\nrun before the pod's last backward node finished, mean over pods. "
+    "sync/overlapped rows (2 x 4 devices): the CPU\nController serializes execution, so this is "
+    "STRUCTURAL overlap (work issued and completed before the backward\nends, which real "
+    "hardware could hide); nothing ran concurrently and the exchange time adds to the step.\n"
+    "*_concurrent_1dev rows: pods of one device each, serialize_execution=False: real overlap "
+    "on this machine's cores."
+  )
+
+
+def loss_section(args, workdir: str) -> list:
+  rows = []
+  data_dir = os.path.join(workdir, "tfds")
+  for mode in ("sync", "stale", "diloco"):
+    config = load_config(
+      str(REPO / "configs" / "palm_tiny.py"),
+      {
+        **PODS,
+        "exchange.mode": mode,
+        "exchange.inner_steps": args.inner_steps,
+        "train.num_steps": args.train_steps,
+        "train.checkpoint_every": args.train_steps,
+        "train.log_every": max(args.train_steps // 5, 1),
+        "data.data_dir": data_dir,
+      },
+    )
+    t = time.perf_counter()
+    result = train.run(config, os.path.join(workdir, mode), show_progress=False)
+    losses = [row["loss"] for row in result.history if "loss" in row]
+    rows.append(
+      {
+        "mode": mode,
+        "steps": len(losses),
+        "final_loss": float(np.mean(losses[-10:])),
+        "first_loss": float(losses[0]),
+        "seconds": time.perf_counter() - t,
+        "losses": [float(x) for x in losses],
+      }
+    )
+    print(f"  trained {mode}: {rows[-1]['final_loss']:.4f} in {rows[-1]['seconds']:.0f}s")
+  sync = rows[0]["final_loss"]
+  for r in rows:
+    r["delta_vs_sync"] = r["final_loss"] - sync
+  return rows
+
+
+def print_loss(rows: list, args):
+  header = f"{'mode':8} {'steps':>5} {'first':>7} {'final':>7} {'delta vs sync':>13} {'s':>5}"
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    print(
+      f"{r['mode']:8} {r['steps']:5d} {r['first_loss']:7.4f} {r['final_loss']:7.4f} "
+      f"{r['delta_vs_sync']:+13.4f} {r['seconds']:5.0f}"
+    )
+  print(
+    f"palm_tiny on 2 pods x 4 devices, {args.train_steps} steps; final = mean loss of the last "
+    f"10 steps; diloco H={args.inner_steps}."
+  )
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  sections = args.sections.split(",")
+  unknown = set(sections) - set(SECTIONS)
+  if unknown:
+    raise SystemExit(f"--sections: unknown {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
+  variants = [v for v in args.modes.split(",") if v]
+  bad = set(variants) - set(VARIANTS)
+  if bad:
+    raise SystemExit(f"--modes: unknown {sorted(bad)}; valid: {', '.join(VARIANTS)}")
+  load_start = os.getloadavg()
+  cache = args.compile_cache or tempfile.mkdtemp(prefix="bench_pods_cache_")
+  # Pieces shared by several sides (the pods' FB, init, zeros...) compile once.
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  common = {**MODEL, **parse_sets(args.set)}
+  workdir = tempfile.mkdtemp(prefix="bench_pods_")
+  t_start = time.perf_counter()
+  platform_name = jax.devices()[0].platform
+  serialized = platform_name == "cpu"
+  print(
+    f"{len(jax.devices())} {platform_name} devices on {os.cpu_count()} cores; model "
+    f"d_model={common['model.d_model']} layers={common['model.num_layers']} seq="
+    f"{common['data.seq_len']} global_batch={common['train.global_batch']}; "
+    f"{args.steps} steps/block x {args.repeats} rounds"
+  )
+  if serialized:
+    print(
+      "NOTE: the Controller serializes execution on CPU (serialize_execution): the two pods "
+      "never compute at once,\nso a pods step is the SUM of both pods' work plus the exchange; "
+      "on 2 cores 8 simulated devices share the cores anyway."
+    )
+  result = {
+    "argv": sys.argv[1:],
+    "model": common,
+    "devices": len(jax.devices()),
+    "platform": platform_name,
+    "cpu_count": os.cpu_count(),
+    "host": platform.node(),
+    "jax": jax.__version__,
+    "steps_per_block": args.steps,
+    "repeats": args.repeats,
+    "serialized_execution": serialized,
+  }
+  sides, batches = {}, None
+  try:
+    if "throughput" in sections:
+      print("\n== 1. throughput: 2 pods x 4 devices vs 1 island x 8 ==", flush=True)
+      tp = throughput(args, common, variants, "")
+      sides, batches = tp["sides"], tp["batches"]
+      result["throughput"] = tp["rows"]
+      print(f"[{time.perf_counter() - t_start:.0f}s]")
+      print_throughput(tp["rows"])
+    if "overlap" in sections:
+      print("\n== 2. exchange overlap (traced step) ==", flush=True)
+      if batches is None:
+        batches = make_batches(load_config(args.config, {**common, **SINGLE}), 4)
+      result["overlap"] = overlap_section(args, common, sides, batches)
+      print(f"[{time.perf_counter() - t_start:.0f}s]")
+      print_overlap(result["overlap"])
+    for side in sides.values():
+      side.close()
+    if "loss" in sections:
+      print(f"\n== 3. loss margins (palm_tiny, {args.train_steps} steps) ==", flush=True)
+      result["loss"] = loss_section(args, workdir)
+      print(f"[{time.perf_counter() - t_start:.0f}s]")
+      print_loss(result["loss"], args)
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+    if args.compile_cache is None:
+      shutil.rmtree(cache, ignore_errors=True)
+  load = os.getloadavg()
+  if max(load[0], load_start[0]) > (os.cpu_count() or 1):
+    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
+  result.update(loadavg_start=load_start, loadavg_end=load, total_s=time.perf_counter() - t_start)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f}s)")
+  return result
+
+
+if __name__ == "__main__":
+  main()
