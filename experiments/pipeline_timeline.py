@@ -432,8 +432,9 @@ def draw(trace: dict, png: str, step=None, title: str = "", sources=None, serial
     "each bar runs from the previous launch stamp (or its dispatch) to its own launch stamp."
     if serial
     else "Bars: execute spans from Trace.to_chrome (start = max(launch, previous node on the "
-    "island done), end = outputs ready). A node whose outputs are all donated onward (e.g. B on "
-    "the first stage, zeros) gets no reliable completion time: its run shows in the next bar."
+    "island done), end = outputs ready). On CPU the controller runs one computation at a time, "
+    "so spans are exact and islands never overlap; without serialization, a node whose outputs "
+    "are all donated onward gets only a lower bound for its completion."
   )
   fig.text(0.01, 0.01, note, fontsize=7, color="#555555")
   ax.grid(axis="x", color="#EEEEEE")
