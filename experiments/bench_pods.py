@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 
 from pwtrain import config as config_lib  # noqa: E402
 from pwtrain import optim, train  # noqa: E402
-from pwtrain.backend import Controller, Trace  # noqa: E402
+from pwtrain.backend import Controller, Node, Trace, Transfer  # noqa: E402
 from pwtrain.parallel import build_step_program  # noqa: E402
 from pwtrain.parallel import plan as plan_lib  # noqa: E402
 
@@ -116,7 +116,7 @@ def parse_args(argv=None):
   p.add_argument("--modes", default=",".join(VARIANTS), help="section-1 pod variants")
   p.add_argument("--steps", type=int, default=2, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
-  p.add_argument("--train_steps", type=int, default=150, help="section 3: steps per run")
+  p.add_argument("--train_steps", type=int, default=100, help="section 3: steps per run")
   p.add_argument("--inner_steps", type=int, default=10, help="section 3: DiLoCo's H")
   p.add_argument("--sections", default=",".join(SECTIONS))
   p.add_argument("--compile_cache", default=None, help="persistent compile cache directory")
@@ -206,6 +206,33 @@ class Side:
     self.state = {k: v.result() for k, v in self.state.items()}
     return elapsed / n
 
+  def profile(self, program=None) -> dict:
+    """One step node by node in program order, blocking on each: {node: seconds}."""
+    sp = self.step_program
+    program = program or sp.program_for(self.i)
+    inputs = {**self.state, **sp.feed(self.batches[self.i % len(self.batches)])}
+    self.i += 1
+    values, times = {}, {}
+
+    def get(ref):
+      if isinstance(ref, str):
+        return inputs[ref]
+      value = values[ref[0]]
+      return value[ref[1]] if isinstance(value, tuple) else value
+
+    for node in program.nodes:
+      t = time.perf_counter()
+      if isinstance(node, Node):
+        out = node.executable.compiled(*[get(r) for r in node.args])
+      else:
+        assert isinstance(node, Transfer)
+        out = jax.device_put(get(node.src), node.sharding)
+      jax.block_until_ready(out)
+      times[node.name] = time.perf_counter() - t
+      values[node.name] = out
+    self.state = {k: get(program.outputs[k]) for k in sp.state_keys}
+    return times
+
   def traced_step(self, warmup: int = 1) -> tuple[list, float]:
     """Runs `warmup` + 1 steps on a fresh traced Controller; the last step's events, its ms."""
     trace = Trace()
@@ -263,6 +290,20 @@ def overlap(events: list, serialized: bool) -> dict:
   return {**mean, "per_pod": per_pod}
 
 
+def state_waits_on(program) -> list:
+  """The kinds of cross-pod transfers ("g" gradients, "d" DiLoCo deltas, "stats" loss sums...)
+  that the step's output state depends on, i.e. that the next step's compute must wait for."""
+  refs = {n.name: (n.args if isinstance(n, Node) else (n.src,)) for n in program.nodes}
+  seen, todo = set(), [program.outputs[k][0] for k in program.carried]
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    todo += [r[0] for r in refs[name] if not isinstance(r, str)]
+  return sorted({m[1] for n in seen if (m := re.fullmatch(r"\d+>\d+:([a-z]+)\d+", n))})
+
+
 def throughput(args, common, variants, cache_note) -> dict:
   single_cfg = load_config(args.config, {**common, **SINGLE})
   batches = make_batches(single_cfg, 4)
@@ -290,8 +331,14 @@ def throughput(args, common, variants, cache_note) -> dict:
   med = {k: statistics.median(v) for k, v in times.items()}
   single = med["single"]
   rows = []
-  for label, side, _ in blocks:
-    rows.append(_row(label, med[label], single, times[label], times["single"], side))
+  for label, side, program in blocks:
+    row = _row(label, med[label], single, times[label], times["single"], side)
+    # Where the step's time goes: each node run alone (least of two profiled steps).
+    runs = [side.profile(program) for _ in range(2)]
+    row["profile_ms"] = {k: min(r[k] for r in runs) * 1e3 for k in runs[0]}
+    row["kinds_ms"] = kinds(row["profile_ms"])
+    row["state_waits_on"] = state_waits_on(program or side.step_program.program)
+    rows.append(row)
   if "diloco" in sides:
     h = sides["diloco"].config.exchange.inner_steps
     amort = ((h - 1) * med["diloco_inner"] + med["diloco_outer"]) / h
@@ -304,9 +351,35 @@ def throughput(args, common, variants, cache_note) -> dict:
         "exchange_mb": sides["diloco"].step_program.exchange_bytes / 1e6 / h,
         "compile_s": None,
         "blocks_ms": None,
+        "state_waits_on": None,
       }
     )
   return {"rows": rows, "sides": sides, "batches": batches}
+
+
+def kind(name: str) -> str:
+  """compute / exchange / optimizer / other, from a node name such as "1:B2.0" or "0>1:g3"."""
+  pods, _, base = name.rpartition(":")
+  if base == "train_step":
+    return "fused"  # the single island's whole step: compute + optimizer in one computation
+  if re.fullmatch(r"(FB|F|B)\d+\.\d+", base):
+    return "compute"
+  if (">" in pods and re.fullmatch(r"[gd]\d+", base)) or re.fullmatch(
+    r"(reduce|enc|delta|outer)\d+", base
+  ):
+    return "exchange"
+  if re.fullmatch(r"apply\d+", base):
+    return "optimizer"
+  return "other"
+
+
+def kinds(profile_ms: dict) -> dict:
+  out = {k: 0.0 for k in ("fused", "compute", "exchange", "optimizer", "other")}
+  for name, ms in profile_ms.items():
+    out[kind(name)] += ms
+  out["serial"] = sum(profile_ms.values())
+  out["nodes"] = len(profile_ms)
+  return out
 
 
 def _row(label, med, single, blocks, single_blocks, side) -> dict:
@@ -335,9 +408,27 @@ def print_throughput(rows):
       f"{r['side']:14} {r['step_ms']:8.1f} {r['ratio']:11.3f} {paired} {r['exchange_mb']:12.2f}"
     )
   print(
+    f"\n{'side':14} {'serial ms':>9} {'fused':>6} {'compute':>7} {'exchange':>8} "
+    f"{'optimizer':>9} {'other':>6} {'nodes':>5}  next step waits on"
+  )
+  for r in rows:
+    k = r.get("kinds_ms")
+    if k:
+      print(
+        f"{r['side']:14} {k['serial']:9.1f} {k['fused']:6.1f} {k['compute']:7.1f} "
+        f"{k['exchange']:8.1f} {k['optimizer']:9.1f} {k['other']:6.1f} {k['nodes']:5d}  "
+        f"{','.join(r['state_waits_on']) or '-'}"
+      )
+  print(
     "single/pods = median single-island step / median pods step (throughput relative to one "
     "island; >1 faster);\npaired = median over rounds of the same ratio within a round; xchg = "
-    "bytes each pod sends the other per step."
+    "bytes each pod sends the other per step.\nserial = one step run node by node, "
+    "blocking on each (least of 2), split by node kind: fused = the single island's\nwhole "
+    "step; compute = F/B/FB; exchange = cross-pod gradient/delta transfers, enc, reduce, delta, "
+    "outer;\noptimizer = apply (every pod runs it); other = zeros, token/activation moves, "
+    "finish, norms, stats.\nnext step waits on = cross-pod transfers (g: gradients, d: "
+    "DiLoCo deltas, stats: loss sums) of THIS step\nthat the carried state depends on, so the "
+    "next step cannot start before they arrive."
   )
 
 
