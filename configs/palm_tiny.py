@@ -50,6 +50,14 @@ def get_config(arg=None):
   c.train.keep_checkpoints = 3
   c.train.resume = True
   c.train.async_checkpoint = True
+  # Loss spikes (PaLM section 5.1): a step whose loss or gradient norm is NaN/Inf is skipped
+  # (parameters and optimizer state unchanged, counted in the "skipped" metric); after
+  # rollback_after consecutive skipped steps the trainer reloads the last checkpoint from before
+  # them and goes on with the data after the bad batches (plus rollback_skip_batches more).
+  c.train.skip_nonfinite = True
+  c.train.rollback_after = 3  # 0: never roll back
+  c.train.rollback_skip_batches = 0
+  c.train.max_rollbacks = 3  # then stop with an error; the checkpoints stay intact
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"

@@ -83,6 +83,15 @@ def validate(config) -> None:
       f"train.num_microbatches={config.train.num_microbatches} does not divide "
       f"train.global_batch={config.train.global_batch}"
     )
+  for key in ("rollback_after", "rollback_skip_batches", "max_rollbacks"):
+    value = config.train[key]
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f"train.{key}={value!r} must be a non-negative integer")
+  if config.train.rollback_after and not config.train.skip_nonfinite:
+    raise ValueError(
+      f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
+      "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
+    )
 
 
 def base_config(config_file: str, name: str, arg=None):

@@ -105,6 +105,15 @@ class MetricsLogger:
     self._bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
     self._bar.update(done)
 
+  def rewind(self, step: int, **event) -> None:
+    """After a rollback to `step`: log the event; rates and the bar restart from there."""
+    self.flush()
+    self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
+    self._jsonl.flush()
+    self._last_time, self._last_step = time.perf_counter(), step
+    self._bar.n = step
+    self._bar.refresh()
+
   def close(self) -> None:
     self.flush()
     self._bar.close()

@@ -5,9 +5,9 @@ import logging
 import os
 
 from pwtrain import config as config_lib
-from pwtrain import optim
+from pwtrain import guard, optim
 from pwtrain.backend import Controller, Trace
-from pwtrain.checkpoint import Checkpointer
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import build_train_batches
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.parallel import build_step_program
@@ -55,6 +55,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     exchange_bytes_per_step=step_program.exchange_bytes,
     show_progress=show_progress,
   )
+  monitor = guard.SpikeMonitor(config.train.rollback_after, config.train.max_rollbacks)
   step = start
   try:
     with StopRequest() as stop:
@@ -63,6 +64,11 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
         out = controller.run(step_program.program_for(step), inputs)
         state, step = {k: out[k] for k in step_program.state_keys}, step + 1
         logger.record(step, out["metrics"])
+        first_bad = monitor.observe(logger.history)
+        if first_bad is not None:
+          state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
+          controller.wait()
+          continue
         if ckpt.should_save(step, num_steps) or stop.requested:
           ckpt.save(step, step_program.to_checkpoint(_results(state)), batches.get_state())
         if stop.requested:
@@ -101,15 +107,48 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
       f"{latest}); use a fresh --workdir, or train.resume=True to continue from it"
     )
   try:
-    state, data_state = ckpt.restore(latest, step_program.abstract_state)
-  except (ValueError, KeyError, TypeError) as e:
+    found = ckpt.restore_latest(step_program.abstract_state)
+  except IncompatibleCheckpoint as e:
     raise ValueError(
-      f"the checkpoint at step {latest} in {ckpt.directory} does not match this config's "
-      f"model/optimizer (was it written by another model?): {e}"
+      f"a checkpoint in {ckpt.directory} does not match this config's model/optimizer (was it "
+      f"written by another model?): {e}. Nothing was changed; use another --workdir."
     ) from e
+  if found is None:
+    logging.error("no readable checkpoint left in %s: starting from step 0", ckpt.directory)
+    return step_program.init(), 0
+  step, state, data_state = found
   batches.set_state(data_state)
-  logging.info("resumed from step %d", latest)
-  return step_program.from_checkpoint(state), latest
+  logging.info("resumed from step %d", step)
+  return step_program.from_checkpoint(state), step
+
+
+def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
+  """PaLM's loss-spike recipe: back to the last checkpoint before the run of skipped steps that
+  began at `first_bad`, keeping the data iterator where it is (the batches since that checkpoint
+  are not seen again) and skipping train.rollback_skip_batches more."""
+  ckpt.wait()
+  # Later checkpoints belong to the abandoned trajectory: set aside (kept), so that neither a
+  # resume nor the re-saved steps meet them.
+  for later in [s for s in ckpt.all_steps() if s >= first_bad]:
+    ckpt.quarantine(later, reason="rolled_back")
+  found = ckpt.restore_latest(step_program.abstract_state)
+  if found is None:
+    target, state = 0, step_program.init()
+  else:
+    target, whole, _ = found
+    state = step_program.from_checkpoint(whole)
+  for _ in range(config.train.rollback_skip_batches):
+    next(batches)
+  skipped = step - target + config.train.rollback_skip_batches
+  logging.warning(
+    "%d consecutive non-finite steps from step %d: rolled back to step %d, skipping %d batches",
+    config.train.rollback_after,
+    first_bad,
+    target,
+    skipped,
+  )
+  logger.rewind(target, rollback_from=step, first_bad_step=first_bad, batches_skipped=skipped)
+  return state, target
 
 
 def _results(state: dict) -> dict:

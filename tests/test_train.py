@@ -108,8 +108,11 @@ def test_incompatible_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
     train.run(small_config(**{"model.d_ff": 256}), str(workdir), show_progress=False)
 
 
-def test_main_interrupted_with_ctrl_c_resumes(uninterrupted, tmp_path):
-  """The README's command, interrupted with SIGINT and run again, matches the straight run."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_main_interrupted_resumes(sig, uninterrupted, tmp_path):
+  """The README's command, interrupted (Ctrl-C, or SIGTERM as a preempting scheduler sends) and
+  run again: it checkpoints at the next step boundary, exits cleanly, and the rerun's losses
+  match the straight run."""
   ref_dir, _ = uninterrupted
   cmd = [
     sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py",
@@ -123,7 +126,7 @@ def test_main_interrupted_with_ctrl_c_resumes(uninterrupted, tmp_path):
     if metrics.exists() and any(s >= 2 for s in read_losses(tmp_path)):
       break
     time.sleep(0.05)
-  proc.send_signal(signal.SIGINT)
+  proc.send_signal(sig)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-2000:]
   stopped = max(read_losses(tmp_path))

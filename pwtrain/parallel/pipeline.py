@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import lm_loss
@@ -168,7 +169,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     return state
 
   whole_abstract = jax.eval_shape(whole_init)
-  update = step_lib.apply_update(tx, schedule, config.optim.clip_norm)
+  update = guard.wrap_update(
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
+  )
   if stale:
     update = exchange.stale(update)
   mb = config.train.global_batch // num_pods // num_micro

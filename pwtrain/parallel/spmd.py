@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.parallel import sharding as sharding_lib
@@ -99,9 +100,10 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   grad_fn = step_lib.accumulate(
     step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
   )
-  train_step = step_lib.train_step(
-    grad_fn, step_lib.apply_update(tx, schedule, config.optim.clip_norm)
+  update_fn = guard.wrap_update(
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
   )
+  train_step = step_lib.train_step(grad_fn, update_fn)
   replicated = NamedSharding(mesh, PartitionSpec())
 
   init_exe = controller.compile(
