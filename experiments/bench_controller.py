@@ -49,7 +49,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import ast  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
@@ -60,7 +59,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from pwtrain import optim  # noqa: E402
+from pwtrain import guard, optim  # noqa: E402
 from pwtrain import step as step_lib  # noqa: E402
 from pwtrain.backend import Controller  # noqa: E402
 from pwtrain.backend import controller as controller_lib  # noqa: E402
@@ -144,11 +143,11 @@ def build_plain_jit(config, mesh, tx, schedule):
   grad_fn = step_lib.accumulate(
     step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
   )
-  # Global-norm clipping moved from the optimizer into apply_update; accept either signature.
-  clip = {}
-  if "clip_norm" in inspect.signature(step_lib.apply_update).parameters:
-    clip = {"clip_norm": config.optim.clip_norm}
-  train_step = step_lib.train_step(grad_fn, step_lib.apply_update(tx, schedule, **clip))
+  # The same update as spmd.build, including the skip of non-finite steps (pwtrain.guard).
+  update = guard.wrap_update(
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
+  )
+  train_step = step_lib.train_step(grad_fn, update)
   step = jax.jit(
     train_step,
     in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),

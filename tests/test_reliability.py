@@ -290,3 +290,54 @@ def test_unwritable_workdir_is_a_clear_error(tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(ValueError, match="--workdir=.* cannot be created"):
     train.run(small_config(), str(blocker / "run"), show_progress=False)
+
+
+# --- every stage and pod skips together ----------------------------------------------------
+
+SKIP_LAYOUTS = {
+  "one_island": {},
+  "2pods_x_2stages": {
+    "model.num_layers": 4,
+    "parallel.islands": 4,
+    "parallel.stages": 2,
+    "parallel.pods": 2,
+    "train.num_microbatches": 2,
+  },
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SKIP_LAYOUTS))
+def test_a_nonfinite_step_changes_no_stage_or_pod(layout):
+  """Only pod 0's half of the batch is bad, yet every cell keeps its parameters and optimizer
+  state (all decide from the same global loss), and the next clean step trains again."""
+  from conftest import random_batches
+
+  from pwtrain import optim
+  from pwtrain.backend import Controller
+  from pwtrain.parallel import build_step_program
+  from pwtrain.parallel import plan as plan_lib
+
+  config = tiny_test_config(**SKIP_LAYOUTS[layout])
+  bad, good = random_batches(config, 2)
+  bad["inputs"][0, 0] = config.model.vocab_size
+  cluster = plan_lib.make_cluster(config)
+  plan = plan_lib.build(config, cluster)
+  tx, schedule = optim.build(config.optim, config.train.num_steps)
+  with Controller(cluster) as controller:
+    program = build_step_program(config, plan, controller, tx, schedule)
+    state = program.init()
+    host = [jax.device_get({k: v for k, v in state.items()})]
+    skipped = []
+    for i, batch in enumerate((bad, good)):
+      out = controller.run(program.program_for(i), {**state, **program.feed(batch)})
+      state = {k: out[k].result() for k in program.state_keys}
+      skipped.append(float(out["metrics"].result()["skipped"]))
+      host.append(jax.device_get(state))
+  assert skipped == [1.0, 0.0]
+  for key in program.state_keys:  # one per cell (pod, stage); "state" for one island
+    for part in ("params", "opt_state"):
+      same = jax.tree.map(np.array_equal, host[0][key][part], host[1][key][part])
+      assert all(jax.tree.leaves(same)), f"{key} {part} changed on a skipped step"
+  first = program.to_checkpoint(host[1])["params"]
+  second = program.to_checkpoint(host[2])["params"]
+  assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, first, second)))
