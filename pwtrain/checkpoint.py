@@ -160,8 +160,8 @@ def _leaves(tree) -> dict:
 
 
 def _path(path) -> str:
-  """"opt_state/0/v/blocks/0/attn/wq": saved metadata keeps lists and optimizer-state tuples
-  as dicts with string keys, so paths are compared by their names only."""
+  """A path as names joined by "/", e.g. opt_state/0/v/blocks/0/attn/wq. Saved metadata keeps
+  lists and optimizer-state tuples as dicts with string keys, so only the names are compared."""
   names = []
   for key in path:
     for attr in ("key", "idx", "name"):

@@ -7,6 +7,10 @@ lock and returns futures at once; a node's future resolves when the node has bee
 (its outputs are then un-ready jax.Arrays), not when it has finished, so the controller never
 waits for a predecessor's data before enqueueing its successor. `max_inflight` bounds how many
 earlier programs may still be unfinished when a new one is enqueued (0: run synchronously).
+
+Several clients (threads, each with its own programs) may share one controller and its islands:
+`run` is thread-safe, every program is enqueued atomically (so each island sees the programs in
+one global order), and the run-ahead bound counts all clients' programs together.
 """
 
 import collections
@@ -140,6 +144,9 @@ class Controller:
     serial = threading.Lock() if serialize_execution else None
     self._schedulers = {i.name: _IslandScheduler(i.name, trace, serial) for i in cluster.islands}
     self._dispatch_lock = threading.Lock()
+    # Guards `_inflight`, which clients on several threads append to and pop from; never held
+    # while waiting, so one client's wait does not stall another's dispatch.
+    self._inflight_lock = threading.Lock()
     self._inflight: collections.deque = collections.deque()
     self._step = 0
 
@@ -206,7 +213,8 @@ class Controller:
           args = [resolve(node.src)]
         futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
       outputs = {key: resolve(ref) for key, ref in program.outputs.items()}
-    self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
+    with self._inflight_lock:
+      self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
 
   def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
@@ -216,13 +224,20 @@ class Controller:
     return out
 
   def _bound_inflight(self):
-    while len(self._inflight) > self.max_inflight:
-      _wait_outputs(self._inflight.popleft())
+    # Check and pop under the lock: two clients seeing one program left would otherwise both
+    # pop it (IndexError). With several clients the bound is per pop, so it may be exceeded by
+    # at most one program per concurrently waiting client.
+    while (oldest := self._pop_inflight(keep=self.max_inflight)) is not None:
+      _wait_outputs(oldest)
 
   def wait(self):
-    """Blocks until everything dispatched so far has finished."""
-    while self._inflight:
-      _wait_outputs(self._inflight.popleft())
+    """Blocks until everything dispatched so far (by any client) has finished."""
+    while (oldest := self._pop_inflight(keep=0)) is not None:
+      _wait_outputs(oldest)
+
+  def _pop_inflight(self, keep: int):
+    with self._inflight_lock:
+      return self._inflight.popleft() if len(self._inflight) > keep else None
 
   def close(self):
     for scheduler in self._schedulers.values():
@@ -245,7 +260,16 @@ def _block_ready(value) -> None:
 
 
 def _wait_outputs(futures: list) -> None:
-  jax.block_until_ready([f.result() for f in futures])
+  """Waits until a program's outputs are computed or have failed; never raises.
+
+  The program may belong to another client (the bound is shared): its error is for its owner,
+  who sees it through its own futures, not for whoever happens to wait on it here.
+  """
+  for f in futures:
+    try:
+      jax.block_until_ready(f.result())
+    except Exception:  # noqa: BLE001 - reported through `f` to the program's owner
+      pass
 
 
 def _device_put(sharding):
