@@ -30,6 +30,19 @@ def get_config(arg=None):
   c.model.dtype = "float32"  # activation/compute dtype
   c.model.param_dtype = "float32"
 
+  # Sparse Mixture-of-Experts FFNs (pwtrain/models/moe.py). num_experts=0: dense (PaLM).
+  c.moe = ml_collections.ConfigDict()
+  c.moe.num_experts = 0
+  c.moe.every = 2  # layer i (from 0) is MoE if (i + 1) % every == 0; 1: every layer
+  c.moe.top_k = 2  # experts per token: 1 (Switch) or 2 (GShard)
+  c.moe.d_ff = 0  # each expert's hidden size; 0: model.d_ff
+  c.moe.capacity_factor = 1.25  # training: slots per expert = top_k * factor * seq_len / experts
+  c.moe.eval_capacity_factor = 2.0  # the same at inference (model.__call__)
+  c.moe.dropless = False  # True: no capacity, no drops (sorted tokens, grouped matmuls)
+  c.moe.jitter = 0.0  # router input noise: x * U[1 - jitter, 1 + jitter] while training
+  c.moe.aux_loss_weight = 1e-2  # load-balancing loss (Switch/GShard), per MoE layer
+  c.moe.router_z_loss_weight = 1e-3  # router z-loss (ST-MoE)
+
   c.data = ml_collections.ConfigDict()
   c.data.dataset = "pystdlib"  # built-in corpus, or any prepared TFDS name (e.g. "lm1b")
   c.data.data_dir = ml_collections.config_dict.placeholder(str)  # None: <workdir>/tfds
@@ -77,6 +90,7 @@ def get_config(arg=None):
   c.parallel.data = -1  # -1: whatever is left of the island after fsdp and tensor
   c.parallel.fsdp = 1
   c.parallel.tensor = 1
+  c.parallel.expert = 1  # expert parallelism: experts split over it (tokens too, like data)
   c.parallel.stages = 1  # pipeline stages, one island each (parallel.islands must match)
   c.parallel.schedule = "1f1b"  # "gpipe" or "1f1b"; microbatches: train.num_microbatches
   # Layer index where each stage starts, plus num_layers at the end, e.g. (0, 1, 3, 4);

@@ -17,6 +17,50 @@ def _positive(config, *keys):
       raise ValueError(f"{key}={value!r} must be a positive integer")
 
 
+def validate_moe(config) -> None:
+  """moe.*: num_experts=0 (dense) ignores the rest; parallel.expert needs experts to split."""
+  moe, expert = config.moe, config.parallel.expert
+  if not isinstance(moe.num_experts, int) or moe.num_experts < 0:
+    raise ValueError(f"moe.num_experts={moe.num_experts!r} must be 0 (dense) or a positive integer")
+  if moe.num_experts == 0:
+    if expert not in (1, -1):
+      raise ValueError(
+        f"parallel.expert={expert} needs moe.num_experts > 0: a dense model has no experts to "
+        "split (use parallel.data for data parallelism)"
+      )
+    return
+  if not isinstance(moe.every, int) or moe.every < 1:
+    raise ValueError(
+      f"moe.every={moe.every!r} must be a positive integer (1: every layer is MoE, 2: every "
+      "second layer, ...)"
+    )
+  if moe.every > config.model.num_layers:
+    raise ValueError(
+      f"moe.every={moe.every} exceeds model.num_layers={config.model.num_layers}: no layer "
+      "would be MoE"
+    )
+  if not isinstance(moe.top_k, int) or not 1 <= moe.top_k <= moe.num_experts:
+    raise ValueError(
+      f"moe.top_k={moe.top_k!r} must be between 1 and moe.num_experts={moe.num_experts} "
+      "(1: Switch, 2: GShard)"
+    )
+  if not isinstance(moe.d_ff, int) or moe.d_ff < 0:
+    raise ValueError(f"moe.d_ff={moe.d_ff!r} must be a positive integer, or 0 for model.d_ff")
+  for key in ("capacity_factor", "eval_capacity_factor"):
+    if not moe[key] > 0:
+      raise ValueError(f"moe.{key}={moe[key]!r} must be > 0")
+  if not 0 <= moe.jitter < 1:
+    raise ValueError(f"moe.jitter={moe.jitter!r} must be in [0, 1) (0: no router noise)")
+  for key in ("aux_loss_weight", "router_z_loss_weight"):
+    if not moe[key] >= 0:
+      raise ValueError(f"moe.{key}={moe[key]!r} must be >= 0")
+  if expert != -1 and (expert < 1 or moe.num_experts % expert):
+    raise ValueError(
+      f"parallel.expert={expert} does not divide moe.num_experts={moe.num_experts}; valid: "
+      + ", ".join(str(n) for n in range(1, moe.num_experts + 1) if moe.num_experts % n == 0)
+    )
+
+
 def validate(config) -> None:
   _positive(
     config,
@@ -35,6 +79,7 @@ def validate(config) -> None:
     "train.checkpoint_every",
     "train.keep_checkpoints",
   )
+  validate_moe(config)
   m = config.model
   if m.num_heads % m.num_kv_heads:
     raise ValueError(

@@ -15,6 +15,7 @@ from flax import nnx
 
 from pwtrain import optim
 from pwtrain.models import PaLM, lm_loss
+from pwtrain.models import moe as moe_lib
 from pwtrain.parallel.sharding import constrain
 
 STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
@@ -28,24 +29,27 @@ class ModelFns:
   abstract_params: dict
   logical_axes: dict  # same tree as params; leaves are tuples of logical dim names
   cfg: object
+  moe: object = None  # the moe config (None or num_experts=0: dense)
 
   def init(self, key) -> dict:
-    return nnx.to_pure_dict(nnx.state(PaLM(self.cfg, rngs=nnx.Rngs(params=key))))
+    model = PaLM(self.cfg, moe=self.moe, rngs=nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model))
 
   def module(self, params) -> PaLM:
     return nnx.merge(self.graphdef, params)
 
 
-def model_fns(model_cfg, **stage) -> ModelFns:
-  """The whole model, or with `stage` (num_layers, has_embed, has_head) one pipeline stage."""
-  abstract = nnx.eval_shape(lambda: PaLM(model_cfg, rngs=nnx.Rngs(0), **stage))
+def model_fns(model_cfg, moe=None, **stage) -> ModelFns:
+  """The whole model, or with `stage` (num_layers, has_embed, has_head, layer_offset) one
+  pipeline stage; `moe` is the moe config."""
+  abstract = nnx.eval_shape(lambda: PaLM(model_cfg, moe=moe, rngs=nnx.Rngs(0), **stage))
   graphdef, state = nnx.split(abstract)
   axes = jax.tree.map(
     lambda v: tuple(v.get_metadata()["axes"]),
     state,
     is_leaf=lambda x: isinstance(x, nnx.Variable),
   )
-  return ModelFns(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes), model_cfg)
+  return ModelFns(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes), model_cfg, moe)
 
 
 def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int) -> dict:
@@ -61,12 +65,20 @@ def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int) -> di
 
 
 def loss_and_grads(fns: ModelFns, *, z_loss: float, pad_id: int = 0) -> Callable:
-  """(params, batch) -> (grads of the summed loss, {"loss_sum", "ce_sum", "z_sum", "tokens"})."""
+  """(params, batch) -> (grads of the summed loss, {"loss_sum", "ce_sum", "z_sum", "tokens"}).
+
+  An MoE model's summed loss adds its weighted aux losses, and its stats the MoE sums
+  (models/moe.py STAT_KEYS).
+  """
 
   def loss_fn(params, batch):
-    logits = fns.module(params)(batch["inputs"])
+    inputs = batch["inputs"]
+    rngs = moe_lib.jitter_rngs(fns.moe, inputs)
+    logits, moe_stats = fns.module(params).forward(inputs, train=True, rngs=rngs)
     total, stats = lm_loss(logits, batch["targets"], pad_id=pad_id, z_loss=z_loss)
-    return total, stats
+    if moe_stats:
+      total = total + moe_lib.weighted_aux(fns.moe, moe_stats)
+    return total, {**stats, **moe_stats}
 
   def fn(params, batch):
     (total, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)

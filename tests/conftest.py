@@ -104,7 +104,7 @@ def grads_at_init(config, batch, devices=None):
   cluster = plan_lib.make_cluster(config, devices=devices)
   plan = plan_lib.build(config, cluster)
   mesh = cluster.islands[0].mesh(plan.mesh_shape)
-  fns = step_lib.model_fns(config.model)
+  fns = step_lib.model_fns(config.model, config.moe)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   init = lambda: step_lib.init_state(fns, tx, config.seed)["params"]
   abstract = jax.eval_shape(lambda: step_lib.init_state(fns, tx, config.seed))

@@ -44,7 +44,10 @@ def plan(**overrides):
 @pytest.mark.parametrize(
   "overrides,message",
   [
-    ({"parallel.data": 3}, "parallel.data * parallel.fsdp * parallel.tensor = 3 * 1 * 1 = 3"),
+    (
+      {"parallel.data": 3},
+      "parallel.data * parallel.fsdp * parallel.expert * parallel.tensor = 3 * 1 * 1 * 1 = 3",
+    ),
     ({"parallel.data": -1, "parallel.fsdp": 16}, "parallel.data=-1 cannot be filled"),
     ({"parallel.data": -1, "parallel.fsdp": -1}, "only one of parallel."),
     (
@@ -58,7 +61,7 @@ def plan(**overrides):
     ({"train.global_batch": 12}, "train.global_batch=12 must be divisible by"),
     (
       {"parallel.data": 4, "parallel.tensor": 2, "train.num_microbatches": 8},
-      "parallel.data * parallel.fsdp * train.num_microbatches = 1 * 4 * 8 = 32",
+      "parallel.data * parallel.fsdp * parallel.expert * train.num_microbatches = 1 * 4 * 8 = 32",
     ),
     ({"parallel.islands": 3}, "parallel.islands=3"),
     ({"parallel.islands": 0}, "parallel.islands=0 must be >= 1"),

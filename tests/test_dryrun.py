@@ -25,7 +25,7 @@ def test_palm_540b_parameters_and_cluster(palm540b):
   _, e = palm540b
   # PaLM Table 1: 540.35B parameters (embedding shared with the output layer).
   assert abs(e["params"] / 540.35e9 - 1) < 1e-3
-  assert e["mesh_shape"] == {"data": 1, "fsdp": 256, "tensor": 12}
+  assert e["mesh_shape"] == {"data": 1, "fsdp": 256, "expert": 1, "tensor": 12}
   assert (e["num_pods"], e["num_stages"], e["num_islands"]) == (2, 1, 2)
   assert (e["devices_per_island"], e["hosts_per_island"], e["num_devices"]) == (3072, 768, 6144)
   assert e["padded_vocab_size"] == 256_008  # 256000 rounded up to a multiple of tensor=12
@@ -141,7 +141,7 @@ def test_tiny_config_dry_runs_on_the_local_devices():
   config = load_config("palm_tiny")
   e = dryrun.estimate(config)
   assert e["devices_per_island"] == len(jax.devices()) == 8
-  assert e["mesh_shape"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert e["mesh_shape"] == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
   assert e["padded_vocab_size"] == e["vocab_size"] == 512
   (island,) = e["islands"]
   assert island["param_bytes"] == e["params"] * 4  # data parallel only: replicated

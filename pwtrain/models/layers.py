@@ -1,4 +1,5 @@
-"""Building blocks of the PaLM decoder: bias-free LayerNorm, RoPE, MQA attention, SwiGLU.
+"""Building blocks of the PaLM decoder: bias-free LayerNorm, RoPE, MQA attention, SwiGLU (or a
+sparse MoE FFN, pwtrain.models.moe).
 
 Parameters carry logical axis names in their `axes` metadata; nothing here knows about meshes.
 """
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pwtrain.models.moe import MoE
 from pwtrain.parallel.sharding import constrain
 
 
@@ -102,14 +104,30 @@ class SwiGLU(nnx.Module):
 
 
 class ParallelBlock(nnx.Module):
-  """PaLM's parallel formulation: y = x + MLP(LN(x)) + Attention(LN(x)), one shared LN."""
+  """PaLM's parallel formulation: y = x + MLP(LN(x)) + Attention(LN(x)), one shared LN.
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+  With `moe` (the moe config) the MLP is a sparse MoE FFN (attribute `moe` instead of `mlp`).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, moe=None):
     self.norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
     self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
-    self.mlp = SwiGLU(cfg, rngs=rngs, param_dtype=param_dtype)
+    self.is_moe = moe is not None
+    if moe is None:
+      self.mlp = SwiGLU(cfg, rngs=rngs, param_dtype=param_dtype)
+    else:
+      self.moe = MoE(cfg, moe, rngs=rngs, param_dtype=param_dtype)
 
   def __call__(self, x, positions):
+    return self.with_stats(x, positions, train=False)[0]
+
+  def with_stats(self, x, positions, *, train: bool, rngs=None):
+    """-> (y, MoE stats of this block: {} for a dense block). See PaLM.forward for the args."""
     h = self.norm(x)
-    y = x + self.attn(h, positions) + self.mlp(h)
-    return constrain(y, ("batch", "length", "embed"))
+    attn = self.attn(h, positions)  # traced first, as before MoE: the dense HLO is unchanged
+    if self.is_moe:
+      ffn, stats = self.moe(h, train=train, rngs=rngs)
+    else:
+      ffn, stats = self.mlp(h), {}
+    y = x + attn + ffn
+    return constrain(y, ("batch", "length", "embed")), stats

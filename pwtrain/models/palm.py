@@ -3,13 +3,15 @@
 A pipeline stage is `embed` (first stage only) + `blocks[start:stop]` + `head` (last stage only);
 `__call__` is the whole model. The output layer shares the input embedding and scales logits by
 1/sqrt(d_model); the loss adds PaLM's z-loss, 1e-4 * log(Z)^2, to keep the softmax normaliser
-near 1.
+near 1. With a moe config, every `moe.every`-th layer (by global layer index, so a stage knows its
+MoE layers from its `layer_offset`) has a sparse MoE FFN; `forward` returns its summed stats.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pwtrain.models import moe as moe_lib
 from pwtrain.models.layers import LayerNorm, ParallelBlock
 from pwtrain.parallel.sharding import constrain
 
@@ -19,7 +21,8 @@ class PaLM(nnx.Module):
 
   A stage has `num_layers` blocks (numbered from 0 within the stage), the embedding lookup if it
   is the first (`has_embed`) and the final norm plus output layer if it is the last
-  (`has_head`); both ends hold the shared embedding matrix.
+  (`has_head`); both ends hold the shared embedding matrix. Its block k is the model's layer
+  `layer_offset + k`.
   """
 
   def __init__(
@@ -30,6 +33,8 @@ class PaLM(nnx.Module):
     num_layers: int | None = None,
     has_embed: bool = True,
     has_head: bool = True,
+    moe=None,
+    layer_offset: int = 0,
   ):
     param_dtype = jnp.dtype(cfg.param_dtype)
     self.dtype = jnp.dtype(cfg.dtype)
@@ -42,8 +47,17 @@ class PaLM(nnx.Module):
         init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
       )
     num_layers = cfg.num_layers if num_layers is None else num_layers
+    self.num_experts = moe.num_experts if moe_lib.enabled(moe) else 0
     self.blocks = nnx.List(
-      [ParallelBlock(cfg, rngs=rngs, param_dtype=param_dtype) for _ in range(num_layers)]
+      [
+        ParallelBlock(
+          cfg,
+          rngs=rngs,
+          param_dtype=param_dtype,
+          moe=moe if moe_lib.is_moe_layer(moe, layer_offset + k) else None,
+        )
+        for k in range(num_layers)
+      ]
     )
     if has_head:
       self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
@@ -52,11 +66,17 @@ class PaLM(nnx.Module):
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
     return constrain(x, ("batch", "length", "embed"))
 
-  def run_blocks(self, x, start: int = 0, stop: int | None = None):
+  def blocks_with_stats(self, x, start=0, stop=None, *, train: bool = False, rngs=None):
+    """-> (output of blocks[start:stop], their summed MoE stats; {} for a dense model)."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    stats = moe_lib.zero_stats(self.num_experts)
     for block in self.blocks[start:stop]:
-      x = block(x, positions)
-    return x
+      x, block_stats = block.with_stats(x, positions, train=train, rngs=rngs)
+      stats = moe_lib.add_stats(stats, block_stats)
+    return x, stats
+
+  def run_blocks(self, x, start: int = 0, stop: int | None = None):
+    return self.blocks_with_stats(x, start, stop)[0]
 
   def head(self, x):
     x = self.final_norm(x)
@@ -64,12 +84,20 @@ class PaLM(nnx.Module):
     logits = logits.astype(jnp.float32) * (self.d_model**-0.5)
     return constrain(logits, ("batch", "length", "vocab"))
 
-  def __call__(self, x):
-    """Tokens -> logits for the whole model; a stage maps its input to its output."""
+  def forward(self, x, *, train: bool, rngs=None):
+    """Tokens -> (logits, MoE stats) for the whole model; a stage maps its input to its output.
+
+    `train` picks the MoE capacity factor (train or eval) and enables router jitter, drawn from
+    `rngs.jitter` (pass rngs only when moe.jitter > 0). The stats are {} for a dense model.
+    """
     if self.has_embed:
       x = self.embed(x)
-    x = self.run_blocks(x)
-    return self.head(x) if self.has_head else x
+    x, stats = self.blocks_with_stats(x, train=train, rngs=rngs)
+    return (self.head(x) if self.has_head else x), stats
+
+  def __call__(self, x):
+    """Tokens -> logits (inference: eval capacity, no jitter)."""
+    return self.forward(x, train=False)[0]
 
 
 def lm_loss(logits, targets, *, pad_id: int = 0, z_loss: float = 1e-4):

@@ -41,6 +41,7 @@ from pwtrain import config as config_lib
 from pwtrain import metrics, optim
 from pwtrain import step as step_lib
 from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import exchange, pipeline, spmd
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.stages import layer_costs, make_stages, to_stage
@@ -156,19 +157,24 @@ class _ShapeOnlyFns(step_lib.ModelFns):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_params)
 
 
-def model_fns(model_cfg) -> step_lib.ModelFns:
-  """The whole model's abstract params and logical axes, from a one-layer model.
+def model_fns(model_cfg, moe=None) -> step_lib.ModelFns:
+  """The whole model's abstract params and logical axes, from a model of one period of layers.
 
-  Every block has the same shapes and axes, so block 0's are copied to all layers: the same
-  trees as step.model_fns(model_cfg) (tested), in 0.1 s instead of 20 s for PaLM 540B's 118
-  layers. The graphdef is the one-layer model's: shapes only, not for running.
+  Blocks repeat with the MoE schedule's period (`moe.every`; 1 for a dense model), so the
+  period's blocks are copied to all layers: the same trees as step.model_fns(model_cfg, moe)
+  (tested), in 0.1 s instead of 20 s for PaLM 540B's 118 layers. The graphdef is the short
+  model's: shapes only, not for running.
   """
-  one = step_lib.model_fns(model_cfg, num_layers=1)
+  period = min(moe.every, model_cfg.num_layers) if moe_lib.enabled(moe) else 1
+  one = step_lib.model_fns(model_cfg, moe, num_layers=period)
 
   def widen(tree):
-    return {**tree, "blocks": {i: tree["blocks"][0] for i in range(model_cfg.num_layers)}}
+    blocks = {i: tree["blocks"][i % period] for i in range(model_cfg.num_layers)}
+    return {**tree, "blocks": blocks}
 
-  return _ShapeOnlyFns(one.graphdef, widen(one.abstract_params), widen(one.logical_axes), model_cfg)
+  return _ShapeOnlyFns(
+    one.graphdef, widen(one.abstract_params), widen(one.logical_axes), model_cfg, moe
+  )
 
 
 def abstract_state(config, fns, tx) -> dict:
@@ -178,7 +184,7 @@ def abstract_state(config, fns, tx) -> dict:
   def init():
     state = step_lib.init_state(fns, tx, config.seed)
     if pods > 1 and mode == "stale":
-      state["pending"] = exchange.init_pending(state["params"])
+      state["pending"] = exchange.init_pending(state["params"], config.moe.num_experts)
     if pods > 1 and mode == "diloco":
       outer_tx = exchange.outer_optimizer(config.exchange)
       state["outer"] = exchange.init_outer(state["params"], outer_tx)
@@ -244,12 +250,13 @@ def estimate(config) -> dict:
   mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
   p, m, train = config.parallel, config.model, config.train
   num_pods, num_micro, seq = p.pods, train.num_microbatches, config.data.seq_len
-  t, f, dp = mesh_shape["tensor"], mesh_shape["fsdp"], mesh_shape["data"]
+  # Dense parameters are replicated over data and expert (the batch is split over both).
+  t, f, dp = mesh_shape["tensor"], mesh_shape["fsdp"], mesh_shape["data"] * mesh_shape["expert"]
   devices_per_island = plan.islands[0].num_devices
   hosts_per_island = math.ceil(devices_per_island / hw.devices_per_host)
 
   tx, _ = optim.build(config.optim, train.num_steps)
-  fns = model_fns(m)
+  fns = model_fns(m, config.moe)
   whole = abstract_state(config, fns, tx)
   num_params = sum(x.size for x in jax.tree.leaves(whole["params"]))
 
@@ -462,7 +469,9 @@ def report(config) -> str:
   """`estimate(config)` as printable lines (sizes in decimal units: 1 GB = 1e9 bytes)."""
   e = estimate(config)
   hw, x = e["hardware"], e["exchange"]
-  mesh = " x ".join(f"{a}={n}" for a, n in e["mesh_shape"].items())
+  # The expert axis is shown only where it splits something (an MoE model's experts).
+  axes = {a: n for a, n in e["mesh_shape"].items() if a != "expert" or n > 1}
+  mesh = " x ".join(f"{a}={n}" for a, n in axes.items())
   count = f"{e['params'] / 1e9:,.2f}B" if e["params"] >= 1e9 else f"{e['params'] / 1e6:,.2f}M"
   lines = [
     f"Dry run: {count} parameters ({e['params']:,}, {e['param_dtype']}), "

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pwtrain.models import moe as moe_lib
 from pwtrain.step import STAT_KEYS
 
 MODES = ("sync", "overlapped", "stale", "diloco")
@@ -76,11 +77,11 @@ def encoded_bytes(abstract_tree, compression: str) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
 
 
-def init_pending(params) -> dict:
+def init_pending(params, num_experts: int = 0) -> dict:
   """The stale exchange's carried state: last step's summed gradients, stats and squared norm."""
   return {
     "grads": jax.tree.map(jnp.zeros_like, params),
-    "stats": {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS},
+    "stats": {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS} | moe_lib.zero_stats(num_experts),
     "sumsq": jnp.zeros((), jnp.float32),
   }
 

@@ -35,6 +35,7 @@ from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import lm_loss
+from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import exchange, spmd
 from pwtrain.parallel import sharding as sharding_lib
 from pwtrain.parallel.stages import Stage, make_stages, to_stage, to_whole
@@ -159,9 +160,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   outer_tx = exchange.outer_optimizer(config.exchange) if diloco else None
 
   def whole_init():
-    state = step_lib.init_state(step_lib.model_fns(config.model), tx, config.seed)
+    state = step_lib.init_state(step_lib.model_fns(config.model, config.moe), tx, config.seed)
     if stale:
-      state["pending"] = exchange.init_pending(state["params"])
+      state["pending"] = exchange.init_pending(state["params"], config.moe.num_experts)
     if diloco:
       state["outer"] = exchange.init_outer(state["params"], outer_tx)
     if feedback:
@@ -172,6 +173,11 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   update = guard.wrap_update(
     step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
   )
+  # MoE: each stage adds its weighted aux losses to what it differentiates, and passes the
+  # running MoE stats forward with its activations, so the last stage's stats cover all stages.
+  moe = config.moe if moe_lib.enabled(config.moe) else None
+  if moe:
+    update = moe_lib.with_metrics(moe, update)
   if stale:
     update = exchange.stale(update)
   mb = config.train.global_batch // num_pods // num_micro
@@ -184,7 +190,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   for (p, s), island in placement.items():
     stage = stages[s]
     mesh = island.mesh(plan.mesh_shape)
-    fns = step_lib.model_fns(config.model, **stage.model_kwargs())
+    fns = step_lib.model_fns(config.model, config.moe, **stage.model_kwargs())
     abstract = to_stage(whole_abstract, stage)
     shardings = spmd.state_shardings(fns, mesh, abstract)
     state_abs = spmd.with_shardings(abstract, shardings)
@@ -199,8 +205,20 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     )
     x_abs = tokens_abs if stage.first else act_abs
     scalar = jax.ShapeDtypeStruct((), np.float32, sharding=replicated)
-    stats_abs = {k: scalar for k in STAT_KEYS}
-    stats_sharding = {k: replicated for k in STAT_KEYS}
+
+    def zero_stats():
+      return {
+        **{k: jnp.zeros((), jnp.float32) for k in STAT_KEYS},
+        **moe_lib.zero_stats(config.moe.num_experts),
+      }
+
+    stats_abs = jax.tree.map(
+      lambda a, r=replicated: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=r),
+      jax.eval_shape(zero_stats),
+    )
+    stats_sharding = jax.tree.map(lambda _, r=replicated: r, stats_abs)
+    moe_abs = {k: v for k, v in stats_abs.items() if k in moe_lib.STAT_KEYS}
+    moe_sharding = {k: replicated for k in moe_abs}
 
     def compile_(kind, fn, args, p=p, s=s, island=island, mesh=mesh, **kw):
       name = f"{p}:{kind}{s}"
@@ -209,14 +227,18 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     compile_("init", lambda stage=stage: to_stage(whole_init(), stage), (), out_shardings=shardings)
 
     def zeros_fn(state):
-      return jax.tree.map(jnp.zeros_like, state["params"]), {k: jnp.zeros(()) for k in STAT_KEYS}
+      return jax.tree.map(jnp.zeros_like, state["params"]), zero_stats()
 
     compile_("zeros", zeros_fn, (state_abs,), out_shardings=(grads_sharding, stats_sharding))
 
     def forward(params, x, fns=fns):
       return fns.module(params)(x)
 
-    if stage.last:
+    if moe:
+      shapes = (state_abs, x_abs, tokens_abs, act_abs, grads_abs, stats_abs, moe_abs)
+      out_shardings = (act_sharding, grads_sharding, stats_sharding, moe_sharding)
+      compile_moe_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings)
+    elif stage.last:
 
       def fb_fn(state, x, targets, grads, stats, forward=forward, first=stage.first):
         def loss_fn(params, x):
@@ -388,6 +410,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
       compression,
       diloco,
       feedback,
+      moe is not None,
     ).step_program(outer)
 
   program = layout()
@@ -431,6 +454,80 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   )
 
 
+def compile_moe_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings):
+  """A stage with MoE layers: its F, B and FB nodes.
+
+  F returns (activation, running MoE stats: the previous stages' plus its own). A stage's
+  objective is its output plus its weighted aux losses, so B is the VJP of (output, aux) with
+  cotangents (the next stage's activation gradient, 1), and FB differentiates the LM loss plus
+  its own aux losses; FB's stats add every stage's MoE stats, and its loss_sum every stage's
+  weighted aux losses. Carried stats are the last argument (absent on the first stage).
+  """
+  state_abs, x_abs, tokens_abs, act_abs, grads_abs, stats_abs, moe_abs = shapes
+  act_sharding, grads_sharding, stats_sharding, moe_sharding = out_shardings
+  carried_abs = () if stage.first else (moe_abs,)
+
+  def forward(params, x):
+    rngs = moe_lib.jitter_rngs(moe, x)
+    return fns.module(params).forward(x, train=True, rngs=rngs)
+
+  def objective(params, x):
+    out, stats = forward(params, x)
+    return (out, moe_lib.weighted_aux(moe, stats)), stats
+
+  if stage.last:
+
+    def fb_fn(state, x, targets, grads, stats, *carried):
+      def loss_fn(params, x):
+        (out, aux), own = objective(params, x)
+        total, lm = lm_loss(out, targets, z_loss=z_loss)
+        return total + aux, (lm, own)
+
+      argnums = (0,) if stage.first else (0, 1)
+      (total, (lm, own)), g = jax.value_and_grad(loss_fn, argnums, has_aux=True)(state["params"], x)
+      for before in carried:  # earlier stages' aux losses were differentiated there
+        own = moe_lib.add_stats(before, own)
+        total = total + moe_lib.weighted_aux(moe, before)
+      grads = jax.tree.map(jnp.add, grads, g[0])
+      stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **lm, **own})
+      return (grads, stats) if stage.first else (grads, stats, g[1])
+
+    compile_(
+      "FB",
+      fb_fn,
+      (state_abs, x_abs, tokens_abs, grads_abs, stats_abs, *carried_abs),
+      out_shardings=(grads_sharding, stats_sharding) + (() if stage.first else (act_sharding,)),
+      donate_argnums=(3, 4),
+    )
+    return
+
+  def f_fn(state, x, *carried):
+    out, own = forward(state["params"], x)
+    for before in carried:
+      own = moe_lib.add_stats(before, own)
+    return out, own
+
+  compile_("F", f_fn, (state_abs, x_abs, *carried_abs), out_shardings=(act_sharding, moe_sharding))
+
+  def b_fn(state, x, g_out, grads):
+    one = jnp.ones((), jnp.float32)
+    if stage.first:  # tokens are not differentiable
+      _, vjp, _ = jax.vjp(lambda params: objective(params, x), state["params"], has_aux=True)
+      (g_params,) = vjp((g_out, one))
+      return (jax.tree.map(jnp.add, grads, g_params),)
+    _, vjp, _ = jax.vjp(objective, state["params"], x, has_aux=True)
+    g_params, g_in = vjp((g_out, one))
+    return jax.tree.map(jnp.add, grads, g_params), g_in
+
+  compile_(
+    "B",
+    b_fn,
+    (state_abs, x_abs, act_abs, grads_abs),
+    out_shardings=(grads_sharding,) + (() if stage.first else (act_sharding,)),
+    donate_argnums=(3,),
+  )
+
+
 def _with_out_shardings(exe):
   return jax.tree.map(
     lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
@@ -443,10 +540,10 @@ class _Layout:
   """Builds the step's nodes cell by cell, then interleaves them into one dispatch order."""
 
   def __init__(
-    self, stages, placement, plan, exes, num_micro, schedule, compression, diloco, feedback
+    self, stages, placement, plan, exes, num_micro, schedule, compression, diloco, feedback, moe
   ):
     self.stages, self.placement, self.exes, self.diloco = stages, placement, exes, diloco
-    self.feedback = feedback
+    self.feedback, self.moe = feedback, moe
     self.meshes = {c: island.mesh(plan.mesh_shape) for c, island in placement.items()}
     self.num_micro, self.schedule, self.compression = num_micro, schedule, compression
     self.per_cell: dict = {c: [] for c in placement}
@@ -479,15 +576,18 @@ class _Layout:
           g = self._move(cell, f"{pre}grad{s}.{m}", src, act)
           grads = (self._node(cell, f"{pre}B{s}.{m}", "B", state, x, g, grads), 0)
           continue
+        carried = []  # MoE: the running MoE stats of the stages before
         if stage.first:
           x = self._move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
         else:
           x = self._move(cell, f"{pre}act{s}.{m}", (f"{pre}F{s - 1}.{m}", 0), act)
+          if self.moe:
+            carried = [self._move(cell, f"{pre}moe{s}.{m}", (f"{pre}F{s - 1}.{m}", 1), ())]
         if kind == "F":
-          self._node(cell, f"{pre}F{s}.{m}", "F", state, x)
+          self._node(cell, f"{pre}F{s}.{m}", "F", state, x, *carried)
         else:
           y = self._move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
-          name = self._node(cell, f"{pre}FB{s}.{m}", "FB", state, x, y, grads, stats)
+          name = self._node(cell, f"{pre}FB{s}.{m}", "FB", state, x, y, grads, stats, *carried)
           grads, stats = (name, 0), (name, 1)
       grads_ref[cell] = grads
       if stage.last:

@@ -1,8 +1,8 @@
 """The plan: which islands run what, each island's mesh, and the cost model.
 
-For one island this resolves `parallel.{data,fsdp,tensor}` into a mesh shape over the island's
-devices and checks that the model and batch divide evenly over it. Later stages (pipelines,
-pods) extend the plan, not the trainer.
+For one island this resolves `parallel.{data,fsdp,expert,tensor}` into a mesh shape over the
+island's devices and checks that the model and batch divide evenly over it. Later stages
+(pipelines, pods) extend the plan, not the trainer.
 """
 
 import dataclasses
@@ -12,17 +12,22 @@ import numpy as np
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
 from pwtrain.parallel.sharding import MESH_AXES
-from pwtrain.parallel.stages import make_stages
+from pwtrain.parallel.stages import ffn_params, make_stages
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   islands: tuple[Island, ...]
-  mesh_shape: dict[str, int]  # per island: {"data": d, "fsdp": f, "tensor": t}
+  mesh_shape: dict[str, int]  # per island: {"data": d, "fsdp": f, "expert": e, "tensor": t}
 
   @property
   def batch_shards(self) -> int:
-    return self.mesh_shape["data"] * self.mesh_shape["fsdp"]
+    return batch_shards(self.mesh_shape)
+
+
+def batch_shards(mesh_shape: dict[str, int]) -> int:
+  """How many ways the batch is split: over data, fsdp and expert (sharding.DEFAULT_RULES)."""
+  return mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
 
 
 def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
@@ -33,7 +38,7 @@ def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
       raise ValueError(f"parallel.{axis}={size} must be a positive size or -1 (fill)")
   fill = [a for a, s in shape.items() if s == -1]
   if len(fill) > 1:
-    raise ValueError(f"only one of parallel.{{data,fsdp,tensor}} may be -1; got {fill}")
+    raise ValueError(f"only one of parallel.{{data,fsdp,expert,tensor}} may be -1; got {fill}")
   fixed = int(np.prod([s for s in shape.values() if s != -1]))
   if fill:
     if num_devices % fixed:
@@ -45,9 +50,9 @@ def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
   total = int(np.prod(list(shape.values())))
   if total != num_devices:
     raise ValueError(
-      "parallel.data * parallel.fsdp * parallel.tensor = "
-      f"{shape['data']} * {shape['fsdp']} * {shape['tensor']} = {total} must equal the "
-      f"{num_devices} devices of an island (set one of them to -1 to fill)"
+      "parallel.data * parallel.fsdp * parallel.expert * parallel.tensor = "
+      f"{shape['data']} * {shape['fsdp']} * {shape['expert']} * {shape['tensor']} = {total} "
+      f"must equal the {num_devices} devices of an island (set one of them to -1 to fill)"
     )
   return shape
 
@@ -60,17 +65,25 @@ def check_model_divisibility(config, mesh_shape: dict[str, int]) -> None:
       raise ValueError(f"parallel.tensor={t} does not divide model.{key}={m[key]}")
   if f > 0 and m.d_model % f:
     raise ValueError(f"parallel.fsdp={f} does not divide model.d_model={m.d_model}")
+  e, moe = mesh_shape["expert"], config.moe
+  if moe.num_experts == 0 and e > 1:
+    raise ValueError(f"parallel.expert={e} needs moe.num_experts > 0: a dense model has no experts")
+  if moe.num_experts and e > 0 and moe.num_experts % e:
+    raise ValueError(f"parallel.expert={e} does not divide moe.num_experts={moe.num_experts}")
+  d_ff = moe.d_ff or m.d_ff
+  if moe.num_experts and t > 0 and d_ff % t:
+    raise ValueError(f"parallel.tensor={t} does not divide the experts' d_ff={d_ff} (moe.d_ff)")
 
 
 def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
   check_model_divisibility(config, mesh_shape)
-  shards = mesh_shape["data"] * mesh_shape["fsdp"]
+  shards = batch_shards(mesh_shape)
   micro, pods = config.train.num_microbatches, config.parallel.pods
   if config.train.global_batch % (pods * shards * micro):
     raise ValueError(
       f"train.global_batch={config.train.global_batch} must be divisible by parallel.pods * "
-      f"parallel.data * parallel.fsdp * train.num_microbatches = {pods} * {shards} * {micro} "
-      f"= {pods * shards * micro}"
+      "parallel.data * parallel.fsdp * parallel.expert * train.num_microbatches = "
+      f"{pods} * {shards} * {micro} = {pods * shards * micro}"
     )
 
 
@@ -121,16 +134,17 @@ def make_cluster(config, devices=None) -> Cluster:
   return Cluster.local([per] * n, devices=devices)
 
 
-def param_count(config) -> int:
-  """Parameters of the dense PaLM model (embedding shared with the output layer)."""
+def param_count(config, *, active: bool = False) -> int:
+  """Parameters of the PaLM model (embedding shared with the output layer); with `active`, an
+  MoE layer counts only the top_k experts a token uses (and its router)."""
   m = config.model
   attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-  mlp = 3 * m.d_model * m.d_ff
-  return m.vocab_size * m.d_model + m.num_layers * (attn + mlp + m.d_model) + m.d_model
+  mlp = sum(ffn_params(config, layer)[1 if active else 0] for layer in range(m.num_layers))
+  return m.vocab_size * m.d_model + m.num_layers * (attn + m.d_model) + mlp + m.d_model
 
 
 def flops_per_token(config) -> float:
-  """Training FLOPs per token, PaLM's 6N + 12LHQT (N excluding the embedding)."""
+  """Training FLOPs per token, PaLM's 6N + 12LHQT (N: active parameters, embedding excluded)."""
   m = config.model
-  n = param_count(config) - m.vocab_size * m.d_model
+  n = param_count(config, active=True) - m.vocab_size * m.d_model
   return 6.0 * n + 12.0 * m.num_layers * m.num_heads * m.head_dim * config.data.seq_len

@@ -13,11 +13,15 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Mesh axes, outermost first; tensor stays innermost (its all-reduces are the most frequent).
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # (logical dim, mesh axes it is split over). Order matters only for readability.
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-  ("batch", ("data", "fsdp")),
+  # Tokens are split over the expert axis too: outside the MoE layers it is one more data
+  # axis, and the MoE dispatch exchanges tokens over it all-to-all (models/moe.py).
+  ("batch", ("data", "fsdp", "expert")),
+  ("expert", ("expert",)),
   ("embed", ("fsdp",)),
   ("vocab", ("tensor",)),
   ("heads", ("tensor",)),

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
+from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import sharding as sharding_lib
 
 
@@ -85,7 +86,7 @@ def with_shardings(abstract, shardings):
 def build(config, plan, controller: Controller, tx, schedule, island=None) -> StepProgram:
   island = island or plan.islands[0]
   mesh = island.mesh(plan.mesh_shape)
-  fns = step_lib.model_fns(config.model)
+  fns = step_lib.model_fns(config.model, config.moe)
   init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
   abstract = jax.eval_shape(init_fn)
   shardings = state_shardings(fns, mesh, abstract)
@@ -103,6 +104,8 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   update_fn = guard.wrap_update(
     step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
   )
+  if moe_lib.enabled(config.moe):
+    update_fn = moe_lib.with_metrics(config.moe, update_fn)
   train_step = step_lib.train_step(grad_fn, update_fn)
   replicated = NamedSharding(mesh, PartitionSpec())
 

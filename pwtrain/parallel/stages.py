@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from pwtrain.models import moe as moe_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -25,19 +27,37 @@ class Stage:
     return self.stop - self.start
 
   def model_kwargs(self) -> dict:
-    return {"num_layers": self.num_layers, "has_embed": self.first, "has_head": self.last}
+    return {
+      "num_layers": self.num_layers,
+      "has_embed": self.first,
+      "has_head": self.last,
+      "layer_offset": self.start,  # the MoE schedule counts global layers
+    }
+
+
+def ffn_params(config, layer: int) -> tuple[int, int]:
+  """(all, active per token) parameters of layer `layer`'s FFN: the dense SwiGLU, or an MoE
+  layer's experts and router (a token uses top_k experts)."""
+  m, moe = config.model, config.moe
+  if not moe_lib.is_moe_layer(moe, layer):
+    return 3 * m.d_model * m.d_ff, 3 * m.d_model * m.d_ff
+  expert = 3 * m.d_model * moe_lib.expert_d_ff(m, moe)
+  router = m.d_model * moe.num_experts
+  return moe.num_experts * expert + router, moe.top_k * expert + router
 
 
 def layer_costs(config) -> tuple[list[float], float, float]:
   """Training FLOPs per token of each block, of the embedding lookup and of the output layer."""
   m = config.model
   attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-  block = (
-    6.0 * (attn + 3 * m.d_model * m.d_ff) + 12.0 * m.num_heads * m.head_dim * config.data.seq_len
-  )
+  blocks = [
+    6.0 * (attn + ffn_params(config, layer)[1])
+    + 12.0 * m.num_heads * m.head_dim * config.data.seq_len
+    for layer in range(m.num_layers)
+  ]
   head = 6.0 * m.vocab_size * m.d_model
   embed = 0.0  # a gather: no matmul FLOPs
-  return [block] * m.num_layers, embed, head
+  return blocks, embed, head
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra=0.0, last_extra=0.0):

@@ -1,0 +1,30 @@
+"""palm_tiny with sparse Mixture-of-Experts FFNs, one expert per device (expert parallelism).
+
+Run:
+  python -m pwtrain.main --config=configs/palm_tiny_moe.py --workdir=/tmp/pwtrain_tiny_moe
+
+Layers 1 and 3 (every second layer) replace the dense SwiGLU by 8 SwiGLU experts of hidden size
+256 with top-2 (GShard) routing, so a token's active FFN parameters and FLOPs equal palm_tiny's
+dense d_ff=512 (plus a 128 x 8 router): the two configs compare at equal compute per token. The
+8 experts are split over parallel.expert=8 (tokens too: the batch of 16 is split 8 ways, and the
+MoE layers exchange tokens all-to-all); capacity factor 1.25 in training. Metrics add
+moe_aux_loss, moe_z_loss, moe_dropped_fraction and each expert's load (moe_load_e*). Expected:
+the loss falls like palm_tiny's, to slightly below it after 300 steps (README, "Mixture of
+Experts", has the measured numbers). Try --config.moe.dropless=True, --config.moe.top_k=1, or
+--config.parallel.expert=2 --config.parallel.data=4.
+"""
+
+from pwtrain.config import base_config
+
+
+def get_config(arg=None):
+  c = base_config(__file__, "palm_tiny", arg)
+  c.moe.num_experts = 8
+  c.moe.every = 2
+  c.moe.top_k = 2
+  c.moe.d_ff = c.model.d_ff // c.moe.top_k  # same active FFN size as the dense model
+  c.moe.capacity_factor = 1.25
+  c.parallel.expert = 8
+  c.parallel.data = -1
+  c.lock()
+  return c
