@@ -112,6 +112,16 @@ def get_config(arg=None):
   c.backend.mode = "embedded"
   c.backend.max_inflight_steps = 1  # unfinished steps allowed when enqueueing the next (0: sync)
   c.backend.trace = False  # write <workdir>/trace.json (Chrome/Perfetto)
+  # Remote islands (backend.mode="remote"): one `python -m pwtrain.backend.worker` per island.
+  c.backend.workers = ()  # their addresses, e.g. ("127.0.0.1:7001", "127.0.0.1:7002")
+  c.backend.launch_workers = False  # True: start them on loopback here (and restart on faults)
+  c.backend.token_file = ""  # the shared token's file; "" reads $<backend.token_env>
+  c.backend.token_env = "PWTRAIN_WORKER_TOKEN"
+  c.backend.rpc_timeout_s = 30.0  # deadline of every call that should answer at once
+
+  c.fault = ml_collections.ConfigDict()  # remote mode: lost workers
+  c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
+  c.fault.heartbeat_s = 2.0  # health-check period; a worker silent for 3 periods is lost
 
   c.lock()
   return c

@@ -4,7 +4,7 @@ from pwtrain import optim
 from pwtrain.parallel import exchange
 
 TOKENIZERS = ("byte", "sentencepiece")
-BACKENDS = ("embedded",)
+BACKENDS = ("embedded", "remote")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -102,6 +102,7 @@ def validate(config) -> None:
     raise ValueError(
       f"backend.mode={config.backend.mode!r} is not a backend; valid: {', '.join(BACKENDS)}"
     )
+  validate_backend(config)
   if config.parallel.schedule not in SCHEDULES:
     raise ValueError(
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
@@ -137,6 +138,37 @@ def validate(config) -> None:
       f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
     )
+
+
+def validate_backend(config) -> None:
+  """Remote islands: one worker (or one launched worker) per island, sane fault settings."""
+  b, f = config.backend, config.fault
+  if b.mode == "remote":
+    workers = list(b.workers)
+    if b.launch_workers and workers:
+      raise ValueError(
+        f"backend.launch_workers=True starts its own workers; backend.workers={workers} must "
+        "then be empty"
+      )
+    if not b.launch_workers and len(workers) != config.parallel.islands:
+      raise ValueError(
+        f"backend.mode='remote' needs one worker address per island: backend.workers has "
+        f"{len(workers)} ({workers}) but parallel.islands={config.parallel.islands}"
+      )
+    for address in workers:
+      host, _, port = str(address).rpartition(":")
+      if not host or not port.isdigit():
+        raise ValueError(f"backend.workers entry {address!r} is not 'host:port'")
+  elif list(b.workers) or b.launch_workers:
+    raise ValueError(
+      f"backend.workers/backend.launch_workers are for backend.mode='remote', not {b.mode!r}"
+    )
+  if b.rpc_timeout_s <= 0:
+    raise ValueError(f"backend.rpc_timeout_s={b.rpc_timeout_s} must be > 0")
+  if not isinstance(f.max_restarts, int) or f.max_restarts < 0:
+    raise ValueError(f"fault.max_restarts={f.max_restarts!r} must be an integer >= 0")
+  if f.heartbeat_s <= 0:
+    raise ValueError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
 
 
 def base_config(config_file: str, name: str, arg=None):

@@ -25,6 +25,14 @@ class RunResult:
 
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
+  if config.backend.mode == "remote":  # island workers: launched and restarted by pwtrain.fault
+    from pwtrain import fault
+
+    return fault.run_remote(config, workdir, lambda c, w: _run(c, w, show_progress))
+  return _run(config, workdir, show_progress)
+
+
+def _run(config, workdir: str, show_progress: bool) -> RunResult:
   cluster = plan_lib.make_cluster(config)
   plan = plan_lib.build(config, cluster)
   workdir = _prepare_workdir(workdir)
@@ -81,6 +89,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     ckpt.close()
     controller.wait()
     controller.close()
+    cluster.close()  # remote: disconnect from the workers (and stop watching them)
     if trace is not None:
       trace.write(os.path.join(workdir, "trace.json"))
   return RunResult(logger.history, state, start, step)

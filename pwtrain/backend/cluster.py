@@ -2,6 +2,7 @@
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ from jax.sharding import Mesh
 @dataclasses.dataclass(frozen=True)
 class Island:
   name: str
-  devices: tuple
+  devices: tuple  # remote islands: local stand-ins with the worker's count, for tracing/meshes
+  worker: Any = dataclasses.field(default=None, compare=False, repr=False)  # remote: its client
 
   @property
   def num_devices(self) -> int:
@@ -54,6 +56,46 @@ class Cluster:
       out.append(Island(f"island{i}", tuple(devices[start : start + size])))
       start += size
     return cls(tuple(out))
+
+  @classmethod
+  def connect(
+    cls, addresses: Sequence[str], token: str, devices=None, timeout_s=30.0, heartbeat_s=2.0
+  ) -> "Cluster":
+    """Attaches island workers (remote mode), one island each, named as the workers say.
+
+    Pieces are still traced on this process's devices (as many as the largest island has),
+    which stand in for the worker's devices: only the mesh's shape travels.
+    """
+    from pwtrain.backend.remote.client import Monitor, WorkerClient
+
+    local = list(jax.devices() if devices is None else devices)
+    islands = []
+    for address in addresses:
+      worker = WorkerClient(address, token, timeout_s=timeout_s)
+      if worker.num_devices > len(local):
+        raise ValueError(
+          f"worker {address} has {worker.num_devices} devices; the controller needs as many "
+          f"local stand-in devices to trace for it and has {len(local)} (on CPU, set "
+          f"XLA_FLAGS=--xla_force_host_platform_device_count={worker.num_devices})"
+        )
+      islands.append(Island(worker.island, tuple(local[: worker.num_devices]), worker))
+    names = [i.name for i in islands]
+    if len(set(names)) != len(names):
+      raise ValueError(f"workers {list(addresses)} serve islands {names}: names must be unique")
+    monitor = Monitor([i.worker for i in islands], heartbeat_s)
+    for island in islands:
+      island.worker.monitor = monitor
+    return cls(tuple(islands))
+
+  def close(self) -> None:
+    """Disconnects from remote workers (embedded islands hold nothing to close)."""
+    for island in self.islands:
+      if island.worker is not None:
+        island.worker.close()
+
+  @property
+  def remote(self) -> bool:
+    return any(island.worker is not None for island in self.islands)
 
   def __getitem__(self, name: str) -> Island:
     for island in self.islands:

@@ -15,6 +15,7 @@ one global order), and the run-ahead bound counts all clients' programs together
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -34,8 +35,9 @@ class Executable:
 
   name: str
   island: str
-  compiled: Any  # jax.stages.Compiled
+  compiled: Any  # jax.stages.Compiled (remote: compiled locally only if inspected)
   num_outputs: int
+  remote: Any = None  # remote islands: the worker's copy (backend.remote.dispatch)
 
   def memory_analysis(self):
     return self.compiled.memory_analysis()
@@ -142,7 +144,17 @@ class Controller:
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
     serial = threading.Lock() if serialize_execution else None
-    self._schedulers = {i.name: _IslandScheduler(i.name, trace, serial) for i in cluster.islands}
+    # Remote islands schedule on their workers; the controller only sends them programs.
+    self._remote = None
+    if cluster.remote:
+      from pwtrain.backend.remote.dispatch import RemoteDispatcher  # grpc: remote mode only
+
+      self._remote = RemoteDispatcher(cluster, trace)
+    self._schedulers = {
+      i.name: _IslandScheduler(i.name, trace, serial)
+      for i in cluster.islands
+      if self._remote is None
+    }
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -170,6 +182,20 @@ class Controller:
     With `mesh`, the model's logical activation constraints are resolved on it while tracing.
     """
     self.cluster[island]  # fail early on an unknown island
+    if self._remote is not None:  # exported as StableHLO and compiled by the island's worker
+      remote, num_outputs, local = self._remote.compile(
+        name,
+        island,
+        fn,
+        args,
+        lambda: (
+          sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
+        ),
+        mesh=mesh,
+        out_shardings=out_shardings,
+        donate_argnums=donate_argnums,
+      )
+      return Executable(name, island, local, num_outputs, remote)
     jitted = jax.jit(
       fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
     )
@@ -195,27 +221,33 @@ class Controller:
     with self._dispatch_lock:
       step = self._step
       self._step += 1
-      futures: dict[str, concurrent.futures.Future] = {}
-
-      def resolve(ref):
-        if isinstance(ref, str):
-          return inputs[ref]
-        node_name, index = ref
-        return _select(futures[node_name], index)
-
-      for node in program.nodes:
-        if isinstance(node, Node):
-          launch = node.executable.compiled
-          args = [resolve(r) for r in node.args]
-        else:
-          assert isinstance(node, Transfer)
-          launch = _device_put(node.sharding)
-          args = [resolve(node.src)]
-        futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
-      outputs = {key: resolve(ref) for key, ref in program.outputs.items()}
+      if self._remote is not None:  # every island's operations go out at once, as RPCs
+        outputs = self._remote.dispatch(program, inputs, step)
+      else:
+        outputs = self._dispatch_local(program, inputs, step)
     with self._inflight_lock:
       self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
+
+  def _dispatch_local(self, program: Program, inputs: dict, step: int) -> dict:
+    futures: dict[str, concurrent.futures.Future] = {}
+
+    def resolve(ref):
+      if isinstance(ref, str):
+        return inputs[ref]
+      node_name, index = ref
+      return _select(futures[node_name], index)
+
+    for node in program.nodes:
+      if isinstance(node, Node):
+        launch = node.executable.compiled
+        args = [resolve(r) for r in node.args]
+      else:
+        assert isinstance(node, Transfer)
+        launch = _device_put(node.sharding)
+        args = [resolve(node.src)]
+      futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
+    return {key: resolve(ref) for key, ref in program.outputs.items()}
 
   def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
     out: concurrent.futures.Future = concurrent.futures.Future()
@@ -242,6 +274,8 @@ class Controller:
   def close(self):
     for scheduler in self._schedulers.values():
       scheduler.stop()
+    if self._remote is not None:
+      self._remote.close()
 
   def __enter__(self):
     return self

@@ -117,9 +117,21 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
 
 
 def make_cluster(config, devices=None) -> Cluster:
-  """Carves the local devices into `parallel.islands` islands (embedded mode)."""
+  """Carves the local devices into `parallel.islands` islands (embedded mode), or attaches the
+  island workers at `backend.workers` (remote mode)."""
   import jax
 
+  if config.backend.mode == "remote":
+    from pwtrain.backend.remote import auth
+
+    token = auth.read_token(config.backend.token_file, config.backend.token_env)
+    return Cluster.connect(
+      config.backend.workers,
+      token,
+      devices,
+      timeout_s=config.backend.rpc_timeout_s,
+      heartbeat_s=config.fault.heartbeat_s,
+    )
   devices = list(jax.devices() if devices is None else devices)
   n = config.parallel.islands
   per = config.parallel.devices_per_island or (len(devices) // max(n, 1))

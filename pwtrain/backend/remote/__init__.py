@@ -1,0 +1,1 @@
+"""Remote islands: island workers over gRPC, driven by the same single controller."""

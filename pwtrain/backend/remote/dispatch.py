@@ -1,0 +1,327 @@
+"""The controller's remote mode: compile by export, send a program as RPCs, fetch lazily.
+
+Compiling traces the function on *stand-in* devices (the controller's own, as many as the
+island has) so that shardings name a mesh of the island's shape; `jax.export` turns that into
+device-independent StableHLO, and the worker compiles it for the same mesh shape over its own
+devices. Dispatching a program sends, at once, each island's operations (executes and
+receives, in the program's order) and the host inputs it needs; every value gets a handle
+chosen here, so nothing waits for a reply before the next operation is sent. A program's outputs
+are `RemoteValue`s: handles that later programs consume in place, fetched (and rebuilt as arrays
+on the stand-in devices) only when `.result()` is called, e.g. for metrics or a checkpoint.
+"""
+
+import collections
+import dataclasses
+import itertools
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from pwtrain.backend.program import Node, Transfer
+from pwtrain.backend.remote import arrays
+from pwtrain.backend.remote import protocol_pb2 as pb
+from pwtrain.backend.remote.client import WorkerClient, WorkerLost
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteExecutable:
+  worker: WorkerClient
+  name: str  # unique on the worker
+  outputs: tuple  # per top-level output: (treedef, ShapeDtypeStructs with stand-in shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+  """A value in a worker's store: its handle and what it looks like on the controller."""
+
+  worker: WorkerClient
+  handle: str
+  treedef: Any
+  avals: tuple
+
+
+class RemoteValue:
+  """A program output living on a worker. Later programs read it where it is; `.result()`
+  fetches it once and rebuilds it as (stand-in) jax.Arrays. Dropped on the worker when the
+  controller lets go of it."""
+
+  def __init__(self, ref: _Ref):
+    self.ref = ref
+    self._lock = threading.Lock()
+    self._value = None
+    self._done = False
+    weakref.finalize(self, ref.worker.release_later, ref.handle)
+
+  @property
+  def island(self) -> str:
+    return self.ref.worker.island
+
+  def done(self) -> bool:
+    return self._done
+
+  def result(self, timeout=None):
+    del timeout  # fetches wait for the computation; a lost worker is reported as WorkerLost
+    with self._lock:
+      if not self._done:
+        leaves = _fetch(self.ref.worker, self.ref.handle)
+        # Unspecified shardings (a host upload's, say) land on the default device.
+        placed = [
+          jax.device_put(x, a.sharding) for x, a in zip(leaves, self.ref.avals, strict=True)
+        ]
+        self._value = jax.tree.unflatten(self.ref.treedef, placed)
+        self._done = True
+      return self._value
+
+
+def _fetch(worker: WorkerClient, handle: str) -> list:
+  try:
+    return worker.fetch(handle)
+  except grpc.RpcError as e:
+    raise _rpc_error(worker, e) from None
+
+
+def _rpc_error(worker: WorkerClient, e: grpc.RpcError) -> Exception:
+  """WorkerLost if any worker of the cluster is gone (a failed transfer on a live worker may be
+  the symptom), else the worker's own error message."""
+  if worker.monitor is not None:
+    try:
+      worker.monitor.check_now()
+    except WorkerLost as lost:
+      return lost
+  if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    return WorkerLost(f"worker {worker.address} ({worker.island}): {e.code().name}: {e.details()}")
+  return RuntimeError(f"worker {worker.address} ({worker.island}): {e.details()}")
+
+
+class RemoteDispatcher:
+  def __init__(self, cluster, trace=None):
+    self.cluster = cluster
+    self.trace = trace
+    self._session = uuid.uuid4().hex[:8]  # several controllers may share workers
+    self._names = itertools.count()
+
+  # -- compilation --------------------------------------------------------------------------
+
+  def compile(self, name, island, fn, args, activate, *, mesh, out_shardings, donate_argnums):
+    """Exports `fn` for `args` and has the island's worker compile it.
+
+    Returns (RemoteExecutable, number of outputs, a lazily compiled local stand-in whose
+    shardings/out_info the step builders may inspect).
+    """
+    worker = self.cluster[island].worker
+    # The worker sees flat lists of arrays only (export serialises no Python pytrees, and
+    # nnx's int-keyed dicts could not be): inputs with explicit shardings, outputs constrained
+    # to `out_shardings` inside the function; the controller keeps both tree structures.
+    flat_args, in_tree = jax.tree.flatten(args)
+    in_shardings = [getattr(a, "sharding", None) for a in flat_args]
+    traced = {}
+
+    def flat_fn(*leaves):
+      out = fn(*jax.tree.unflatten(in_tree, leaves))
+      if out_shardings is not None:
+        full = jax.tree.broadcast(out_shardings, out, is_leaf=lambda x: x is None)
+        out = jax.lax.with_sharding_constraint(out, full)
+        traced["shardings"] = jax.tree.leaves(full)
+      traced["tree"] = jax.tree.structure(out)
+      return jax.tree.leaves(out)
+
+    starts = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
+    donate = tuple(i for k in donate_argnums for i in range(starts[k], starts[k + 1]))
+    jitted = jax.jit(flat_fn, in_shardings=in_shardings, donate_argnums=donate)
+    with activate():
+      exported = jax.export.export(jitted, platforms=(worker.platform,))(*flat_args)
+    mesh = mesh or _find_mesh((args, out_shardings))
+    if mesh is None:
+      raise ValueError(f"{name}: a remote piece needs a mesh (give `mesh` or shardings)")
+    out_tree = traced["tree"]
+    shardings = traced.get("shardings") or exported.out_shardings_jax(mesh)
+    flat_out = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
+    top = flat_out if isinstance(flat_out, tuple) else (flat_out,)
+    outputs = []
+    for out in top:
+      indices, treedef = jax.tree.flatten(out)
+      avals = tuple(
+        jax.ShapeDtypeStruct(
+          exported.out_avals[i].shape, exported.out_avals[i].dtype, sharding=shardings[i]
+        )
+        for i in indices
+      )
+      outputs.append((treedef, avals))
+    unique = f"{name}#{self._session}.{next(self._names)}"
+    worker.compile(
+      unique,
+      bytes(exported.serialize()),
+      mesh,
+      donate,
+      [len(a) for _, a in outputs],
+      traced.get("shardings"),
+    )
+    original = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate_argnums)
+    local = _LazyCompiled(original, args, activate)
+    return RemoteExecutable(worker, unique, tuple(outputs)), len(top), local
+
+  # -- dispatch -----------------------------------------------------------------------------
+
+  def dispatch(self, program, inputs: dict, step: int) -> dict:
+    for island in self.cluster.islands:
+      if island.worker.lost:
+        raise WorkerLost(island.worker.lost)
+    prefix = f"{self._session}.{step}"
+    reads: collections.Counter = collections.Counter()  # in-program reads of each value
+    for node in program.nodes:
+      for ref in _refs(node):
+        key = (ref, node.island) if isinstance(ref, str) else ref
+        if isinstance(ref, str) and isinstance(node, Transfer):
+          continue  # a host input moved by a transfer is uploaded as that transfer's output
+        reads[key] += 1
+    outputs_refs = {ref for ref in program.outputs.values() if not isinstance(ref, str)}
+
+    def uses(key):
+      return 0 if key in outputs_refs else (reads[key] or -1)
+
+    ops: dict = collections.defaultdict(list)
+    calls = []
+    values: dict = {}  # (node name, index) or (input name, island) -> _Ref
+
+    def upload(worker, key, value, shardings, n_uses):
+      leaves, treedef = jax.tree.flatten(value)
+      host = [np.asarray(x) for x in leaves]
+      handle = f"{prefix}/{key[0]}@{worker.island}"
+      calls.append((worker, worker.put_async(handle, host, shardings, n_uses)))
+      avals = tuple(
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(host, shardings or [None] * len(host), strict=True)
+      )
+      return _Ref(worker, handle, treedef, avals)
+
+    def source(ref, node):
+      if not isinstance(ref, str):
+        return values[ref]
+      value = inputs[ref]
+      if isinstance(value, RemoteValue):
+        return value.ref
+      key = (ref, node.island)
+      if key not in values:
+        values[key] = upload(self.cluster[node.island].worker, key, value, None, reads[key])
+      return values[key]
+
+    for node in program.nodes:
+      worker = self.cluster[node.island].worker
+      if self.trace is not None:
+        self.trace.add(node.name, node.island, step)
+      if isinstance(node, Node):
+        exe = node.executable.remote
+        assert exe is not None and exe.worker is worker, f"{node.name}: not compiled for its island"
+        args = []
+        for ref in node.args:
+          src = source(ref, node)
+          assert src.worker is worker, f"{node.name} reads {ref} from another island"
+          args.append(src.handle)
+        outs = []
+        for i, (treedef, avals) in enumerate(exe.outputs):
+          handle = f"{prefix}/{node.name}/{i}"
+          outs.append(pb.Output(handle=handle, uses=uses((node.name, i))))
+          values[(node.name, i)] = _Ref(worker, handle, treedef, avals)
+        op = pb.Execute(executable=exe.name, args=args, outputs=outs)
+        ops[worker].append(pb.Op(name=node.name, execute=op))
+        continue
+      assert isinstance(node, Transfer)
+      key = (node.name, 0)
+      if isinstance(node.src, str) and not isinstance(inputs[node.src], RemoteValue):
+        # From the host: uploaded straight onto the island, already placed.
+        value = inputs[node.src]
+        n = len(jax.tree.leaves(value))
+        values[key] = upload(worker, key, value, _shardings(node.sharding, n), uses(key))
+        continue
+      src = source(node.src, node)
+      shardings = _shardings(node.sharding, len(src.avals))
+      handle = f"{prefix}/{node.name}/0"
+      op = pb.Receive(
+        source="" if src.worker is worker else src.worker.address,
+        handle=src.handle,
+        output=pb.Output(handle=handle, uses=uses(key)),
+        shardings=[arrays.sharding_to_proto(s) for s in shardings],
+      )
+      ops[worker].append(pb.Op(name=node.name, receive=op))
+      avals = tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        for a, s in zip(src.avals, shardings, strict=True)
+      )
+      values[key] = _Ref(worker, handle, src.treedef, avals)
+
+    for worker, worker_ops in ops.items():
+      calls.append((worker, worker.enqueue_async(worker_ops)))
+    for worker, call in calls:  # one round trip for the whole program, all islands at once
+      try:
+        call.result()
+      except grpc.RpcError as e:
+        raise _rpc_error(worker, e) from None
+    wrapped: dict = {}
+    out = {}
+    for name, ref in program.outputs.items():
+      if isinstance(ref, str):
+        out[name] = inputs[ref]
+      else:
+        if ref not in wrapped:
+          wrapped[ref] = RemoteValue(values[ref])
+        out[name] = wrapped[ref]
+    return out
+
+  def close(self):
+    for island in self.cluster.islands:
+      if island.worker.lost or island.worker.closed:
+        continue
+      try:
+        island.worker.flush_releases()
+      except grpc.RpcError:
+        pass  # a lost worker holds nothing worth releasing
+
+
+class _LazyCompiled:
+  """The local compile of a remote executable, done only if something inspects it (the pipeline
+  reads input/output shardings of a few pieces)."""
+
+  def __init__(self, jitted, args, activate):
+    self._make = lambda: _lower(jitted, args, activate).compile()
+    self._compiled = None
+
+  def __getattr__(self, name):
+    if name.startswith("_"):
+      raise AttributeError(name)
+    if self._compiled is None:
+      self._compiled = self._make()
+    return getattr(self._compiled, name)
+
+
+def _lower(jitted, args, activate):
+  with activate():
+    return jitted.lower(*args)
+
+
+def _find_mesh(tree):
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", leaf)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def _shardings(sharding, n: int) -> list:
+  leaves = [sharding] if isinstance(sharding, jax.sharding.Sharding) else jax.tree.leaves(sharding)
+  if len(leaves) == 1:
+    leaves = leaves * n
+  assert len(leaves) == n, f"{len(leaves)} shardings for {n} arrays"
+  for s in leaves:
+    if not isinstance(s, NamedSharding):
+      raise TypeError(f"remote transfers need NamedShardings; got {type(s).__name__}")
+  return leaves
+
+
+def _refs(node):
+  return node.args if isinstance(node, Node) else (node.src,)

@@ -1,0 +1,230 @@
+"""Remote islands: real worker processes on loopback, driven by the same controller.
+
+The workers are started once for the module (each pays a JAX import); every remote result is
+compared with embedded mode's for the same config and seed.
+"""
+
+import os
+import threading
+import time
+
+import grpc
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import random_batches, run_program, tiny_test_config
+
+from pwtrain import train
+from pwtrain.backend.remote import arrays, auth, launcher
+from pwtrain.backend.remote import protocol_pb2 as pb
+from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
+from pwtrain.backend.remote.worker import channel_options
+
+
+@pytest.fixture(scope="module")
+def workers():
+  with launcher.launch([2, 2]) as w:
+    yield w
+
+
+def stub(address):
+  return pb_grpc.WorkerStub(grpc.insecure_channel(address, options=channel_options()))
+
+
+def remote(config, w):
+  os.environ[auth.TOKEN_ENV] = w.token
+  config.backend.mode = "remote"
+  config.backend.workers = tuple(w.addresses[: config.parallel.islands])
+  return config
+
+
+# -- the wire and the worker ------------------------------------------------------------------
+
+
+def test_wire_format_refuses_bad_headers():
+  good = list(arrays.to_chunks("h", [np.arange(6, dtype=np.int32).reshape(2, 3)]))
+  _, [(x, _)] = arrays.from_chunks(good)
+  np.testing.assert_array_equal(x, np.arange(6).reshape(2, 3))
+  bad_dtype = [good[0], pb.Chunk(leaf=0, header=pb.ArrayHeader(dtype="object", nbytes=8))]
+  with pytest.raises(ValueError, match="unsupported dtype"):
+    arrays.from_chunks(bad_dtype)
+  lying = pb.Chunk(leaf=0, header=pb.ArrayHeader(dtype="int32", shape=[2, 3], nbytes=4))
+  with pytest.raises(ValueError, match="does not match"):
+    arrays.from_chunks([good[0], lying])
+  with pytest.raises(ValueError, match="before its header"):
+    arrays.from_chunks([good[0], pb.Chunk(leaf=0, data=b"1234")])
+  with pytest.raises(ValueError, match="more bytes"):
+    arrays.from_chunks([*good, pb.Chunk(leaf=0, data=b"1234")])
+
+
+def test_unauthenticated_calls_are_refused(workers):
+  s = stub(workers.addresses[0])
+  for metadata in ((), auth.call_metadata("not-the-token-at-all")):
+    calls = [
+      lambda md=metadata: s.Health(pb.Empty(), metadata=md, timeout=10),
+      lambda md=metadata: s.Enqueue(pb.EnqueueRequest(), metadata=md, timeout=10),
+      lambda md=metadata: s.Put(iter(arrays.to_chunks("x", [np.zeros(3)])), metadata=md),
+      lambda md=metadata: list(s.Fetch(pb.FetchRequest(handle="x"), metadata=md, timeout=10)),
+      lambda md=metadata: s.Shutdown(pb.Empty(), metadata=md, timeout=10),
+    ]
+    for call in calls:
+      with pytest.raises(grpc.RpcError) as e:
+        call()
+      assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+  # Still serving, and the refusals were logged.
+  ok = s.Health(pb.Empty(), metadata=auth.call_metadata(workers.token), timeout=10)
+  assert ok.island == "island0" and ok.num_devices == 2
+  with open(os.path.join(workers.log_dir, "island0.log")) as f:
+    assert "missing or wrong token" in f.read()
+
+
+def test_messages_over_the_size_limit_are_refused(workers):
+  s = pb_grpc.WorkerStub(grpc.insecure_channel(workers.addresses[0]))  # no client-side limit
+  huge = pb.Chunk(handle="big", num_leaves=0, leaf=-1, data=b"\0" * (arrays.MAX_MESSAGE_BYTES + 1))
+  with pytest.raises(grpc.RpcError) as e:
+    s.Put(iter([huge]), metadata=auth.call_metadata(workers.token), timeout=10)
+  assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_put_fetch_and_worker_to_worker_transfer(workers):
+  md = auth.call_metadata(workers.token)
+  s0, s1 = stub(workers.addresses[0]), stub(workers.addresses[1])
+  big = np.random.default_rng(0).standard_normal((3, 1 << 19)).astype(np.float32)  # 6 MiB
+  leaves = [big, np.arange(4).astype(ml_dtypes.bfloat16), np.int32(7)]
+  s0.Put(iter(arrays.to_chunks("v", leaves, uses=0)), metadata=md, timeout=30)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("x",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  receive = pb.Receive(
+    source=workers.addresses[0],
+    handle="v",
+    output=pb.Output(handle="w", uses=0),
+    shardings=[arrays.sharding_to_proto(s) for s in (split, whole, whole)],
+  )
+  s1.Enqueue(pb.EnqueueRequest(ops=[pb.Op(name="t", receive=receive)]), metadata=md, timeout=10)
+  _, got = arrays.from_chunks(s1.Fetch(pb.FetchRequest(handle="w", release=True), metadata=md))
+  assert len(got) == 3
+  for (x, _), want in zip(got, leaves, strict=True):
+    assert x.dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(x, want)
+  before = s0.Health(pb.Empty(), metadata=md, timeout=10).stored_values
+  s0.Release(pb.ReleaseRequest(handles=["v"]), metadata=md, timeout=10)
+  deadline = time.time() + 10
+  while s0.Health(pb.Empty(), metadata=md, timeout=10).stored_values != before - 1:
+    assert time.time() < deadline
+    time.sleep(0.05)
+
+
+def test_shutdown_rpc_stops_the_worker():
+  with launcher.launch([1], names=["solo"]) as w:
+    md = auth.call_metadata(w.token)
+    reply = stub(w.addresses[0]).Health(pb.Empty(), metadata=md, timeout=30)
+    assert (reply.island, reply.num_devices, reply.platform) == ("solo", 1, "cpu")
+    stub(w.addresses[0]).Shutdown(pb.Empty(), metadata=md, timeout=10)
+    assert w.procs[0].wait(timeout=30) == 0
+
+
+# -- the controller in remote mode ------------------------------------------------------------
+
+
+def assert_same_run(config, workers, num_steps=3):
+  """Embedded and remote runs of `config` give identical losses and parameters."""
+  batches = random_batches(config, num_steps)
+  n = config.parallel.islands
+  _, m_local, state_local = run_program(config, batches, devices=jax.devices()[: 2 * n])
+  _, m_remote, state_remote = run_program(remote(config, workers), batches, jax.devices()[:2])
+  assert [float(m["loss"]) for m in m_remote] == [float(m["loss"]) for m in m_local]
+  for a, b in zip(jax.tree.leaves(state_local), jax.tree.leaves(state_remote), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_remote_pipeline_matches_embedded(workers):
+  config = tiny_test_config(
+    **{
+      "parallel.stages": 2,
+      "parallel.islands": 2,
+      "train.num_microbatches": 2,
+      "parallel.schedule": "1f1b",
+    }
+  )
+  assert_same_run(config, workers)
+
+
+def test_remote_pods_match_embedded(workers):
+  assert_same_run(tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2}), workers)
+
+
+# -- training: checkpoints, resume, lost workers ----------------------------------------------
+
+
+def small_config(**overrides):
+  return tiny_test_config(
+    **{
+      "data.max_files": 40,
+      "train.log_every": 2,
+      "train.num_steps": 12,
+      "train.checkpoint_every": 4,
+      "parallel.stages": 2,
+      "parallel.islands": 2,
+      "parallel.devices_per_island": 2,
+      **overrides,
+    }
+  )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The embedded run every remote run must reproduce."""
+  workdir = tmp_path_factory.mktemp("embedded")
+  return train.run(small_config(), str(workdir), show_progress=False)
+
+
+def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
+  """launch_workers: 8 steps, then resume to 12 from the step-8 checkpoint; same as embedded."""
+  config = small_config(**{"backend.mode": "remote", "backend.launch_workers": True})
+  config.train.num_steps = 8
+  before = launcher.live()  # the module's own workers, if started
+  first = train.run(config, str(tmp_path), show_progress=False)
+  assert first.final_step == 8
+  assert all(g in before for g in launcher.live()), "the run left its workers running"
+  config.train.num_steps = 12
+  second = train.run(config, str(tmp_path), show_progress=False)
+  assert second.start_step == 8 and second.final_step == 12
+  want = {r["step"]: r["loss"] for r in uninterrupted.history}
+  for row in first.history + second.history:
+    assert row["loss"] == want[row["step"]], row["step"]
+  for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(second.state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_killed_worker_restarts_and_resumes(uninterrupted, tmp_path):
+  """SIGKILL a worker after the step-4 checkpoint: the run restarts its workers, resumes from
+  the last checkpoint and ends with the uninterrupted run's parameters."""
+  config = small_config(
+    **{
+      "backend.mode": "remote",
+      "backend.launch_workers": True,
+      "fault.max_restarts": 1,
+      "fault.heartbeat_s": 0.5,
+    }
+  )
+  killed, before = [], launcher.live()
+
+  def kill_after_first_checkpoint():
+    deadline = time.time() + 600
+    while time.time() < deadline and not killed:
+      ours = [g for g in launcher.live() if g not in before]  # the group train.run launched
+      if os.path.isdir(tmp_path / "checkpoints" / "4") and ours:
+        killed.append(ours[0].procs[1].pid)
+        ours[0].kill(1)
+      time.sleep(0.05)
+
+  killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+  killer.start()
+  result = train.run(config, str(tmp_path), show_progress=False)
+  killer.join(1)
+  assert killed, "the worker was never killed"
+  assert 4 <= result.start_step < 12 and result.final_step == 12
+  for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(result.state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
