@@ -1,11 +1,19 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported anywhere."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache per test session, inherited by the processes tests start (main runs,
+# remote workers): many tests compile the same tiny programs (every train.run of the same small
+# config, a worker's copy of a controller's program). A fresh directory each session, so nothing
+# carries over between runs and every program is still compiled at least once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="pwtrain_xla_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
