@@ -74,8 +74,8 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
         logger.record(step, out["metrics"])
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
+          controller.wait()  # the abandoned steps still in flight
           state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
-          controller.wait()
           continue
         if ckpt.should_save(step, num_steps) or stop.requested:
           ckpt.save(step, step_program.to_checkpoint(_results(state)), batches.get_state())
@@ -116,19 +116,28 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
       f"{latest}); use a fresh --workdir, or train.resume=True to continue from it"
     )
   try:
-    found = ckpt.restore_latest(step_program.abstract_state)
+    step, state, data_state = _latest_or_init(ckpt, step_program)
   except IncompatibleCheckpoint as e:
     raise ValueError(
       f"a checkpoint in {ckpt.directory} does not match this config's model/optimizer (was it "
       f"written by another model?): {e}. Nothing was changed; use another --workdir."
     ) from e
-  if found is None:
+  if data_state is None:
     logging.error("no readable checkpoint left in %s: starting from step 0", ckpt.directory)
-    return step_program.init(), 0
-  step, state, data_state = found
+    return state, 0
   batches.set_state(data_state)
   logging.info("resumed from step %d", step)
-  return step_program.from_checkpoint(state), step
+  return state, step
+
+
+def _latest_or_init(ckpt: Checkpointer, step_program):
+  """(step, train state, data state) of the newest readable checkpoint, or (0, a fresh state,
+  None) when there is none."""
+  found = ckpt.restore_latest(step_program.abstract_state)
+  if found is None:
+    return 0, step_program.init(), None
+  step, whole, data_state = found
+  return step, step_program.from_checkpoint(whole), data_state
 
 
 def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
@@ -140,12 +149,7 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   # resume nor the re-saved steps meet them.
   for later in [s for s in ckpt.all_steps() if s >= first_bad]:
     ckpt.quarantine(later, reason="rolled_back")
-  found = ckpt.restore_latest(step_program.abstract_state)
-  if found is None:
-    target, state = 0, step_program.init()
-  else:
-    target, whole, _ = found
-    state = step_program.from_checkpoint(whole)
+  target, state, _ = _latest_or_init(ckpt, step_program)
   for _ in range(config.train.rollback_skip_batches):
     next(batches)
   skipped = step - target + config.train.rollback_skip_batches
