@@ -17,11 +17,15 @@ falling back past it would silently train something else.
 import logging
 import os
 import shutil
+import threading
+import uuid
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from pwtrain import checkpoint_parts
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -39,6 +43,7 @@ class Checkpointer:
         "state": ocp.StandardCheckpointHandler(),
         "data": ocp.JsonCheckpointHandler(),
         "integrity": ocp.JsonCheckpointHandler(),
+        "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
       },
       options=ocp.CheckpointManagerOptions(
         max_to_keep=keep,
@@ -47,6 +52,13 @@ class Checkpointer:
         create=True,
       ),
     )
+    # Parts of remote saves that were never committed (a crash between the phases) are garbage.
+    self.pending_root = f"{self.directory}.pending"
+    if os.path.isdir(self.pending_root):
+      logging.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
+      shutil.rmtree(self.pending_root)
+    self._commit: threading.Thread | None = None
+    self._commit_error: BaseException | None = None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -58,6 +70,15 @@ class Checkpointer:
     return step % self.every == 0 or step == last_step
 
   def save(self, step: int, state, data_state: dict) -> None:
+    """Saves asynchronously. A remote state (leaves on island workers, backend.remote.saves) is
+    written by the workers and committed in two phases; a failure of a previous save is raised
+    here or by `wait`."""
+    from pwtrain.backend.remote import saves  # grpc: only a remote state needs it
+
+    if saves.is_remote(state):
+      self._save_parts(step, saves.PendingSave, state, data_state)
+      return
+    self._join_commit()
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -67,14 +88,54 @@ class Checkpointer:
       ),
     )
 
+  def _save_parts(self, step, pending_save, state, data_state) -> None:
+    self._join_commit()  # one save at a time, as the manager does
+    pending = os.path.join(self.pending_root, f"{step}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(pending)
+    save = pending_save(state, pending)  # phase one starts on every worker
+
+    def commit():
+      try:
+        fingerprints = save.wait()
+        # Phase two: every part is written; the step appears (atomically) only now.
+        self._manager.save(
+          step,
+          args=ocp.args.Composite(
+            parts=checkpoint_parts.PartsSave(save.parts),
+            data=ocp.args.JsonSave(data_state),
+            integrity=ocp.args.JsonSave({"fingerprint": fingerprints}),
+          ),
+        )
+      except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by _join_commit
+        logging.error("checkpoint %d not committed: %s", step, e)
+        self._commit_error = e
+      finally:
+        shutil.rmtree(pending, ignore_errors=True)  # parts not moved into a committed step
+
+    self._commit = threading.Thread(target=commit, name=f"commit-{step}", daemon=True)
+    self._commit.start()
+
+  def _join_commit(self) -> None:
+    if self._commit is not None:
+      self._commit.join()
+      self._commit = None
+    error, self._commit_error = self._commit_error, None
+    if error is not None:
+      raise error
+
   def restore(self, step: int, abstract_state):
     """Restores (state, data_state) of `step` into the shardings carried by `abstract_state`.
 
     Raises IncompatibleCheckpoint if the saved arrays do not match `abstract_state`, and
     CorruptCheckpoint if they cannot be read or fail their fingerprint.
     """
+    parts_dir = os.path.join(self.directory, str(step), "parts")
+    in_parts = os.path.isdir(parts_dir)
     try:
-      saved = self._manager.item_metadata(step)["state"]
+      if in_parts:
+        saved = checkpoint_parts.PartsHandler().metadata(parts_dir)
+      else:
+        saved = _leaves(self._manager.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
       raise CorruptCheckpoint(f"step {step}: metadata unreadable: {e}") from e
     try:
@@ -82,23 +143,31 @@ class Checkpointer:
     except IncompatibleCheckpoint as e:
       raise IncompatibleCheckpoint(f"step {step}: {e}") from None
     has_integrity = os.path.isdir(os.path.join(self.directory, str(step), "integrity"))
-    items = {
-      "state": ocp.args.StandardRestore(abstract_state),
-      "data": ocp.args.JsonRestore(),
-    }
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    names = [path_name(path) for path, _ in flat]
+    if in_parts:
+      abstract = dict(zip(names, [a for _, a in flat], strict=True))
+      items = {"parts": checkpoint_parts.PartsRestore(abstract)}
+    else:
+      items = {"state": ocp.args.StandardRestore(abstract_state)}
+    items["data"] = ocp.args.JsonRestore()
     if has_integrity:
       items["integrity"] = ocp.args.JsonRestore()
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {str(e)[:500]}") from e
+    if in_parts:
+      state = jax.tree.unflatten(treedef, [restored.parts[n] for n in names])
+    else:
+      state = restored.state
     if has_integrity:
       expected = restored.integrity["fingerprint"]
-      actual = fingerprint(restored.state)
+      actual = fingerprint(state)
       bad = sorted(k for k in expected if actual.get(k) != expected[k])
       if bad or set(actual) != set(expected):
         raise CorruptCheckpoint(f"step {step}: fingerprint mismatch in {bad[:5] or 'its keys'}")
-    return restored.state, restored.data
+    return state, restored.data
 
   def restore_latest(self, abstract_state):
     """(step, state, data_state) of the newest readable checkpoint, or None if there is none.
@@ -131,7 +200,10 @@ class Checkpointer:
     self._manager.delete(step)
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    try:
+      self._join_commit()
+    finally:
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()
@@ -141,8 +213,8 @@ class CorruptCheckpoint(RuntimeError):
   """A checkpoint that cannot be read, or reads back different from what was saved."""
 
 
-def check_compatible(saved_metadata, abstract_state) -> None:
-  saved = _leaves(saved_metadata)
+def check_compatible(saved: dict, abstract_state) -> None:
+  """`saved`: {array path: (shape, dtype name)} of a checkpoint."""
   wanted = _leaves(abstract_state)
   if set(saved) != set(wanted):
     missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
@@ -156,10 +228,10 @@ def check_compatible(saved_metadata, abstract_state) -> None:
 
 def _leaves(tree) -> dict:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {_path(path): (tuple(leaf.shape), jnp.dtype(leaf.dtype).name) for path, leaf in flat}
+  return {path_name(path): (tuple(leaf.shape), jnp.dtype(leaf.dtype).name) for path, leaf in flat}
 
 
-def _path(path) -> str:
+def path_name(path) -> str:
   """A path as names joined by "/", e.g. opt_state/0/v/blocks/0/attn/wq. Saved metadata keeps
   lists and optimizer-state tuples as dicts with string keys, so only the names are compared."""
   names = []
@@ -174,7 +246,7 @@ def _path(path) -> str:
 
 
 @jax.jit
-def _fingerprints(leaves):
+def fingerprints_of(leaves):
   # A position-weighted sum of each array's bits, modulo 2**32. Integer addition is exact and
   # associative, so the result does not depend on how the array is sharded (a checkpoint may be
   # restored onto another mesh), and a changed, swapped or zeroed element changes it.
@@ -203,7 +275,7 @@ def fingerprint(state) -> dict:
     groups.setdefault(frozenset(leaf.sharding.device_set), []).append((path, leaf))
   result = {}
   for members in groups.values():
-    values = jax.device_get(_fingerprints([leaf for _, leaf in members]))
+    values = jax.device_get(fingerprints_of([leaf for _, leaf in members]))
     for (path, _), v in zip(members, values, strict=True):
-      result[_path(path)] = int(np.asarray(v))
+      result[path_name(path)] = int(np.asarray(v))
   return result

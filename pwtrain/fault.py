@@ -2,8 +2,9 @@
 
 A lost worker (dead, or silent for `fault.heartbeat_s` x 3) fails the step in flight with
 `WorkerLost`. With `fault.max_restarts > 0` the supervisor then restarts the workers it launched
-(on their old ports), or waits for externally started ones to answer again, and runs the job
-again: it resumes from the last committed checkpoint, so at most the steps since then are lost.
+(on their old ports), or waits for externally started ones to answer again and resets them,
+and runs the job again: it resumes from the last committed checkpoint, so at most the steps
+since then are lost.
 """
 
 import copy
@@ -63,12 +64,17 @@ def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
 
   token = auth.read_token(config.backend.token_file, config.backend.token_env)
   deadline = time.monotonic() + timeout_s
+  clients = []
   for address in config.backend.workers:
     while True:
       try:
-        WorkerClient(address, token, timeout_s=config.backend.rpc_timeout_s).close()
+        clients.append(WorkerClient(address, token, timeout_s=config.backend.rpc_timeout_s))
         break
       except Exception:  # noqa: BLE001 - not up yet
         if time.monotonic() > deadline:
           raise WorkerLost(f"worker {address} did not come back within {timeout_s:.0f} s") from None
         time.sleep(1.0)
+  # The survivors still hold the lost session's queued ops and pinned values: drop them.
+  for client in clients:
+    client.reset()
+    client.close()

@@ -78,20 +78,22 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
           state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
           continue
         if ckpt.should_save(step, num_steps) or stop.requested:
-          ckpt.save(step, step_program.to_checkpoint(_results(state)), batches.get_state())
+          ckpt.save(step, step_program.to_checkpoint(_saveable(state)), batches.get_state())
         if stop.requested:
           logging.warning("stop requested: checkpointed step %d and stopping", step)
           break
     state = step_program.to_checkpoint(_results(state))
   finally:
     logger.close()
-    ckpt.wait()
-    ckpt.close()
-    controller.wait()
-    controller.close()
-    cluster.close()  # remote: disconnect from the workers (and stop watching them)
-    if trace is not None:
-      trace.write(os.path.join(workdir, "trace.json"))
+    try:
+      ckpt.wait()  # a failed save is raised here, after everything below is closed
+    finally:
+      ckpt.close()
+      controller.wait()
+      controller.close()
+      cluster.close()  # remote: disconnect from the workers (and stop watching them)
+      if trace is not None:
+        trace.write(os.path.join(workdir, "trace.json"))
   return RunResult(logger.history, state, start, step)
 
 
@@ -162,6 +164,17 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   )
   logger.rewind(target, rollback_from=step, first_bad_step=first_bad, batches_skipped=skipped)
   return state, target
+
+
+def _saveable(state: dict) -> dict:
+  """What a checkpoint saves: embedded arrays as they are, and for remote values references to
+  the workers' arrays (each worker writes its own; nothing is fetched)."""
+  from pwtrain.backend.remote.dispatch import RemoteValue
+  from pwtrain.backend.remote.saves import leaf_refs
+
+  if all(isinstance(v, RemoteValue) for v in state.values()):
+    return {k: leaf_refs(v) for k, v in state.items()}
+  return _results(state)
 
 
 def _results(state: dict) -> dict:

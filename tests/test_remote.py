@@ -15,11 +15,17 @@ import numpy as np
 import pytest
 from conftest import random_batches, run_program, tiny_test_config
 
-from pwtrain import train
-from pwtrain.backend.remote import arrays, auth, launcher
+from pwtrain import optim, train
+from pwtrain.backend import Controller, Trace
+from pwtrain.backend.program import Node
+from pwtrain.backend.remote import arrays, auth, launcher, saves
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
+from pwtrain.backend.remote.client import WorkerClient
 from pwtrain.backend.remote.worker import channel_options
+from pwtrain.checkpoint import Checkpointer
+from pwtrain.parallel import build_step_program
+from pwtrain.parallel import plan as plan_lib
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,94 @@ def test_shutdown_rpc_stops_the_worker():
     assert w.procs[0].wait(timeout=30) == 0
 
 
+# -- checkpoints written by the workers (two-phase commit) ------------------------------------
+
+
+@pytest.fixture()
+def stored(workers):
+  """Two values, one on each worker, as a remote state of LeafRefs; and the arrays."""
+  clients = [WorkerClient(a, workers.token) for a in workers.addresses]
+  rng = np.random.default_rng(1)
+  values = {"a": rng.standard_normal((4, 6)).astype(np.float32), "b": np.arange(5, dtype=np.int32)}
+  handles = {}
+  for (name, x), client in zip(values.items(), clients, strict=True):
+    handles[name] = f"ckpt-test/{name}/{time.monotonic_ns()}"
+    client.put_async(handles[name], [x]).result()
+  refs = {
+    "params": {
+      name: saves.LeafRef(client, handles[name], 0, jax.ShapeDtypeStruct(x.shape, x.dtype))
+      for (name, x), client in zip(values.items(), clients, strict=True)
+    }
+  }
+  yield clients, refs, {"params": values}
+  for client, handle in zip(clients, handles.values(), strict=True):
+    client.release_later(handle)
+    client.flush_releases()
+    client.close()
+
+
+def abstract_of(values):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), values)
+
+
+def test_workers_write_their_parts_and_the_controller_commits(stored, tmp_path):
+  clients, refs, values = stored
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
+  ckpt.save(1, refs, {"position": 1})
+  ckpt.wait()
+  assert ckpt.all_steps() == [1]
+  assert sorted(os.listdir(tmp_path / "ckpt" / "1" / "parts")) == [
+    "commit_success.txt",
+    "island0",
+    "island1",
+  ]
+  assert os.listdir(ckpt.pending_root) == []  # the parts were moved into the step
+  state, data = ckpt.restore(1, abstract_of(values))
+  assert data == {"position": 1}
+  for name, x in values["params"].items():
+    np.testing.assert_array_equal(np.asarray(state["params"][name]), x)
+  ckpt.close()
+
+
+def test_a_failed_part_commits_nothing(stored, tmp_path):
+  """One worker cannot write its part (its value failed): the step never appears, the other
+  worker's finished part is discarded, and resume still finds the previous step intact."""
+  clients, refs, values = stored
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
+  ckpt.save(1, refs, {"position": 1})
+  failed = pb.Execute(executable="no-such-program", outputs=[pb.Output(handle="broken", uses=0)])
+  clients[1].enqueue_async([pb.Op(name="fails", execute=failed)]).result()
+  broken = dict(refs["params"], b=saves.LeafRef(clients[1], "broken", 0, refs["params"]["b"].aval))
+  ckpt.save(2, {"params": broken}, {"position": 2})
+  with pytest.raises(saves.SaveFailed, match="island1.*no-such-program"):
+    ckpt.wait()
+  assert ckpt.all_steps() == [1]
+  assert os.listdir(ckpt.pending_root) == []
+  step, state, data = ckpt.restore_latest(abstract_of(values))
+  assert (step, data) == (1, {"position": 1})
+  np.testing.assert_array_equal(np.asarray(state["params"]["a"]), values["params"]["a"])
+  ckpt.close()
+  clients[1].release_later("broken")
+
+
+def test_parts_written_but_never_committed_are_not_a_checkpoint(stored, tmp_path):
+  """The controller dies between the phases: every part is on disk, the step is not, and the
+  next run removes the parts."""
+  clients, refs, values = stored
+  directory = str(tmp_path / "ckpt")
+  ckpt = Checkpointer(directory, keep=3, every=1)
+  pending = os.path.join(ckpt.pending_root, "5-crashed")
+  os.makedirs(pending)
+  fingerprints = saves.PendingSave(refs, pending).wait()  # phase one only
+  assert set(fingerprints) == {"params/a", "params/b"}
+  assert sorted(os.listdir(pending)) == ["island0", "island1"]
+  ckpt.close()
+  again = Checkpointer(directory, keep=3, every=1)
+  assert again.all_steps() == [] and not os.path.exists(pending)
+  again.close()
+
+
 # -- the controller in remote mode ------------------------------------------------------------
 
 
@@ -155,6 +249,39 @@ def test_remote_pods_match_embedded(workers):
   assert_same_run(tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2}), workers)
 
 
+def test_remote_trace_has_the_workers_run_times(workers):
+  """backend.trace in remote mode: each node's launch (inputs ready) and done come from its
+  worker, on the controller's clock; an island runs its executes one after another, each after
+  the controller dispatched it."""
+  config = remote(tiny_test_config(**{"parallel.stages": 2, "parallel.islands": 2}), workers)
+  cluster = plan_lib.make_cluster(config, devices=jax.devices()[:2])
+  plan = plan_lib.build(config, cluster)
+  tx, schedule = optim.build(config.optim, config.train.num_steps)
+  trace = Trace()
+  with Controller(cluster, trace=trace) as controller:
+    program = build_step_program(config, plan, controller, tx, schedule)
+    state = program.init()
+    for batch in random_batches(config, 2):
+      out = controller.run(program.program, {**state, **program.feed(batch)})
+      state = {k: out[k] for k in program.state_keys}
+    out["metrics"].result()
+  cluster.close()
+  executes = {n.name for n in program.program.nodes if isinstance(n, Node)}
+  events = [e for e in trace.events if e.step == 1]
+  assert len(events) == len(program.program.nodes)
+  slack = 0.005  # the clock offset is estimated from one loopback round trip
+  for e in events:
+    assert e.launch is not None and e.done is not None, e
+    assert e.dispatch - slack <= e.launch <= e.done, e
+  for island in ("island0", "island1"):
+    runs = sorted((e.launch, e.done) for e in events if e.island == island and e.name in executes)
+    assert len(runs) >= 2
+    for (_, done), (launch, _) in zip(runs, runs[1:], strict=False):
+      assert done <= launch + slack
+  spans = [e for e in trace.to_chrome()["traceEvents"] if e["ph"] == "X"]
+  assert len(spans) >= len(events)
+
+
 # -- training: checkpoints, resume, lost workers ----------------------------------------------
 
 
@@ -181,20 +308,24 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
-  """launch_workers: 8 steps, then resume to 12 from the step-8 checkpoint; same as embedded."""
+  """launch_workers: 8 steps, then resume to 10 from the step-8 checkpoint the workers wrote,
+  then embedded mode resumes that run's step-10 checkpoint to 12; same as embedded throughout."""
   config = small_config(**{"backend.mode": "remote", "backend.launch_workers": True})
   config.train.num_steps = 8
   before = launcher.live()  # the module's own workers, if started
   first = train.run(config, str(tmp_path), show_progress=False)
   assert first.final_step == 8
   assert all(g in before for g in launcher.live()), "the run left its workers running"
-  config.train.num_steps = 12
+  assert os.path.isdir(tmp_path / "checkpoints" / "8" / "parts" / "island1")  # not the controller
+  config.train.num_steps = 10
   second = train.run(config, str(tmp_path), show_progress=False)
-  assert second.start_step == 8 and second.final_step == 12
+  assert second.start_step == 8 and second.final_step == 10
+  third = train.run(small_config(), str(tmp_path), show_progress=False)  # embedded
+  assert third.start_step == 10 and third.final_step == 12
   want = {r["step"]: r["loss"] for r in uninterrupted.history}
-  for row in first.history + second.history:
+  for row in first.history + second.history + third.history:
     assert row["loss"] == want[row["step"]], row["step"]
-  for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(second.state), strict=True):
+  for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(third.state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -225,6 +356,37 @@ def test_killed_worker_restarts_and_resumes(uninterrupted, tmp_path):
   result = train.run(config, str(tmp_path), show_progress=False)
   killer.join(1)
   assert killed, "the worker was never killed"
+  assert 4 <= result.start_step < 12 and result.final_step == 12
+  for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(result.state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_external_workers_restarted_by_an_operator_are_reset_and_resumed(uninterrupted, tmp_path):
+  """Workers the controller did not launch: one is SIGKILLed after the step-4 checkpoint and
+  started again on its address by someone else; the controller waits for it, resets the
+  survivor (whose queue and store still hold the lost session's work), resumes from the last
+  checkpoint and ends with the uninterrupted run's parameters."""
+  config = small_config(**{"fault.max_restarts": 1, "fault.heartbeat_s": 0.5})
+  with launcher.launch([2, 2]) as w:
+    remote(config, w)
+    restarted = []
+
+    def operator():
+      deadline = time.time() + 600
+      while time.time() < deadline and not os.path.isdir(tmp_path / "checkpoints" / "4"):
+        time.sleep(0.05)
+      w.kill(1)
+      time.sleep(2.0)  # the controller notices before the worker is back
+      w.start([1])
+      restarted.append(True)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    result = train.run(config, str(tmp_path), show_progress=False)
+    thread.join(60)
+    assert restarted, "the worker was never restarted"
+    with open(os.path.join(w.log_dir, "island0.log")) as f:
+      assert "reset by" in f.read()
   assert 4 <= result.start_step < 12 and result.final_step == 12
   for a, b in zip(jax.tree.leaves(uninterrupted.state), jax.tree.leaves(result.state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

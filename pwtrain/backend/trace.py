@@ -2,7 +2,8 @@
 
 Three moments per node: `dispatch` (the controller enqueued it), `launch` (its island's
 scheduler handed it to the runtime) and `done` (its outputs were ready; recorded by a watcher
-thread only while tracing, so normal runs never wait on results).
+thread only while tracing, so normal runs never wait on results). Remote islands report launch
+(inputs ready) and done from the worker, collected when the controller closes.
 """
 
 import dataclasses
@@ -27,9 +28,15 @@ class Trace:
     self.events: list[Event] = []
     self._lock = threading.Lock()
     self._t0 = time.perf_counter()
+    self._t0_wall = time.time()
 
   def now(self) -> float:
     return time.perf_counter() - self._t0
+
+  def from_wall(self, t: float) -> float:
+    """A Unix time (e.g. a remote worker's, already corrected for its clock) on this trace's
+    clock."""
+    return t - self._t0_wall
 
   def add(self, name: str, island: str, step: int) -> Event:
     event = Event(name, island, step, dispatch=self.now())

@@ -86,6 +86,20 @@ class WorkerClient:
         self._active.discard(call)
     return [x for x, _ in received]
 
+  def await_save(self, ticket: str) -> grpc.Future:
+    """A future of the SaveReply of a queued Save (cancelled if the worker is lost)."""
+    if self.lost:
+      raise WorkerLost(self.lost)
+    call = self.stub.AwaitSave.future(pb.AwaitSaveRequest(ticket=ticket), metadata=self._metadata)
+    with self._lock:
+      self._active.add(call)
+    call.add_done_callback(self._forget)
+    return call
+
+  def _forget(self, call) -> None:
+    with self._lock:
+      self._active.discard(call)
+
   def declare_lost(self, reason: str) -> None:
     """Marks the cluster unusable from this worker's side and cancels the calls waiting on it."""
     self.lost = reason
@@ -106,6 +120,12 @@ class WorkerClient:
       self.stub.Release(
         pb.ReleaseRequest(handles=release), metadata=self._metadata, timeout=self.timeout_s
       )
+
+  def timeline(self) -> pb.TimelineReply:
+    return self.stub.Timeline(pb.Empty(), metadata=self._metadata, timeout=self.timeout_s)
+
+  def reset(self) -> None:
+    self.stub.Reset(pb.Empty(), metadata=self._metadata, timeout=self.timeout_s)
 
   def shutdown(self) -> None:
     self.stub.Shutdown(pb.Empty(), metadata=self._metadata, timeout=self.timeout_s)

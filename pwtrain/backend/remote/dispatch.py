@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
@@ -105,6 +106,8 @@ class RemoteDispatcher:
     self.trace = trace
     self._session = uuid.uuid4().hex[:8]  # several controllers may share workers
     self._names = itertools.count()
+    self._trace_ids = itertools.count(1)
+    self._traced: dict = {}  # trace_id -> (Event, worker) until the worker reports its span
 
   # -- compilation --------------------------------------------------------------------------
 
@@ -213,8 +216,10 @@ class RemoteDispatcher:
 
     for node in program.nodes:
       worker = self.cluster[node.island].worker
+      trace_id = 0
       if self.trace is not None:
-        self.trace.add(node.name, node.island, step)
+        trace_id = next(self._trace_ids)
+        self._traced[trace_id] = (self.trace.add(node.name, node.island, step), worker)
       if isinstance(node, Node):
         exe = node.executable.remote
         assert exe is not None and exe.worker is worker, f"{node.name}: not compiled for its island"
@@ -229,7 +234,7 @@ class RemoteDispatcher:
           outs.append(pb.Output(handle=handle, uses=uses((node.name, i))))
           values[(node.name, i)] = _Ref(worker, handle, treedef, avals)
         op = pb.Execute(executable=exe.name, args=args, outputs=outs)
-        ops[worker].append(pb.Op(name=node.name, execute=op))
+        ops[worker].append(pb.Op(name=node.name, execute=op, trace_id=trace_id))
         continue
       assert isinstance(node, Transfer)
       key = (node.name, 0)
@@ -238,6 +243,10 @@ class RemoteDispatcher:
         value = inputs[node.src]
         n = len(jax.tree.leaves(value))
         values[key] = upload(worker, key, value, _shardings(node.sharding, n), uses(key))
+        if trace_id:  # no worker op: the upload's own span, on the controller's clock
+          event, _ = self._traced.pop(trace_id)
+          event.launch = event.dispatch
+          calls[-1][1].add_done_callback(lambda _, e=event: setattr(e, "done", self.trace.now()))
         continue
       src = source(node.src, node)
       shardings = _shardings(node.sharding, len(src.avals))
@@ -248,7 +257,7 @@ class RemoteDispatcher:
         output=pb.Output(handle=handle, uses=uses(key)),
         shardings=[arrays.sharding_to_proto(s) for s in shardings],
       )
-      ops[worker].append(pb.Op(name=node.name, receive=op))
+      ops[worker].append(pb.Op(name=node.name, receive=op, trace_id=trace_id))
       avals = tuple(
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
         for a, s in zip(src.avals, shardings, strict=True)
@@ -273,7 +282,34 @@ class RemoteDispatcher:
         out[name] = wrapped[ref]
     return out
 
+  def collect_trace(self, wait_s: float = 10.0) -> None:
+    """Fills the trace's launch/done times of the traced nodes from the workers' timelines,
+    on the controller's clock (each worker's offset estimated from one Health round trip);
+    waits up to `wait_s` for nodes still running, and leaves out those that never ran."""
+    if self.trace is None:
+      return
+    deadline = time.monotonic() + wait_s
+    for island in self.cluster.islands:
+      worker = island.worker
+      if worker.lost or worker.closed:
+        continue
+      sent = time.time()
+      offset = worker.health().time - (sent + time.time()) / 2
+      while True:
+        for span in worker.timeline().spans:
+          event, _ = self._traced.pop(span.trace_id, (None, None))
+          if event is not None:
+            event.launch = self.trace.from_wall(span.start - offset)
+            event.done = self.trace.from_wall(span.end - offset)
+        if time.monotonic() > deadline or not any(w is worker for _, w in self._traced.values()):
+          break
+        time.sleep(0.05)
+
   def close(self):
+    try:
+      self.collect_trace()
+    except grpc.RpcError:
+      pass  # a trace is not worth failing the shutdown for
     for island in self.cluster.islands:
       if island.worker.lost or island.worker.closed:
         continue

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pwtrain/backend/remote/protocol.proto\x12\x0epwtrain.remote\"\x07\n\x05\x45mpty\"p\n\x0bHealthReply\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x13\n\x0bnum_devices\x18\x02 \x01(\x05\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0bpending_ops\x18\x04 \x01(\x03\x12\x15\n\rstored_values\x18\x05 \x01(\x03\"?\n\x08Sharding\x12\x11\n\tmesh_axes\x18\x01 \x03(\t\x12\x12\n\nmesh_shape\x18\x02 \x03(\x03\x12\x0c\n\x04spec\x18\x03 \x03(\t\"}\n\x0b\x41rrayHeader\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x14\n\x0chas_sharding\x18\x04 \x01(\x08\x12*\n\x08sharding\x18\x05 \x01(\x0b\x32\x18.pwtrain.remote.Sharding\"\x82\x01\n\x05\x43hunk\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x12\n\nnum_leaves\x18\x02 \x01(\x05\x12\x0c\n\x04uses\x18\x03 \x01(\x05\x12\x0c\n\x04leaf\x18\x04 \x01(\x05\x12+\n\x06header\x18\x05 \x01(\x0b\x32\x1b.pwtrain.remote.ArrayHeader\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\xac\x01\n\x0e\x43ompileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x11\n\tmesh_axes\x18\x03 \x03(\t\x12\x12\n\nmesh_shape\x18\x04 \x03(\x03\x12\x0e\n\x06\x64onate\x18\x05 \x03(\x05\x12\x12\n\nout_leaves\x18\x06 \x03(\x05\x12/\n\rout_shardings\x18\x07 \x03(\x0b\x32\x18.pwtrain.remote.Sharding\"&\n\x06Output\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x0c\n\x04uses\x18\x02 \x01(\x05\"T\n\x07\x45xecute\x12\x12\n\nexecutable\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\'\n\x07outputs\x18\x03 \x03(\x0b\x32\x16.pwtrain.remote.Output\"~\n\x07Receive\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.pwtrain.remote.Output\x12+\n\tshardings\x18\x04 \x03(\x0b\x32\x18.pwtrain.remote.Sharding\"r\n\x02Op\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x07\x65xecute\x18\x02 \x01(\x0b\x32\x17.pwtrain.remote.ExecuteH\x00\x12*\n\x07receive\x18\x03 \x01(\x0b\x32\x17.pwtrain.remote.ReceiveH\x00\x42\x06\n\x04kind\"B\n\x0e\x45nqueueRequest\x12\x1f\n\x03ops\x18\x01 \x03(\x0b\x32\x12.pwtrain.remote.Op\x12\x0f\n\x07release\x18\x02 \x03(\t\"/\n\x0c\x46\x65tchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x0f\n\x07release\x18\x02 \x01(\x08\"!\n\x0eReleaseRequest\x12\x0f\n\x07handles\x18\x01 \x03(\t2\xbd\x03\n\x06Worker\x12<\n\x06Health\x12\x15.pwtrain.remote.Empty\x1a\x1b.pwtrain.remote.HealthReply\x12@\n\x07\x43ompile\x12\x1e.pwtrain.remote.CompileRequest\x1a\x15.pwtrain.remote.Empty\x12@\n\x07\x45nqueue\x12\x1e.pwtrain.remote.EnqueueRequest\x1a\x15.pwtrain.remote.Empty\x12\x35\n\x03Put\x12\x15.pwtrain.remote.Chunk\x1a\x15.pwtrain.remote.Empty(\x01\x12>\n\x05\x46\x65tch\x12\x1c.pwtrain.remote.FetchRequest\x1a\x15.pwtrain.remote.Chunk0\x01\x12@\n\x07Release\x12\x1e.pwtrain.remote.ReleaseRequest\x1a\x15.pwtrain.remote.Empty\x12\x38\n\x08Shutdown\x12\x15.pwtrain.remote.Empty\x1a\x15.pwtrain.remote.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pwtrain/backend/remote/protocol.proto\x12\x0epwtrain.remote\"\x07\n\x05\x45mpty\"~\n\x0bHealthReply\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x13\n\x0bnum_devices\x18\x02 \x01(\x05\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0bpending_ops\x18\x04 \x01(\x03\x12\x15\n\rstored_values\x18\x05 \x01(\x03\x12\x0c\n\x04time\x18\x06 \x01(\x01\"?\n\x08Sharding\x12\x11\n\tmesh_axes\x18\x01 \x03(\t\x12\x12\n\nmesh_shape\x18\x02 \x03(\x03\x12\x0c\n\x04spec\x18\x03 \x03(\t\"}\n\x0b\x41rrayHeader\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x14\n\x0chas_sharding\x18\x04 \x01(\x08\x12*\n\x08sharding\x18\x05 \x01(\x0b\x32\x18.pwtrain.remote.Sharding\"\x82\x01\n\x05\x43hunk\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x12\n\nnum_leaves\x18\x02 \x01(\x05\x12\x0c\n\x04uses\x18\x03 \x01(\x05\x12\x0c\n\x04leaf\x18\x04 \x01(\x05\x12+\n\x06header\x18\x05 \x01(\x0b\x32\x1b.pwtrain.remote.ArrayHeader\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\xac\x01\n\x0e\x43ompileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x11\n\tmesh_axes\x18\x03 \x03(\t\x12\x12\n\nmesh_shape\x18\x04 \x03(\x03\x12\x0e\n\x06\x64onate\x18\x05 \x03(\x05\x12\x12\n\nout_leaves\x18\x06 \x03(\x05\x12/\n\rout_shardings\x18\x07 \x03(\x0b\x32\x18.pwtrain.remote.Sharding\"&\n\x06Output\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x0c\n\x04uses\x18\x02 \x01(\x05\"T\n\x07\x45xecute\x12\x12\n\nexecutable\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\'\n\x07outputs\x18\x03 \x03(\x0b\x32\x16.pwtrain.remote.Output\"~\n\x07Receive\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12&\n\x06output\x18\x03 \x01(\x0b\x32\x16.pwtrain.remote.Output\x12+\n\tshardings\x18\x04 \x03(\x0b\x32\x18.pwtrain.remote.Sharding\"9\n\x08SaveItem\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x0e\n\x06leaves\x18\x02 \x03(\x05\x12\r\n\x05names\x18\x03 \x03(\t\"R\n\x04Save\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.pwtrain.remote.SaveItem\x12\x0e\n\x06ticket\x18\x03 \x01(\t\"\xaa\x01\n\x02Op\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x07\x65xecute\x18\x02 \x01(\x0b\x32\x17.pwtrain.remote.ExecuteH\x00\x12*\n\x07receive\x18\x03 \x01(\x0b\x32\x17.pwtrain.remote.ReceiveH\x00\x12$\n\x04save\x18\x04 \x01(\x0b\x32\x14.pwtrain.remote.SaveH\x00\x12\x10\n\x08trace_id\x18\x05 \x01(\x03\x42\x06\n\x04kind\"4\n\x04Span\x12\x10\n\x08trace_id\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\"4\n\rTimelineReply\x12#\n\x05spans\x18\x01 \x03(\x0b\x32\x14.pwtrain.remote.Span\"B\n\x0e\x45nqueueRequest\x12\x1f\n\x03ops\x18\x01 \x03(\x0b\x32\x12.pwtrain.remote.Op\x12\x0f\n\x07release\x18\x02 \x03(\t\"/\n\x0c\x46\x65tchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x0f\n\x07release\x18\x02 \x01(\x08\"\"\n\x10\x41waitSaveRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\"?\n\tSaveReply\x12\r\n\x05names\x18\x01 \x03(\t\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"!\n\x0eReleaseRequest\x12\x0f\n\x07handles\x18\x01 \x03(\t2\x80\x05\n\x06Worker\x12<\n\x06Health\x12\x15.pwtrain.remote.Empty\x1a\x1b.pwtrain.remote.HealthReply\x12@\n\x07\x43ompile\x12\x1e.pwtrain.remote.CompileRequest\x1a\x15.pwtrain.remote.Empty\x12@\n\x07\x45nqueue\x12\x1e.pwtrain.remote.EnqueueRequest\x1a\x15.pwtrain.remote.Empty\x12\x35\n\x03Put\x12\x15.pwtrain.remote.Chunk\x1a\x15.pwtrain.remote.Empty(\x01\x12>\n\x05\x46\x65tch\x12\x1c.pwtrain.remote.FetchRequest\x1a\x15.pwtrain.remote.Chunk0\x01\x12@\n\x07Release\x12\x1e.pwtrain.remote.ReleaseRequest\x1a\x15.pwtrain.remote.Empty\x12H\n\tAwaitSave\x12 .pwtrain.remote.AwaitSaveRequest\x1a\x19.pwtrain.remote.SaveReply\x12\x38\n\x08Shutdown\x12\x15.pwtrain.remote.Empty\x1a\x15.pwtrain.remote.Empty\x12\x35\n\x05Reset\x12\x15.pwtrain.remote.Empty\x1a\x15.pwtrain.remote.Empty\x12@\n\x08Timeline\x12\x15.pwtrain.remote.Empty\x1a\x1d.pwtrain.remote.TimelineReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMPTY']._serialized_start=57
   _globals['_EMPTY']._serialized_end=64
   _globals['_HEALTHREPLY']._serialized_start=66
-  _globals['_HEALTHREPLY']._serialized_end=178
-  _globals['_SHARDING']._serialized_start=180
-  _globals['_SHARDING']._serialized_end=243
-  _globals['_ARRAYHEADER']._serialized_start=245
-  _globals['_ARRAYHEADER']._serialized_end=370
-  _globals['_CHUNK']._serialized_start=373
-  _globals['_CHUNK']._serialized_end=503
-  _globals['_COMPILEREQUEST']._serialized_start=506
-  _globals['_COMPILEREQUEST']._serialized_end=678
-  _globals['_OUTPUT']._serialized_start=680
-  _globals['_OUTPUT']._serialized_end=718
-  _globals['_EXECUTE']._serialized_start=720
-  _globals['_EXECUTE']._serialized_end=804
-  _globals['_RECEIVE']._serialized_start=806
-  _globals['_RECEIVE']._serialized_end=932
-  _globals['_OP']._serialized_start=934
-  _globals['_OP']._serialized_end=1048
-  _globals['_ENQUEUEREQUEST']._serialized_start=1050
-  _globals['_ENQUEUEREQUEST']._serialized_end=1116
-  _globals['_FETCHREQUEST']._serialized_start=1118
-  _globals['_FETCHREQUEST']._serialized_end=1165
-  _globals['_RELEASEREQUEST']._serialized_start=1167
-  _globals['_RELEASEREQUEST']._serialized_end=1200
-  _globals['_WORKER']._serialized_start=1203
-  _globals['_WORKER']._serialized_end=1648
+  _globals['_HEALTHREPLY']._serialized_end=192
+  _globals['_SHARDING']._serialized_start=194
+  _globals['_SHARDING']._serialized_end=257
+  _globals['_ARRAYHEADER']._serialized_start=259
+  _globals['_ARRAYHEADER']._serialized_end=384
+  _globals['_CHUNK']._serialized_start=387
+  _globals['_CHUNK']._serialized_end=517
+  _globals['_COMPILEREQUEST']._serialized_start=520
+  _globals['_COMPILEREQUEST']._serialized_end=692
+  _globals['_OUTPUT']._serialized_start=694
+  _globals['_OUTPUT']._serialized_end=732
+  _globals['_EXECUTE']._serialized_start=734
+  _globals['_EXECUTE']._serialized_end=818
+  _globals['_RECEIVE']._serialized_start=820
+  _globals['_RECEIVE']._serialized_end=946
+  _globals['_SAVEITEM']._serialized_start=948
+  _globals['_SAVEITEM']._serialized_end=1005
+  _globals['_SAVE']._serialized_start=1007
+  _globals['_SAVE']._serialized_end=1089
+  _globals['_OP']._serialized_start=1092
+  _globals['_OP']._serialized_end=1262
+  _globals['_SPAN']._serialized_start=1264
+  _globals['_SPAN']._serialized_end=1316
+  _globals['_TIMELINEREPLY']._serialized_start=1318
+  _globals['_TIMELINEREPLY']._serialized_end=1370
+  _globals['_ENQUEUEREQUEST']._serialized_start=1372
+  _globals['_ENQUEUEREQUEST']._serialized_end=1438
+  _globals['_FETCHREQUEST']._serialized_start=1440
+  _globals['_FETCHREQUEST']._serialized_end=1487
+  _globals['_AWAITSAVEREQUEST']._serialized_start=1489
+  _globals['_AWAITSAVEREQUEST']._serialized_end=1523
+  _globals['_SAVEREPLY']._serialized_start=1525
+  _globals['_SAVEREPLY']._serialized_end=1588
+  _globals['_RELEASEREQUEST']._serialized_start=1590
+  _globals['_RELEASEREQUEST']._serialized_end=1623
+  _globals['_WORKER']._serialized_start=1626
+  _globals['_WORKER']._serialized_end=2266
 # @@protoc_insertion_point(module_scope)

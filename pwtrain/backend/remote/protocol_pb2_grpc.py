@@ -64,10 +64,25 @@ class WorkerStub:
                 request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
                 _registered_method=True)
+        self.AwaitSave = channel.unary_unary(
+                '/pwtrain.remote.Worker/AwaitSave',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AwaitSaveRequest.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.SaveReply.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/pwtrain.remote.Worker/Shutdown',
                 request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
                 response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/pwtrain.remote.Worker/Reset',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Timeline = channel.unary_unary(
+                '/pwtrain.remote.Worker/Timeline',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.FromString,
                 _registered_method=True)
 
 
@@ -115,8 +130,30 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitSave(self, request, context):
+        """Waits for a Save op (see Op) to finish writing: phase one of a checkpoint's two-phase commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reset(self, request, context):
+        """Drops what an earlier controller session left (queued ops, stored values, executables):
+        a controller that restarts after losing another worker resets the survivors first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Timeline(self, request, context):
+        """Hands over (and forgets) the run times of the traced ops (Op.trace_id != 0) so far.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -154,10 +191,25 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.ReleaseRequest.FromString,
                     response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
             ),
+            'AwaitSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitSave,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AwaitSaveRequest.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.SaveReply.SerializeToString,
+            ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
                     request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
                     response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+            ),
+            'Timeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Timeline,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +385,33 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
+    def AwaitSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/AwaitSave',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AwaitSaveRequest.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Shutdown(request,
             target,
             options=(),
@@ -349,6 +428,60 @@ class Worker:
             '/pwtrain.remote.Worker/Shutdown',
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/Reset',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Timeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/Timeline',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.FromString,
             options,
             channel_credentials,
             insecure,

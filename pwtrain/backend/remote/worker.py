@@ -14,11 +14,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 
 import grpc
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
+from pwtrain import checkpoint, checkpoint_parts
 from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
@@ -34,6 +37,7 @@ class _Store:
   def __init__(self):
     self._entries: dict[str, list] = {}  # handle -> [future, uses left (0: pinned)]
     self._cond = threading.Condition()
+    self._generation = 0  # bumped by reset: lookups waiting for the old session give up
 
   def create(self, handle: str, uses: int) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -48,8 +52,12 @@ class _Store:
 
   def lookup(self, handle: str, timeout: float = LOOKUP_TIMEOUT_S) -> concurrent.futures.Future:
     with self._cond:
-      if not self._cond.wait_for(lambda: handle in self._entries, timeout):
-        raise KeyError(f"no value {handle!r} on this worker (released, or never produced)")
+      generation = self._generation
+      self._cond.wait_for(
+        lambda: handle in self._entries or self._generation != generation, timeout
+      )
+      if handle not in self._entries:
+        raise KeyError(f"no value {handle!r} on this worker (released, reset or never produced)")
       return self._entries[handle][0]
 
   def read(self, handle: str) -> None:
@@ -64,6 +72,15 @@ class _Store:
   def release(self, handle: str) -> None:
     with self._cond:
       self._entries.pop(handle, None)
+
+  def reset(self) -> None:
+    with self._cond:
+      for future, _ in self._entries.values():
+        if not future.done():
+          future.set_exception(RuntimeError("the worker was reset"))
+      self._entries.clear()
+      self._generation += 1
+      self._cond.notify_all()
 
   def __len__(self) -> int:
     return len(self._entries)
@@ -87,6 +104,10 @@ class Worker(pb_grpc.WorkerServicer):
     self._queue: queue.Queue = queue.Queue()
     self._peers: dict[str, pb_grpc.WorkerStub] = {}
     self._peers_lock = threading.Lock()
+    self._saves: dict[str, concurrent.futures.Future] = {}  # ticket -> SaveReply
+    self._saves_lock = threading.Lock()
+    self._spans: list = []  # traced ops' (trace_id, start, end), until Timeline takes them
+    self._spans_lock = threading.Lock()
     self.token = ""
     self.stopped = threading.Event()
     threading.Thread(target=self._run_queue, name="exec", daemon=True).start()
@@ -100,6 +121,7 @@ class Worker(pb_grpc.WorkerServicer):
       platform=self.platform,
       pending_ops=self._queue.qsize(),
       stored_values=len(self.store),
+      time=time.time(),
     )
 
   def Compile(self, request, context):
@@ -110,9 +132,16 @@ class Worker(pb_grpc.WorkerServicer):
 
   def Enqueue(self, request, context):
     for op in request.ops:
-      if op.WhichOneof("kind") == "execute":
+      kind = op.WhichOneof("kind")
+      if kind == "execute":
         outs = [self.store.create(o.handle, o.uses) for o in op.execute.outputs]
         self._queue.put((op, outs))
+      elif kind == "save":
+        with self._saves_lock:
+          if op.save.ticket in self._saves:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"save {op.save.ticket!r} exists")
+          self._saves[op.save.ticket] = concurrent.futures.Future()
+        self._queue.put((op, None))
       else:
         out = self.store.create(op.receive.output.handle, op.receive.output.uses)
         threading.Thread(target=self._receive, args=(op, out), daemon=True).start()
@@ -145,6 +174,16 @@ class Worker(pb_grpc.WorkerServicer):
       else:
         self.store.read(request.handle)
 
+  def AwaitSave(self, request, context):
+    with self._saves_lock:
+      future = self._saves.get(request.ticket)
+    if future is None:
+      context.abort(grpc.StatusCode.NOT_FOUND, f"no save {request.ticket!r} on this worker")
+    reply = future.result()
+    with self._saves_lock:
+      self._saves.pop(request.ticket, None)
+    return reply
+
   def Release(self, request, context):
     self._queue.put((None, list(request.handles)))
     return pb.Empty()
@@ -152,6 +191,30 @@ class Worker(pb_grpc.WorkerServicer):
   def Shutdown(self, request, context):
     logging.info("island %s: shutdown requested by %s", self.island, context.peer())
     self.stopped.set()
+    return pb.Empty()
+
+  def Timeline(self, request, context):
+    with self._spans_lock:
+      spans, self._spans = self._spans, []
+    return pb.TimelineReply(spans=[pb.Span(trace_id=i, start=a, end=b) for i, a, b in spans])
+
+  def _record(self, op, start: float) -> None:
+    if op.trace_id:
+      with self._spans_lock:
+        self._spans.append((op.trace_id, start, time.time()))
+
+  def Reset(self, request, context):
+    logging.warning("island %s: reset by %s", self.island, context.peer())
+    while True:  # queued ops will never be read: fail their outputs
+      try:
+        op, outs = self._queue.get_nowait()
+      except queue.Empty:
+        break
+      for out in outs if op is not None and outs else ():
+        if not out.done():
+          out.set_exception(RuntimeError("the worker was reset"))
+    self.store.reset()  # also ends an op blocked on an input of the old session
+    self._executables.clear()
     return pb.Empty()
 
   # -- work ---------------------------------------------------------------------------------
@@ -185,8 +248,12 @@ class Worker(pb_grpc.WorkerServicer):
         for handle in outs:
           self.store.release(handle)
         continue
+      if op.WhichOneof("kind") == "save":
+        self._save(op.save)
+        continue
       try:
-        self._execute(op.execute, outs)
+        start = self._execute(op.execute, outs, block=bool(op.trace_id))
+        self._record(op, start)
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
         error = RuntimeError(f"{self.island}: {op.name} failed: {_describe(e)}")
         logging.error("%s", error)
@@ -197,11 +264,13 @@ class Worker(pb_grpc.WorkerServicer):
         for handle in op.execute.args:
           self.store.read(handle)
 
-  def _execute(self, op, outs):
+  def _execute(self, op, outs, block: bool = False) -> float:
+    """Runs an Execute; returns when its inputs were all there (when it could start)."""
     exe = self._executables[op.executable].result()
     leaves = []
     for handle in op.args:
       leaves.extend(self.store.lookup(handle).result())
+    start = time.time()
     if len(leaves) != len(exe.in_shardings):
       raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
     leaves = [
@@ -209,17 +278,53 @@ class Worker(pb_grpc.WorkerServicer):
       for x, s in zip(leaves, exe.in_shardings, strict=True)
     ]
     result = exe.compiled(*leaves)
-    if self.platform == "cpu":
+    if self.platform == "cpu" or block:  # block: a traced op ends when its outputs are ready
       # XLA:CPU runs collectives on a shared thread pool: computations in flight together can
       # deadlock it (see Controller.serialize_execution), so each runs to completion first.
       jax.block_until_ready(result)
-    start = 0
+    first = 0
     for out, n in zip(outs, exe.out_leaves, strict=True):
-      out.set_result(list(result[start : start + n]))
-      start += n
+      out.set_result(list(result[first : first + n]))
+      first += n
+    return start
+
+  def _save(self, op) -> None:
+    """Phase one of a checkpoint on this island: reads the values now (in queue order, so before
+    any later op donates them), copies them to the host, and writes them in the background.
+    The outcome (fingerprints, or the error) waits for the controller's AwaitSave."""
+    future = self._saves[op.ticket]
+    try:
+      tree, names, leaves = {}, [], []
+      for item in op.items:
+        value = self.store.lookup(item.handle).result()
+        for index, name in zip(item.leaves, item.names, strict=True):
+          checkpoint_parts.insert(tree, name, value[index])
+          names.append(name)
+          leaves.append(value[index])
+      # Fingerprinted on device before the queue goes on: what is written is what was computed.
+      fingerprints = [int(v) for v in jax.device_get(checkpoint.fingerprints_of(leaves))]
+      saver = ocp.StandardCheckpointer()  # async: returns once the arrays are on the host
+      saver.save(op.directory, tree)
+    except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
+      logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
+      future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+      return
+
+    def finish():
+      try:
+        saver.wait_until_finished()
+        future.set_result(pb.SaveReply(names=names, fingerprints=fingerprints))
+      except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
+        logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
+        future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+      finally:
+        saver.close()
+
+    threading.Thread(target=finish, name=f"save-{op.ticket}", daemon=True).start()
 
   def _receive(self, op, out):
     r = op.receive
+    start = time.time()
     try:
       if r.source:
         stream = self._peer(r.source).Fetch(
@@ -236,7 +341,10 @@ class Worker(pb_grpc.WorkerServicer):
         jax.device_put(x, arrays.sharding_from_proto(s, self.devices))
         for x, s in zip(leaves, r.shardings, strict=True)
       ]
+      if op.trace_id:
+        jax.block_until_ready(placed)
       out.set_result(placed)
+      self._record(op, start)
     except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the output
       out.set_exception(RuntimeError(f"{self.island}: transfer {op.name} failed: {_describe(e)}"))
 
