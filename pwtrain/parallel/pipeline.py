@@ -231,56 +231,9 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
     compile_("zeros", zeros_fn, (state_abs,), out_shardings=(grads_sharding, stats_sharding))
 
-    def forward(params, x, fns=fns):
-      return fns.module(params)(x)
-
-    if moe:
-      shapes = (state_abs, x_abs, tokens_abs, act_abs, grads_abs, stats_abs, moe_abs)
-      out_shardings = (act_sharding, grads_sharding, stats_sharding, moe_sharding)
-      compile_moe_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings)
-    elif stage.last:
-
-      def fb_fn(state, x, targets, grads, stats, forward=forward, first=stage.first):
-        def loss_fn(params, x):
-          return lm_loss(forward(params, x), targets, z_loss=z_loss)
-
-        argnums = (0,) if first else (0, 1)
-        (total, st), g = jax.value_and_grad(loss_fn, argnums, has_aux=True)(state["params"], x)
-        grads = jax.tree.map(jnp.add, grads, g[0])
-        stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **st})
-        return (grads, stats) if first else (grads, stats, g[1])
-
-      compile_(
-        "FB",
-        fb_fn,
-        (state_abs, x_abs, tokens_abs, grads_abs, stats_abs),
-        out_shardings=(grads_sharding, stats_sharding) + (() if stage.first else (act_sharding,)),
-        donate_argnums=(3, 4),
-      )
-    else:
-      compile_(
-        "F",
-        lambda state, x, forward=forward: forward(state["params"], x),
-        (state_abs, x_abs),
-        out_shardings=act_sharding,
-      )
-
-      def b_fn(state, x, g_out, grads, forward=forward, first=stage.first):
-        if first:  # tokens are not differentiable
-          _, vjp = jax.vjp(lambda params: forward(params, x), state["params"])
-          (g_params,) = vjp(g_out)
-          return (jax.tree.map(jnp.add, grads, g_params),)
-        _, vjp = jax.vjp(forward, state["params"], x)
-        g_params, g_in = vjp(g_out)
-        return jax.tree.map(jnp.add, grads, g_params), g_in
-
-      compile_(
-        "B",
-        b_fn,
-        (state_abs, x_abs, act_abs, grads_abs),
-        out_shardings=(grads_sharding,) + (() if stage.first else (act_sharding,)),
-        donate_argnums=(3,),
-      )
+    shapes = (state_abs, x_abs, tokens_abs, act_abs, grads_abs, stats_abs, moe_abs)
+    out_shardings = (act_sharding, grads_sharding, stats_sharding, moe_sharding)
+    compile_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings)
 
     # Pods: every pod sums the decoded gradients of all pods (its own too) in pod order.
     if num_pods > 1 and not diloco:
@@ -454,36 +407,43 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   )
 
 
-def compile_moe_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings):
-  """A stage with MoE layers: its F, B and FB nodes.
+def compile_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings):
+  """A stage's F and B nodes, or its FB on the last stage.
 
-  F returns (activation, running MoE stats: the previous stages' plus its own). A stage's
-  objective is its output plus its weighted aux losses, so B is the VJP of (output, aux) with
-  cotangents (the next stage's activation gradient, 1), and FB differentiates the LM loss plus
-  its own aux losses; FB's stats add every stage's MoE stats, and its loss_sum every stage's
-  weighted aux losses. Carried stats are the last argument (absent on the first stage).
+  F returns the stage's output activation; B is its VJP (a first stage's tokens get no
+  gradient); FB differentiates the LM loss. With MoE layers (`moe` set) a stage also has its
+  weighted aux losses: its objective is (output, aux), B's cotangents are (the next stage's
+  activation gradient, 1) and FB adds its aux losses to the loss. F then also returns the running
+  MoE stats (the previous stages', carried in as its last argument, plus its own), so FB's stats
+  cover every stage and its loss_sum every stage's weighted aux losses.
   """
   state_abs, x_abs, tokens_abs, act_abs, grads_abs, stats_abs, moe_abs = shapes
   act_sharding, grads_sharding, stats_sharding, moe_sharding = out_shardings
-  carried_abs = () if stage.first else (moe_abs,)
+  carried_abs = () if stage.first or moe is None else (moe_abs,)
+  argnums = (0,) if stage.first else (0, 1)  # tokens are not differentiable
 
   def forward(params, x):
+    if moe is None:
+      return fns.module(params)(x), {}
     rngs = moe_lib.jitter_rngs(moe, x)
     return fns.module(params).forward(x, train=True, rngs=rngs)
 
   def objective(params, x):
     out, stats = forward(params, x)
+    if moe is None:
+      return out, stats
     return (out, moe_lib.weighted_aux(moe, stats)), stats
 
   if stage.last:
 
     def fb_fn(state, x, targets, grads, stats, *carried):
       def loss_fn(params, x):
-        (out, aux), own = objective(params, x)
+        out, own = forward(params, x)
         total, lm = lm_loss(out, targets, z_loss=z_loss)
-        return total + aux, (lm, own)
+        if moe is not None:
+          total = total + moe_lib.weighted_aux(moe, own)
+        return total, (lm, own)
 
-      argnums = (0,) if stage.first else (0, 1)
       (total, (lm, own)), g = jax.value_and_grad(loss_fn, argnums, has_aux=True)(state["params"], x)
       for before in carried:  # earlier stages' aux losses were differentiated there
         own = moe_lib.add_stats(before, own)
@@ -503,21 +463,26 @@ def compile_moe_stage(compile_, stage, fns, moe, z_loss, shapes, out_shardings):
 
   def f_fn(state, x, *carried):
     out, own = forward(state["params"], x)
+    if moe is None:
+      return out
     for before in carried:
       own = moe_lib.add_stats(before, own)
     return out, own
 
-  compile_("F", f_fn, (state_abs, x_abs, *carried_abs), out_shardings=(act_sharding, moe_sharding))
+  compile_(
+    "F",
+    f_fn,
+    (state_abs, x_abs, *carried_abs),
+    out_shardings=act_sharding if moe is None else (act_sharding, moe_sharding),
+  )
 
   def b_fn(state, x, g_out, grads):
-    one = jnp.ones((), jnp.float32)
-    if stage.first:  # tokens are not differentiable
-      _, vjp, _ = jax.vjp(lambda params: objective(params, x), state["params"], has_aux=True)
-      (g_params,) = vjp((g_out, one))
-      return (jax.tree.map(jnp.add, grads, g_params),)
-    _, vjp, _ = jax.vjp(objective, state["params"], x, has_aux=True)
-    g_params, g_in = vjp((g_out, one))
-    return jax.tree.map(jnp.add, grads, g_params), g_in
+    cotangent = g_out if moe is None else (g_out, jnp.ones((), jnp.float32))
+    fn = objective if not stage.first else lambda params: objective(params, x)
+    primals = (state["params"], x)[: len(argnums)]
+    _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
+    g_params, *g_in = vjp(cotangent)
+    return (jax.tree.map(jnp.add, grads, g_params), *g_in)
 
   compile_(
     "B",
