@@ -16,6 +16,12 @@ Run (8 simulated CPU devices for the embedded side; about 2 minutes on 2 cores):
    (Put, chunked), pulled worker 0 -> worker 1 (Receive: worker-to-worker, not through the
    controller) and fetched back to the controller (Fetch); each timed --repeats times, median.
    The pull is timed as (pull + fetch of its result) - (a fetch of the same size).
+3. Checkpoint. The state after the timed blocks is saved --repeats times (async Orbax, to a temp
+   directory): embedded (the controller's Orbax save of its own devices' arrays); remote (each
+   worker writes its island's part, the controller commits once all have: two-phase); and
+   remote_via_controller (fetch the state to the controller, then save it as embedded mode does:
+   what remote mode did before worker-side saves). Reported: the median time the train loop is
+   held by `save` (hand_off_ms) and until the step is committed (commit_ms).
 """
 
 import os
@@ -29,6 +35,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,8 +46,9 @@ from conftest import random_batches, tiny_test_config  # noqa: E402
 
 from pwtrain import optim  # noqa: E402
 from pwtrain.backend import Cluster, Controller  # noqa: E402
-from pwtrain.backend.remote import arrays, launcher  # noqa: E402
+from pwtrain.backend.remote import arrays, launcher, saves  # noqa: E402
 from pwtrain.backend.remote import protocol_pb2 as pb  # noqa: E402
+from pwtrain.checkpoint import Checkpointer  # noqa: E402
 from pwtrain.parallel import build_step_program  # noqa: E402
 from pwtrain.parallel import plan as plan_lib  # noqa: E402
 
@@ -111,6 +119,40 @@ def transfer_throughput(cluster, mib, repeats):
   return {k: mib / statistics.median(v) for k, v in times.items()}
 
 
+def checkpoint_times(side, how, repeats) -> dict:
+  """Median ms (hand-off, commit) of saving `side`'s current state `how`."""
+
+  def state():
+    if how == "workers":
+      return {k: saves.leaf_refs(v) for k, v in side.state.items()}
+    if how == "via_controller":  # a fresh fetch per save (RemoteValue.result() would cache it)
+      return {k: fetch(v) for k, v in side.state.items()}
+    return {k: v.result() if hasattr(v, "result") else v for k, v in side.state.items()}
+
+  hand_off, commit = [], []
+  with tempfile.TemporaryDirectory() as directory:
+    ckpt = Checkpointer(directory, keep=2, every=1)
+    for r in range(repeats):
+      start = time.perf_counter()
+      ckpt.save(r + 1, side.program.to_checkpoint(state()), {"repeat": r})
+      hand_off.append(time.perf_counter() - start)
+      ckpt.wait()
+      commit.append(time.perf_counter() - start)
+    ckpt.close()
+  return {
+    "hand_off_ms": 1e3 * statistics.median(hand_off),
+    "commit_ms": 1e3 * statistics.median(commit),
+  }
+
+
+def fetch(value):
+  """A remote value's arrays, fetched to the controller now (as RemoteValue.result does)."""
+  ref = value.ref
+  leaves = ref.worker.fetch(ref.handle)
+  placed = [jax.device_put(x, a.sharding) for x, a in zip(leaves, ref.avals, strict=True)]
+  return jax.tree.unflatten(ref.treedef, placed)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layout", choices=("pipeline", "pods"), default="pipeline")
@@ -134,8 +176,16 @@ def main():
     for _ in range(args.repeats):
       for name, side in sides.items():
         blocks[name].append(side.block(batches))
-    for name, side in sides.items():
+    for name in sides:
       results[f"{name}_ms_per_step"] = 1e3 * statistics.median(blocks[name])
+    for name, side, how in (
+      ("embedded", embedded, "local"),
+      ("remote", remote_side, "workers"),
+      ("remote_via_controller", remote_side, "via_controller"),
+    ):
+      for key, value in checkpoint_times(side, how, args.repeats).items():
+        results[f"ckpt_{name}_{key}"] = value
+    for side in sides.values():
       side.close()
     results["remote_over_embedded"] = (
       results["remote_ms_per_step"] / results["embedded_ms_per_step"]
@@ -145,7 +195,7 @@ def main():
     )
     cluster.close()
   for key, value in results.items():
-    print(f"{key:>28}: {value:.2f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    print(f"{key:>40}: {value:.2f}" if isinstance(value, float) else f"{key:>40}: {value}")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)
