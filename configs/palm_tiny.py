@@ -35,7 +35,7 @@ def get_config(arg=None):
   c.moe.num_experts = 0
   c.moe.every = 2  # layer i (from 0) is MoE if (i + 1) % every == 0; 1: every layer
   c.moe.top_k = 2  # experts per token: 1 (Switch) or 2 (GShard)
-  c.moe.d_ff = 0  # each expert's hidden size; 0: model.d_ff
+  c.moe.d_ff = 0  # each expert's hidden size; 0: model.d_ff // top_k (dense's active FFN size)
   c.moe.capacity_factor = 1.25  # training: slots per expert = top_k * factor * seq_len / experts
   c.moe.eval_capacity_factor = 2.0  # the same at inference (model.__call__)
   c.moe.dropless = False  # True: no capacity, no drops (sorted tokens, grouped matmuls)

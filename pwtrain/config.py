@@ -45,7 +45,14 @@ def validate_moe(config) -> None:
       "(1: Switch, 2: GShard)"
     )
   if not isinstance(moe.d_ff, int) or moe.d_ff < 0:
-    raise ValueError(f"moe.d_ff={moe.d_ff!r} must be a positive integer, or 0 for model.d_ff")
+    raise ValueError(
+      f"moe.d_ff={moe.d_ff!r} must be a positive integer, or 0 for model.d_ff // moe.top_k"
+    )
+  if moe.d_ff == 0 and config.model.d_ff % moe.top_k:
+    raise ValueError(
+      f"moe.d_ff=0 means model.d_ff // moe.top_k, but moe.top_k={moe.top_k} does not divide "
+      f"model.d_ff={config.model.d_ff}; set moe.d_ff"
+    )
   for key in ("capacity_factor", "eval_capacity_factor"):
     if not moe[key] > 0:
       raise ValueError(f"moe.{key}={moe[key]!r} must be > 0")

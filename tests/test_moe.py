@@ -167,7 +167,7 @@ def test_moe_schedule_uses_global_layer_index():
   stage = step_lib.model_fns(config.model, config.moe, num_layers=3, layer_offset=1)
   blocks = stage.abstract_params["blocks"]
   assert ["moe" in blocks[k] for k in range(3)] == [True, False, True]
-  assert blocks[0]["moe"]["w_up"].shape == (4, 64, 128)
+  assert blocks[0]["moe"]["w_up"].shape == (4, 64, 64)  # moe.d_ff=0: model.d_ff // top_k
   axes = stage.logical_axes["blocks"][0]["moe"]
   assert axes["w_gate"] == ("expert", "embed", "mlp") and axes["w_down"] == (
     "expert",
@@ -198,6 +198,10 @@ def moe_config(**overrides):
     ({"moe.every": 0}, "moe.every=0 must be a positive integer"),
     ({"moe.every": 3}, "moe.every=3 exceeds model.num_layers=2"),
     ({"moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be > 0"),
+    (
+      {"moe.d_ff": 0, "moe.top_k": 3},
+      "moe.d_ff=0 means model.d_ff // moe.top_k, but moe.top_k=3 does not divide model.d_ff=128",
+    ),
     ({"moe.jitter": 1.0}, "moe.jitter=1.0 must be in [0, 1)"),
     ({"moe.aux_loss_weight": -1.0}, "moe.aux_loss_weight=-1.0 must be >= 0"),
     ({"moe.num_experts": -2}, "moe.num_experts=-2 must be 0 (dense) or a positive integer"),
@@ -231,6 +235,19 @@ def test_bad_moe_layout(overrides, message):
   config = moe_config(**overrides)
   with pytest.raises(ValueError, match=re.escape(message)):
     plan_lib.build(config, plan_lib.make_cluster(config))
+
+
+def test_expert_d_ff_zero_keeps_the_dense_active_size():
+  """moe.d_ff=0 is model.d_ff // top_k whatever top_k is: a token's experts add up to d_ff."""
+  from pwtrain import step as step_lib
+
+  for top_k, f in ((1, 128), (2, 64), (4, 32)):
+    config = moe_config(**{"moe.d_ff": 0, "moe.top_k": top_k})
+    assert moe_lib.expert_d_ff(config.model, config.moe) == f
+    blocks = step_lib.model_fns(config.model, config.moe).abstract_params["blocks"]
+    assert blocks[1]["moe"]["w_down"].shape == (8, f, 64)
+    dense = tiny_test_config()
+    assert plan_lib.param_count(config, active=True) == plan_lib.param_count(dense) + 64 * 8
 
 
 def test_expert_axis_fills_and_splits_the_batch():

@@ -58,7 +58,9 @@ def is_moe_layer(moe_cfg, layer: int) -> bool:
 
 
 def expert_d_ff(model_cfg, moe_cfg) -> int:
-  return moe_cfg.d_ff or model_cfg.d_ff  # 0: the dense model's d_ff
+  """Each expert's hidden size: moe.d_ff, or 0 for model.d_ff // top_k, so that the top_k experts
+  a token uses have the dense FFN's parameters and FLOPs (also after overriding top_k)."""
+  return moe_cfg.d_ff or model_cfg.d_ff // moe_cfg.top_k
 
 
 def capacity(group_size: int, num_experts: int, top_k: int, factor: float) -> int:

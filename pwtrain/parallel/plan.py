@@ -11,6 +11,7 @@ import numpy as np
 
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
+from pwtrain.models import moe as moe_lib
 from pwtrain.parallel.sharding import MESH_AXES
 from pwtrain.parallel.stages import ffn_params, make_stages
 
@@ -70,7 +71,7 @@ def check_model_divisibility(config, mesh_shape: dict[str, int]) -> None:
     raise ValueError(f"parallel.expert={e} needs moe.num_experts > 0: a dense model has no experts")
   if moe.num_experts and e > 0 and moe.num_experts % e:
     raise ValueError(f"parallel.expert={e} does not divide moe.num_experts={moe.num_experts}")
-  d_ff = moe.d_ff or m.d_ff
+  d_ff = moe_lib.expert_d_ff(m, moe) if moe.num_experts else m.d_ff
   if moe.num_experts and t > 0 and d_ff % t:
     raise ValueError(f"parallel.tensor={t} does not divide the experts' d_ff={d_ff} (moe.d_ff)")
 
