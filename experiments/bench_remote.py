@@ -48,6 +48,7 @@ from pwtrain import optim  # noqa: E402
 from pwtrain.backend import Cluster, Controller  # noqa: E402
 from pwtrain.backend.remote import arrays, launcher, saves  # noqa: E402
 from pwtrain.backend.remote import protocol_pb2 as pb  # noqa: E402
+from pwtrain.backend.remote.dispatch import fetch_value  # noqa: E402
 from pwtrain.checkpoint import Checkpointer  # noqa: E402
 from pwtrain.parallel import build_step_program  # noqa: E402
 from pwtrain.parallel import plan as plan_lib  # noqa: E402
@@ -126,7 +127,7 @@ def checkpoint_times(side, how, repeats) -> dict:
     if how == "workers":
       return {k: saves.leaf_refs(v) for k, v in side.state.items()}
     if how == "via_controller":  # a fresh fetch per save (RemoteValue.result() would cache it)
-      return {k: fetch(v) for k, v in side.state.items()}
+      return {k: fetch_value(v.ref) for k, v in side.state.items()}
     return {k: v.result() if hasattr(v, "result") else v for k, v in side.state.items()}
 
   hand_off, commit = [], []
@@ -143,14 +144,6 @@ def checkpoint_times(side, how, repeats) -> dict:
     "hand_off_ms": 1e3 * statistics.median(hand_off),
     "commit_ms": 1e3 * statistics.median(commit),
   }
-
-
-def fetch(value):
-  """A remote value's arrays, fetched to the controller now (as RemoteValue.result does)."""
-  ref = value.ref
-  leaves = ref.worker.fetch(ref.handle)
-  placed = [jax.device_put(x, a.sharding) for x, a in zip(leaves, ref.avals, strict=True)]
-  return jax.tree.unflatten(ref.treedef, placed)
 
 
 def main():

@@ -27,6 +27,9 @@ import orbax.checkpoint as ocp
 
 from pwtrain import checkpoint_parts
 
+# Leaves this process holds; anything else is a reference to an island worker's array.
+_LOCAL = (jax.Array, np.ndarray, np.generic, int, float)
+
 
 class IncompatibleCheckpoint(ValueError):
   """The checkpoint's arrays do not have this config's structure, shapes or dtypes."""
@@ -73,10 +76,8 @@ class Checkpointer:
     """Saves asynchronously. A remote state (leaves on island workers, backend.remote.saves) is
     written by the workers and committed in two phases; a failure of a previous save is raised
     here or by `wait`."""
-    from pwtrain.backend.remote import saves  # grpc: only a remote state needs it
-
-    if saves.is_remote(state):
-      self._save_parts(step, saves.PendingSave, state, data_state)
+    if not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state)):  # worker references
+      self._save_parts(step, state, data_state)
       return
     self._join_commit()
     self._manager.save(
@@ -88,11 +89,13 @@ class Checkpointer:
       ),
     )
 
-  def _save_parts(self, step, pending_save, state, data_state) -> None:
+  def _save_parts(self, step, state, data_state) -> None:
+    from pwtrain.backend.remote import saves  # grpc: only a remote state needs it
+
     self._join_commit()  # one save at a time, as the manager does
     pending = os.path.join(self.pending_root, f"{step}-{uuid.uuid4().hex[:8]}")
     os.makedirs(pending)
-    save = pending_save(state, pending)  # phase one starts on every worker
+    save = saves.PendingSave(state, pending)  # phase one starts on every worker
 
     def commit():
       try:
@@ -143,10 +146,9 @@ class Checkpointer:
     except IncompatibleCheckpoint as e:
       raise IncompatibleCheckpoint(f"step {step}: {e}") from None
     has_integrity = os.path.isdir(os.path.join(self.directory, str(step), "integrity"))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    names = [path_name(path) for path, _ in flat]
     if in_parts:
-      abstract = dict(zip(names, [a for _, a in flat], strict=True))
+      flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+      abstract = {path_name(path): a for path, a in flat}
       items = {"parts": checkpoint_parts.PartsRestore(abstract)}
     else:
       items = {"state": ocp.args.StandardRestore(abstract_state)}
@@ -158,7 +160,7 @@ class Checkpointer:
     except Exception as e:
       raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {str(e)[:500]}") from e
     if in_parts:
-      state = jax.tree.unflatten(treedef, [restored.parts[n] for n in names])
+      state = jax.tree.unflatten(treedef, [restored.parts[n] for n in abstract])
     else:
       state = restored.state
     if has_integrity:
@@ -246,7 +248,7 @@ def path_name(path) -> str:
 
 
 @jax.jit
-def fingerprints_of(leaves):
+def _fingerprints(leaves):
   # A position-weighted sum of each array's bits, modulo 2**32. Integer addition is exact and
   # associative, so the result does not depend on how the array is sharded (a checkpoint may be
   # restored onto another mesh), and a changed, swapped or zeroed element changes it.
@@ -275,7 +277,7 @@ def fingerprint(state) -> dict:
     groups.setdefault(frozenset(leaf.sharding.device_set), []).append((path, leaf))
   result = {}
   for members in groups.values():
-    values = jax.device_get(fingerprints_of([leaf for _, leaf in members]))
+    values = jax.device_get(_fingerprints([leaf for _, leaf in members]))
     for (path, _), v in zip(members, values, strict=True):
       result[path_name(path)] = int(np.asarray(v))
   return result

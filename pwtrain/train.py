@@ -78,7 +78,8 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
           state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
           continue
         if ckpt.should_save(step, num_steps) or stop.requested:
-          ckpt.save(step, step_program.to_checkpoint(_saveable(state)), batches.get_state())
+          saveable = _saveable(state, cluster.remote)
+          ckpt.save(step, step_program.to_checkpoint(saveable), batches.get_state())
         if stop.requested:
           logging.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -166,14 +167,15 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   return state, target
 
 
-def _saveable(state: dict) -> dict:
+def _saveable(state: dict, remote: bool) -> dict:
   """What a checkpoint saves: embedded arrays as they are, and for remote values references to
   the workers' arrays (each worker writes its own; nothing is fetched)."""
-  from pwtrain.backend.remote.dispatch import RemoteValue
-  from pwtrain.backend.remote.saves import leaf_refs
+  if remote:
+    from pwtrain.backend.remote.dispatch import RemoteValue
+    from pwtrain.backend.remote.saves import leaf_refs
 
-  if all(isinstance(v, RemoteValue) for v in state.values()):
-    return {k: leaf_refs(v) for k, v in state.items()}
+    if all(isinstance(v, RemoteValue) for v in state.values()):
+      return {k: leaf_refs(v) for k, v in state.items()}
   return _results(state)
 
 

@@ -70,21 +70,20 @@ class RemoteValue:
     del timeout  # fetches wait for the computation; a lost worker is reported as WorkerLost
     with self._lock:
       if not self._done:
-        leaves = _fetch(self.ref.worker, self.ref.handle)
-        # Unspecified shardings (a host upload's, say) land on the default device.
-        placed = [
-          jax.device_put(x, a.sharding) for x, a in zip(leaves, self.ref.avals, strict=True)
-        ]
-        self._value = jax.tree.unflatten(self.ref.treedef, placed)
+        self._value = fetch_value(self.ref)
         self._done = True
       return self._value
 
 
-def _fetch(worker: WorkerClient, handle: str) -> list:
+def fetch_value(ref: _Ref):
+  """The referenced value fetched now and rebuilt as (stand-in) jax.Arrays; not cached."""
   try:
-    return worker.fetch(handle)
+    leaves = ref.worker.fetch(ref.handle)
   except grpc.RpcError as e:
-    raise _rpc_error(worker, e) from None
+    raise _rpc_error(ref.worker, e) from None
+  # Unspecified shardings (a host upload's, say) land on the default device.
+  placed = [jax.device_put(x, a.sharding) for x, a in zip(leaves, ref.avals, strict=True)]
+  return jax.tree.unflatten(ref.treedef, placed)
 
 
 def _rpc_error(worker: WorkerClient, e: grpc.RpcError) -> Exception:

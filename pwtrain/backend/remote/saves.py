@@ -45,10 +45,6 @@ def leaf_refs(value):
   return jax.tree.unflatten(ref.treedef, leaves)
 
 
-def is_remote(tree) -> bool:
-  return any(isinstance(x, LeafRef) for x in jax.tree.leaves(tree))
-
-
 class SaveFailed(RuntimeError):
   """A worker could not write its part; the step was not committed."""
 

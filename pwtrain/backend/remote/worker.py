@@ -293,30 +293,34 @@ class Worker(pb_grpc.WorkerServicer):
     any later op donates them), copies them to the host, and writes them in the background.
     The outcome (fingerprints, or the error) waits for the controller's AwaitSave."""
     future = self._saves[op.ticket]
+
+    def fail(e: BaseException) -> None:
+      logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
+      future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+
     try:
-      tree, names, leaves = {}, [], []
+      tree = {}
       for item in op.items:
         value = self.store.lookup(item.handle).result()
         for index, name in zip(item.leaves, item.names, strict=True):
           checkpoint_parts.insert(tree, name, value[index])
-          names.append(name)
-          leaves.append(value[index])
       # Fingerprinted on device before the queue goes on: what is written is what was computed.
-      fingerprints = [int(v) for v in jax.device_get(checkpoint.fingerprints_of(leaves))]
+      # The nested dict's paths are the names, so the keys are the whole-model paths.
+      fingerprints = checkpoint.fingerprint(tree)
       saver = ocp.StandardCheckpointer()  # async: returns once the arrays are on the host
       saver.save(op.directory, tree)
     except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
-      logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
-      future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+      fail(e)
       return
 
     def finish():
       try:
         saver.wait_until_finished()
-        future.set_result(pb.SaveReply(names=names, fingerprints=fingerprints))
+        future.set_result(
+          pb.SaveReply(names=list(fingerprints), fingerprints=list(fingerprints.values()))
+        )
       except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
-        logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
-        future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+        fail(e)
       finally:
         saver.close()
 
