@@ -112,7 +112,8 @@ def get_config(arg=None):
   c.backend.mode = "embedded"
   c.backend.max_inflight_steps = 1  # unfinished steps allowed when enqueueing the next (0: sync)
   c.backend.trace = False  # write <workdir>/trace.json (Chrome/Perfetto)
-  # Remote islands (backend.mode="remote"): one `python -m pwtrain.backend.worker` per island.
+  # Remote islands (backend.mode="remote"): one island worker per island
+  # (`python -m pwtrain.backend.remote.worker`).
   c.backend.workers = ()  # their addresses, e.g. ("127.0.0.1:7001", "127.0.0.1:7002")
   c.backend.launch_workers = False  # True: start them on loopback here (and restart on faults)
   c.backend.token_file = ""  # the shared token's file; "" reads $<backend.token_env>

@@ -60,11 +60,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from pwtrain import guard, optim  # noqa: E402
+from pwtrain import sharding as sharding_lib  # noqa: E402
 from pwtrain import step as step_lib  # noqa: E402
 from pwtrain.backend import Controller  # noqa: E402
 from pwtrain.backend import controller as controller_lib  # noqa: E402
 from pwtrain.parallel import plan as plan_lib  # noqa: E402
-from pwtrain.parallel import sharding as sharding_lib  # noqa: E402
 from pwtrain.parallel import spmd  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

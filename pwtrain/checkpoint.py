@@ -21,24 +21,44 @@ import threading
 import uuid
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from pwtrain import checkpoint_parts
+from pwtrain.integrity import (
+  CorruptCheckpoint,
+  IncompatibleCheckpoint,
+  check_compatible,
+  fingerprint,
+  path_name,
+  saved_leaves,
+)
 
 # Leaves this process holds; anything else is a reference to an island worker's array.
 _LOCAL = (jax.Array, np.ndarray, np.generic, int, float)
 
 
-class IncompatibleCheckpoint(ValueError):
-  """The checkpoint's arrays do not have this config's structure, shapes or dtypes."""
-
-
 class Checkpointer:
-  def __init__(self, directory: str, *, keep: int, every: int, async_save: bool = True):
+  """Saves and restores the whole-model train state with its data-iterator position.
+
+  `part_writer(state, directory)` starts phase one of a save whose leaves are references to
+  arrays held elsewhere (remote island workers: `backend.remote.saves.PendingSave`); it returns
+  an object with `parts` ({part name: directory}) and `wait()` -> {array path: fingerprint}.
+  Without one, only states this process holds can be saved.
+  """
+
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep: int,
+    every: int,
+    async_save: bool = True,
+    part_writer=None,
+  ):
     self.directory = os.path.abspath(directory)
     self.every = every
+    self._part_writer = part_writer
     self._manager = ocp.CheckpointManager(
       self.directory,
       # Named handlers let a fresh manager read metadata before anything was saved in it.
@@ -73,9 +93,9 @@ class Checkpointer:
     return step % self.every == 0 or step == last_step
 
   def save(self, step: int, state, data_state: dict) -> None:
-    """Saves asynchronously. A remote state (leaves on island workers, backend.remote.saves) is
-    written by the workers and committed in two phases; a failure of a previous save is raised
-    here or by `wait`."""
+    """Saves asynchronously. A state of references (leaves held by island workers) is written
+    by the workers through `part_writer` and committed in two phases; a failure of a previous
+    save is raised here or by `wait`."""
     if not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state)):  # worker references
       self._save_parts(step, state, data_state)
       return
@@ -90,12 +110,12 @@ class Checkpointer:
     )
 
   def _save_parts(self, step, state, data_state) -> None:
-    from pwtrain.backend.remote import saves  # grpc: only a remote state needs it
-
+    if self._part_writer is None:
+      raise TypeError("this state's leaves are references held elsewhere: pass a part_writer")
     self._join_commit()  # one save at a time, as the manager does
     pending = os.path.join(self.pending_root, f"{step}-{uuid.uuid4().hex[:8]}")
     os.makedirs(pending)
-    save = saves.PendingSave(state, pending)  # phase one starts on every worker
+    save = self._part_writer(state, pending)  # phase one starts on every worker
 
     def commit():
       try:
@@ -138,7 +158,7 @@ class Checkpointer:
       if in_parts:
         saved = checkpoint_parts.PartsHandler().metadata(parts_dir)
       else:
-        saved = _leaves(self._manager.item_metadata(step)["state"])
+        saved = saved_leaves(self._manager.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
       raise CorruptCheckpoint(f"step {step}: metadata unreadable: {e}") from e
     try:
@@ -209,75 +229,3 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
-
-
-class CorruptCheckpoint(RuntimeError):
-  """A checkpoint that cannot be read, or reads back different from what was saved."""
-
-
-def check_compatible(saved: dict, abstract_state) -> None:
-  """`saved`: {array path: (shape, dtype name)} of a checkpoint."""
-  wanted = _leaves(abstract_state)
-  if set(saved) != set(wanted):
-    missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
-    raise IncompatibleCheckpoint(f"arrays differ: missing {missing[:5]}, unexpected {extra[:5]}")
-  for key, (shape, dtype) in wanted.items():
-    if saved[key] != (shape, dtype):
-      raise IncompatibleCheckpoint(
-        f"{key}: saved shape/dtype {saved[key]}, this config needs {(shape, dtype)}"
-      )
-
-
-def _leaves(tree) -> dict:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {path_name(path): (tuple(leaf.shape), jnp.dtype(leaf.dtype).name) for path, leaf in flat}
-
-
-def path_name(path) -> str:
-  """A path as names joined by "/", e.g. opt_state/0/v/blocks/0/attn/wq. Saved metadata keeps
-  lists and optimizer-state tuples as dicts with string keys, so only the names are compared."""
-  names = []
-  for key in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(key, attr):
-        names.append(str(getattr(key, attr)))
-        break
-    else:
-      names.append(str(key))
-  return "/".join(names)
-
-
-@jax.jit
-def _fingerprints(leaves):
-  # A position-weighted sum of each array's bits, modulo 2**32. Integer addition is exact and
-  # associative, so the result does not depend on how the array is sharded (a checkpoint may be
-  # restored onto another mesh), and a changed, swapped or zeroed element changes it.
-  out = []
-  for x in leaves:
-    if x.dtype == jnp.bool_:
-      x = x.astype(jnp.uint8)
-    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    bits = bits.astype(jnp.uint32).reshape(-1)
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    out.append(jnp.sum(bits * weights, dtype=jnp.uint32))
-  return out
-
-
-def fingerprint(state) -> dict:
-  """{array path: 32-bit fingerprint} of a state pytree (fetched to the host).
-
-  Arrays on different islands (a pipelined state) are fingerprinted island by island, since one
-  computation cannot take inputs from two device sets.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  groups: dict = {}
-  for path, leaf in flat:
-    if not isinstance(leaf, jax.Array):
-      leaf = jnp.asarray(leaf)
-    groups.setdefault(frozenset(leaf.sharding.device_set), []).append((path, leaf))
-  result = {}
-  for members in groups.values():
-    values = jax.device_get(_fingerprints([leaf for _, leaf in members]))
-    for (path, _), v in zip(members, values, strict=True):
-      result[path_name(path)] = int(np.asarray(v))
-  return result

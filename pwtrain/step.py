@@ -16,7 +16,7 @@ from flax import nnx
 from pwtrain import optim
 from pwtrain.models import PaLM, lm_loss
 from pwtrain.models import moe as moe_lib
-from pwtrain.parallel.sharding import constrain
+from pwtrain.sharding import constrain
 
 STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
 

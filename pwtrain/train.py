@@ -7,8 +7,9 @@ import os
 from pwtrain import config as config_lib
 from pwtrain import guard, optim
 from pwtrain.backend import Controller, Trace
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
+from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_train_batches
+from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
@@ -25,10 +26,10 @@ class RunResult:
 
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
-  if config.backend.mode == "remote":  # island workers: launched and restarted by pwtrain.fault
-    from pwtrain import fault
+  if config.backend.mode == "remote":  # island workers, launched and restarted by the supervisor
+    from pwtrain.backend.remote import supervisor
 
-    return fault.run_remote(config, workdir, lambda c, w: _run(c, w, show_progress))
+    return supervisor.run_remote(config, workdir, lambda c, w: _run(c, w, show_progress))
   return _run(config, workdir, show_progress)
 
 
@@ -48,6 +49,7 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
+    part_writer=_part_writer() if cluster.remote else None,
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
   num_steps = config.train.num_steps
@@ -165,6 +167,13 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   )
   logger.rewind(target, rollback_from=step, first_bad_step=first_bad, batches_skipped=skipped)
   return state, target
+
+
+def _part_writer():
+  """Remote mode: each island worker writes its own part of a checkpoint."""
+  from pwtrain.backend.remote.saves import PendingSave
+
+  return PendingSave
 
 
 def _saveable(state: dict, remote: bool) -> dict:

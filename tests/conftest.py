@@ -104,9 +104,9 @@ def grads_at_init(config, batch, devices=None):
   import jax
 
   from pwtrain import optim
+  from pwtrain import sharding as sharding_lib
   from pwtrain import step as step_lib
   from pwtrain.parallel import plan as plan_lib
-  from pwtrain.parallel import sharding as sharding_lib
   from pwtrain.parallel import spmd
 
   cluster = plan_lib.make_cluster(config, devices=devices)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pwtrain.data import build_tokenizer, build_train_batches, corpus
-from pwtrain.data.pipeline import TrainBatches
+from pwtrain.data.loader import TrainBatches
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, sentencepiece_path
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

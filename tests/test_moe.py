@@ -336,8 +336,8 @@ def test_expert_parallel_sgd_steps_match_single_device(reference_run, layout):
 
 def test_expert_parallel_dispatch_is_an_all_to_all():
   """On an expert mesh the dispatched tokens move between devices all-to-all (not gathered)."""
+  from pwtrain import sharding as sharding_lib
   from pwtrain import step as step_lib
-  from pwtrain.parallel import sharding as sharding_lib
   from pwtrain.parallel import spmd
 
   config = moe_config(**LAYOUTS["ep8"])

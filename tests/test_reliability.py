@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO, tiny_test_config
 
-from pwtrain import checkpoint, guard, train
+from pwtrain import guard, integrity, train
 from pwtrain.checkpoint import Checkpointer
 
 
@@ -207,7 +207,7 @@ def test_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
   _two_checkpoints(directory)
   other = {**_abstract(), "params": {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}}
   ckpt = Checkpointer(directory, keep=3, every=1)
-  with pytest.raises(checkpoint.IncompatibleCheckpoint, match="step 2"):
+  with pytest.raises(integrity.IncompatibleCheckpoint, match="step 2"):
     ckpt.restore_latest(other)
   assert ckpt.all_steps() == [1, 2]  # nothing moved
   ckpt.close()
@@ -219,11 +219,11 @@ def test_fingerprint_ignores_sharding_and_sees_any_change():
   x = jnp.arange(64.0).reshape(8, 8)
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
   sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("a", "b")))
-  assert checkpoint.fingerprint({"x": x}) == checkpoint.fingerprint({"x": sharded})
+  assert integrity.fingerprint({"x": x}) == integrity.fingerprint({"x": sharded})
   swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
-  assert checkpoint.fingerprint({"x": swapped}) != checkpoint.fingerprint({"x": x})
+  assert integrity.fingerprint({"x": swapped}) != integrity.fingerprint({"x": x})
   one_ulp = x.at[3, 3].set(jnp.nextafter(x[3, 3], jnp.inf))
-  assert checkpoint.fingerprint({"x": one_ulp}) != checkpoint.fingerprint({"x": x})
+  assert integrity.fingerprint({"x": one_ulp}) != integrity.fingerprint({"x": x})
 
 
 def test_trainer_resumes_from_the_checkpoint_before_a_damaged_one(tmp_path, caplog):

@@ -21,8 +21,8 @@ from pwtrain.backend.program import Node
 from pwtrain.backend.remote import arrays, auth, launcher, saves
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
+from pwtrain.backend.remote.channel import channel_options
 from pwtrain.backend.remote.client import WorkerClient
-from pwtrain.backend.remote.worker import channel_options
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
@@ -164,7 +164,7 @@ def abstract_of(values):
 
 def test_workers_write_their_parts_and_the_controller_commits(stored, tmp_path):
   clients, refs, values = stored
-  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1, part_writer=saves.PendingSave)
   ckpt.save(1, refs, {"position": 1})
   ckpt.wait()
   assert ckpt.all_steps() == [1]
@@ -185,7 +185,7 @@ def test_a_failed_part_commits_nothing(stored, tmp_path):
   """One worker cannot write its part (its value failed): the step never appears, the other
   worker's finished part is discarded, and resume still finds the previous step intact."""
   clients, refs, values = stored
-  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=3, every=1, part_writer=saves.PendingSave)
   ckpt.save(1, refs, {"position": 1})
   failed = pb.Execute(executable="no-such-program", outputs=[pb.Output(handle="broken", uses=0)])
   clients[1].enqueue_async([pb.Op(name="fails", execute=failed)]).result()

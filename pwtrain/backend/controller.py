@@ -23,10 +23,10 @@ from typing import Any
 
 import jax
 
+from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
 from pwtrain.backend.trace import Trace
-from pwtrain.parallel import sharding as sharding_lib
 
 
 @dataclasses.dataclass(frozen=True)

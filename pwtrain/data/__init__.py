@@ -1,6 +1,6 @@
 """Data: a text corpus (TFDS), a tokenizer, and a resumable Grain iterator of packed batches."""
 
-from pwtrain.data.pipeline import TrainBatches, build_train_batches
+from pwtrain.data.loader import TrainBatches, build_train_batches
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
 
 __all__ = [

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pwtrain.models.moe import MoE
-from pwtrain.parallel.sharding import constrain
+from pwtrain.sharding import constrain
 
 
 # PaLM initialises kernels with variance 1/fan_in. in_axis/out_axis say which dims are fan-in

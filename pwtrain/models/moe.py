@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pwtrain.parallel.sharding import constrain
+from pwtrain.sharding import constrain
 
 STAT_KEYS = ("moe_aux_sum", "moe_z_sum", "moe_dropped", "moe_assignments", "moe_load")
 

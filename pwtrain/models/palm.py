@@ -13,7 +13,7 @@ from flax import nnx
 
 from pwtrain.models import moe as moe_lib
 from pwtrain.models.layers import LayerNorm, ParallelBlock
-from pwtrain.parallel.sharding import constrain
+from pwtrain.sharding import constrain
 
 
 class PaLM(nnx.Module):

@@ -32,12 +32,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain import guard
+from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import lm_loss
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import exchange, spmd
-from pwtrain.parallel import sharding as sharding_lib
 from pwtrain.parallel.stages import Stage, make_stages, to_stage, to_whole
 
 STAT_KEYS = step_lib.STAT_KEYS

@@ -12,8 +12,8 @@ import numpy as np
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
 from pwtrain.models import moe as moe_lib
-from pwtrain.parallel.sharding import MESH_AXES
 from pwtrain.parallel.stages import ffn_params, make_stages
+from pwtrain.sharding import MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)

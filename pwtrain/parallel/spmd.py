@@ -11,10 +11,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain import guard
+from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import moe as moe_lib
-from pwtrain.parallel import sharding as sharding_lib
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import grpc
 from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
-from pwtrain.backend.remote.worker import channel_options
+from pwtrain.backend.remote.channel import channel_options
 
 
 class WorkerLost(RuntimeError):

@@ -3,7 +3,7 @@
     with launcher.launch([4, 4]) as workers:
       cluster = Cluster.connect(workers.addresses, workers.token)
 
-Each worker is a `python -m pwtrain.backend.worker` process on 127.0.0.1 with a free port, a
+Each worker is a `python -m pwtrain.backend.remote.worker` process on 127.0.0.1 with a free port, a
 fresh random token (passed through the environment, never on the command line) and its own
 log file.
 """
@@ -57,7 +57,7 @@ class Workers:
         [
           sys.executable,
           "-m",
-          "pwtrain.backend.worker",
+          "pwtrain.backend.remote.worker",
           f"--island={self.names[i]}",
           f"--port={self.ports[i]}",
           f"--devices={self.sizes[i]}",

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import jax
 
-from pwtrain import checkpoint
+from pwtrain import integrity
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient, WorkerLost
 
@@ -58,11 +58,11 @@ class PendingSave:
     per_worker: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(whole)[0]:
       if not isinstance(leaf, LeafRef):
-        raise TypeError(f"{checkpoint.path_name(path)}: a remote state holds only worker arrays")
+        raise TypeError(f"{integrity.path_name(path)}: a remote state holds only worker arrays")
       items = per_worker.setdefault(leaf.worker, {})
       item = items.setdefault(leaf.handle, pb.SaveItem(handle=leaf.handle))
       item.leaves.append(leaf.index)
-      item.names.append(checkpoint.path_name(path))
+      item.names.append(integrity.path_name(path))
     self.parts = {w.island: f"{directory}/{w.island}" for w in per_worker}
     calls = []
     for worker, items in per_worker.items():

@@ -1,391 +1,58 @@
-"""The island worker: serves one island's devices to a remote controller over gRPC.
+"""`python -m pwtrain.backend.remote.worker --island NAME --port P --devices N`: serve one island.
 
-State: an object store of futures keyed by handle (values are flat lists of arrays), an
-executable cache, and one execution queue drained by one thread, so the island runs every
-program's computations in the order the controller enqueued them (gang scheduling). Transfers
-run beside the queue: a Receive pulls its value straight from the worker that holds it, and
-takes no place in the queue, so a node waiting for its inputs never holds up a transfer.
-
-A worker trusts nothing it is sent beyond the token: programs are StableHLO, arrays are bytes
-with checked headers, and no message is ever unpickled.
+The token comes from $PWTRAIN_WORKER_TOKEN (or `--token_env`) or `--token_file`. The worker binds
+127.0.0.1 unless `--host` says otherwise, prints `READY <port>` on stdout once it serves (port 0
+picks a free one), and runs until a Shutdown RPC, SIGTERM or Ctrl-C.
 """
 
-import concurrent.futures
+import argparse
 import logging
-import queue
-import threading
-import time
-
-import grpc
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-
-from pwtrain import checkpoint, checkpoint_parts
-from pwtrain.backend.remote import arrays, auth
-from pwtrain.backend.remote import protocol_pb2 as pb
-from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
-
-# How long an operation waits for a handle that has not been announced yet (its Put or the
-# Enqueue that produces it may still be on the way).
-LOOKUP_TIMEOUT_S = 600.0
+import os
+import re
+import signal
+import sys
 
 
-class _Store:
-  """Futures of values by handle, each dropped after its announced number of reads."""
-
-  def __init__(self):
-    self._entries: dict[str, list] = {}  # handle -> [future, uses left (0: pinned)]
-    self._cond = threading.Condition()
-    self._generation = 0  # bumped by reset: lookups waiting for the old session give up
-
-  def create(self, handle: str, uses: int) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    if uses < 0:  # nobody reads it
-      return future
-    with self._cond:
-      if handle in self._entries:
-        raise ValueError(f"handle {handle!r} already exists")
-      self._entries[handle] = [future, uses]
-      self._cond.notify_all()
-    return future
-
-  def lookup(self, handle: str, timeout: float = LOOKUP_TIMEOUT_S) -> concurrent.futures.Future:
-    with self._cond:
-      generation = self._generation
-      self._cond.wait_for(
-        lambda: handle in self._entries or self._generation != generation, timeout
-      )
-      if handle not in self._entries:
-        raise KeyError(f"no value {handle!r} on this worker (released, reset or never produced)")
-      return self._entries[handle][0]
-
-  def read(self, handle: str) -> None:
-    """One announced read done: drops the value after its last."""
-    with self._cond:
-      entry = self._entries.get(handle)
-      if entry is not None and entry[1] > 0:
-        entry[1] -= 1
-        if entry[1] == 0:
-          del self._entries[handle]
-
-  def release(self, handle: str) -> None:
-    with self._cond:
-      self._entries.pop(handle, None)
-
-  def reset(self) -> None:
-    with self._cond:
-      for future, _ in self._entries.values():
-        if not future.done():
-          future.set_exception(RuntimeError("the worker was reset"))
-      self._entries.clear()
-      self._generation += 1
-      self._cond.notify_all()
-
-  def __len__(self) -> int:
-    return len(self._entries)
-
-
-class _Executable:
-  def __init__(self, compiled, in_shardings, out_leaves):
-    self.compiled = compiled
-    self.in_shardings = in_shardings
-    self.out_leaves = out_leaves
-
-
-class Worker(pb_grpc.WorkerServicer):
-  def __init__(self, island: str, devices=None):
-    self.island = island
-    self.devices = list(devices if devices is not None else jax.devices())
-    self.platform = self.devices[0].platform
-    self.store = _Store()
-    self._executables: dict[str, concurrent.futures.Future] = {}
-    self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-    self._queue: queue.Queue = queue.Queue()
-    self._peers: dict[str, pb_grpc.WorkerStub] = {}
-    self._peers_lock = threading.Lock()
-    self._saves: dict[str, concurrent.futures.Future] = {}  # ticket -> SaveReply
-    self._saves_lock = threading.Lock()
-    self._spans: list = []  # traced ops' (trace_id, start, end), until Timeline takes them
-    self._spans_lock = threading.Lock()
-    self.token = ""
-    self.stopped = threading.Event()
-    threading.Thread(target=self._run_queue, name="exec", daemon=True).start()
-
-  # -- RPCs ---------------------------------------------------------------------------------
-
-  def Health(self, request, context):
-    return pb.HealthReply(
-      island=self.island,
-      num_devices=len(self.devices),
-      platform=self.platform,
-      pending_ops=self._queue.qsize(),
-      stored_values=len(self.store),
-      time=time.time(),
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--island", required=True)
+  parser.add_argument("--port", type=int, default=0)
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: as is)")
+  parser.add_argument("--token_file", default="")
+  parser.add_argument("--token_env", default="PWTRAIN_WORKER_TOKEN")
+  args = parser.parse_args(argv)
+  if args.devices:
+    # Read when JAX first creates its CPU backend, which nothing has done yet.
+    flags = re.sub(
+      r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
     )
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+  logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.island} %(message)s")
 
-  def Compile(self, request, context):
-    if request.name in self._executables:
-      context.abort(grpc.StatusCode.ALREADY_EXISTS, f"executable {request.name!r} exists")
-    self._executables[request.name] = self._compiler.submit(self._compile, request)
-    return pb.Empty()
+  from pwtrain.backend.remote import auth, server
 
-  def Enqueue(self, request, context):
-    for op in request.ops:
-      kind = op.WhichOneof("kind")
-      if kind == "execute":
-        outs = [self.store.create(o.handle, o.uses) for o in op.execute.outputs]
-        self._queue.put((op, outs))
-      elif kind == "save":
-        with self._saves_lock:
-          if op.save.ticket in self._saves:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"save {op.save.ticket!r} exists")
-          self._saves[op.save.ticket] = concurrent.futures.Future()
-        self._queue.put((op, None))
-      else:
-        out = self.store.create(op.receive.output.handle, op.receive.output.uses)
-        threading.Thread(target=self._receive, args=(op, out), daemon=True).start()
-    if request.release:
-      self._queue.put((None, list(request.release)))
-    return pb.Empty()
-
-  def Put(self, request_iterator, context):
-    try:
-      first, leaves = arrays.from_chunks(request_iterator)
-    except ValueError as e:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    placed = [
-      x if s is None else jax.device_put(x, arrays.sharding_from_proto(s, self.devices))
-      for x, s in leaves
-    ]
-    self.store.create(first.handle, first.uses).set_result(placed)
-    return pb.Empty()
-
-  def Fetch(self, request, context):
-    try:
-      leaves = self.store.lookup(request.handle).result()
-    except Exception as e:  # noqa: BLE001 - the failure travels to whoever fetches
-      context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.handle}: {_describe(e)}")
-    try:
-      yield from arrays.to_chunks(request.handle, [np.asarray(x) for x in leaves])
-    finally:
-      if request.release:
-        self.store.release(request.handle)
-      else:
-        self.store.read(request.handle)
-
-  def AwaitSave(self, request, context):
-    with self._saves_lock:
-      future = self._saves.get(request.ticket)
-    if future is None:
-      context.abort(grpc.StatusCode.NOT_FOUND, f"no save {request.ticket!r} on this worker")
-    reply = future.result()
-    with self._saves_lock:
-      self._saves.pop(request.ticket, None)
-    return reply
-
-  def Release(self, request, context):
-    self._queue.put((None, list(request.handles)))
-    return pb.Empty()
-
-  def Shutdown(self, request, context):
-    logging.info("island %s: shutdown requested by %s", self.island, context.peer())
-    self.stopped.set()
-    return pb.Empty()
-
-  def Timeline(self, request, context):
-    with self._spans_lock:
-      spans, self._spans = self._spans, []
-    return pb.TimelineReply(spans=[pb.Span(trace_id=i, start=a, end=b) for i, a, b in spans])
-
-  def _record(self, op, start: float) -> None:
-    if op.trace_id:
-      with self._spans_lock:
-        self._spans.append((op.trace_id, start, time.time()))
-
-  def Reset(self, request, context):
-    logging.warning("island %s: reset by %s", self.island, context.peer())
-    while True:  # queued ops will never be read: fail their outputs
-      try:
-        op, outs = self._queue.get_nowait()
-      except queue.Empty:
-        break
-      for out in outs if op is not None and outs else ():
-        if not out.done():
-          out.set_exception(RuntimeError("the worker was reset"))
-    self.store.reset()  # also ends an op blocked on an input of the old session
-    self._executables.clear()
-    return pb.Empty()
-
-  # -- work ---------------------------------------------------------------------------------
-
-  def _compile(self, request) -> _Executable:
-    exported = jax.export.deserialize(bytearray(request.exported))
-    mesh = arrays.make_mesh(request.mesh_axes, request.mesh_shape, self.devices)
-    if exported.nr_devices != mesh.size:
-      raise ValueError(
-        f"{request.name} was exported for {exported.nr_devices} devices; mesh has {mesh.size}"
-      )
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    in_shardings = [s or replicated for s in exported.in_shardings_jax(mesh)]
-    out_shardings = [arrays.sharding_from_proto(p, self.devices) for p in request.out_shardings]
-    jitted = jax.jit(
-      exported.call,
-      in_shardings=in_shardings,
-      out_shardings=out_shardings or None,
-      donate_argnums=tuple(request.donate),
-    )
-    abstract = [
-      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-      for a, s in zip(exported.in_avals, in_shardings, strict=True)
-    ]
-    return _Executable(jitted.lower(*abstract).compile(), in_shardings, list(request.out_leaves))
-
-  def _run_queue(self):
-    while True:
-      op, outs = self._queue.get()
-      if op is None:  # a release, after every op enqueued before it has read its inputs
-        for handle in outs:
-          self.store.release(handle)
-        continue
-      if op.WhichOneof("kind") == "save":
-        self._save(op.save)
-        continue
-      try:
-        start = self._execute(op.execute, outs, block=bool(op.trace_id))
-        self._record(op, start)
-      except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
-        error = RuntimeError(f"{self.island}: {op.name} failed: {_describe(e)}")
-        logging.error("%s", error)
-        for out in outs:
-          if not out.done():
-            out.set_exception(error)
-      finally:
-        for handle in op.execute.args:
-          self.store.read(handle)
-
-  def _execute(self, op, outs, block: bool = False) -> float:
-    """Runs an Execute; returns when its inputs were all there (when it could start)."""
-    exe = self._executables[op.executable].result()
-    leaves = []
-    for handle in op.args:
-      leaves.extend(self.store.lookup(handle).result())
-    start = time.time()
-    if len(leaves) != len(exe.in_shardings):
-      raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
-    leaves = [
-      x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
-      for x, s in zip(leaves, exe.in_shardings, strict=True)
-    ]
-    result = exe.compiled(*leaves)
-    if self.platform == "cpu" or block:  # block: a traced op ends when its outputs are ready
-      # XLA:CPU runs collectives on a shared thread pool: computations in flight together can
-      # deadlock it (see Controller.serialize_execution), so each runs to completion first.
-      jax.block_until_ready(result)
-    first = 0
-    for out, n in zip(outs, exe.out_leaves, strict=True):
-      out.set_result(list(result[first : first + n]))
-      first += n
-    return start
-
-  def _save(self, op) -> None:
-    """Phase one of a checkpoint on this island: reads the values now (in queue order, so before
-    any later op donates them), copies them to the host, and writes them in the background.
-    The outcome (fingerprints, or the error) waits for the controller's AwaitSave."""
-    future = self._saves[op.ticket]
-
-    def fail(e: BaseException) -> None:
-      logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
-      future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
-
-    try:
-      tree = {}
-      for item in op.items:
-        value = self.store.lookup(item.handle).result()
-        for index, name in zip(item.leaves, item.names, strict=True):
-          checkpoint_parts.insert(tree, name, value[index])
-      # Fingerprinted on device before the queue goes on: what is written is what was computed.
-      # The nested dict's paths are the names, so the keys are the whole-model paths.
-      fingerprints = checkpoint.fingerprint(tree)
-      saver = ocp.StandardCheckpointer()  # async: returns once the arrays are on the host
-      saver.save(op.directory, tree)
-    except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
-      fail(e)
-      return
-
-    def finish():
-      try:
-        saver.wait_until_finished()
-        future.set_result(
-          pb.SaveReply(names=list(fingerprints), fingerprints=list(fingerprints.values()))
-        )
-      except BaseException as e:  # noqa: BLE001 - reported through AwaitSave
-        fail(e)
-      finally:
-        saver.close()
-
-    threading.Thread(target=finish, name=f"save-{op.ticket}", daemon=True).start()
-
-  def _receive(self, op, out):
-    r = op.receive
-    start = time.time()
-    try:
-      if r.source:
-        stream = self._peer(r.source).Fetch(
-          pb.FetchRequest(handle=r.handle), metadata=auth.call_metadata(self.token)
-        )
-        _, received = arrays.from_chunks(stream)
-        leaves = [x for x, _ in received]
-      else:
-        leaves = self.store.lookup(r.handle).result()
-        self.store.read(r.handle)
-      if len(r.shardings) != len(leaves):
-        raise ValueError(f"{len(leaves)} arrays but {len(r.shardings)} shardings")
-      placed = [
-        jax.device_put(x, arrays.sharding_from_proto(s, self.devices))
-        for x, s in zip(leaves, r.shardings, strict=True)
-      ]
-      if op.trace_id:
-        jax.block_until_ready(placed)
-      out.set_result(placed)
-      self._record(op, start)
-    except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the output
-      out.set_exception(RuntimeError(f"{self.island}: transfer {op.name} failed: {_describe(e)}"))
-
-  def _peer(self, address: str) -> pb_grpc.WorkerStub:
-    with self._peers_lock:
-      if address not in self._peers:
-        self._peers[address] = pb_grpc.WorkerStub(
-          grpc.insecure_channel(address, options=channel_options())
-        )
-      return self._peers[address]
-
-
-def _describe(e: BaseException) -> str:
-  if isinstance(e, grpc.RpcError):
-    return f"{e.code().name}: {e.details()}"
-  return f"{type(e).__name__}: {e}"
-
-
-def channel_options() -> list:
-  return [
-    ("grpc.max_send_message_length", arrays.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", arrays.MAX_MESSAGE_BYTES),
-  ]
-
-
-def serve(island: str, token: str, host: str = "127.0.0.1", port: int = 0, devices=None):
-  """Starts a worker; returns (grpc server, worker, bound port)."""
-  worker = Worker(island, devices)
-  worker.token = token
-  server = grpc.server(
-    concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rpc"),
-    interceptors=[auth.TokenInterceptor(token)],
-    options=channel_options(),
+  try:
+    token = auth.read_token(args.token_file, args.token_env)
+  except (OSError, ValueError) as e:
+    sys.exit(f"error: {e}")
+  server, worker, port = server.serve(args.island, token, args.host, args.port)
+  signal.signal(signal.SIGTERM, lambda *_: worker.stopped.set())
+  logging.info(
+    "island %s: %d %s devices on %s:%d",
+    args.island,
+    len(worker.devices),
+    worker.platform,
+    args.host,
+    port,
   )
-  pb_grpc.add_WorkerServicer_to_server(worker, server)
-  bound = server.add_insecure_port(f"{host}:{port}")
-  if bound == 0:
-    raise OSError(f"cannot bind {host}:{port}")
-  server.start()
-  return server, worker, bound
+  print(f"READY {port}", flush=True)
+  try:
+    worker.stopped.wait()
+  except KeyboardInterrupt:
+    pass
+  server.stop(grace=1.0).wait()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,89 @@
+"""What a checkpoint must match: array paths and fingerprints, independent of any mesh.
+
+`path_name` names an array by its path in the train state (`params/blocks/0/attn/wq`), the
+same for every layout and for the parts island workers write. `fingerprint` is a per-array
+position-weighted sum of its bits (mod 2**32): exact and associative, so it does not depend on
+how the array is sharded, and a flipped, swapped or zeroed element changes it. `check_compatible`
+tells a checkpoint of another model (an error) from a damaged one (`CorruptCheckpoint`, which
+restore falls back past).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class IncompatibleCheckpoint(ValueError):
+  """The checkpoint's arrays do not have this config's structure, shapes or dtypes."""
+
+
+class CorruptCheckpoint(RuntimeError):
+  """A checkpoint that cannot be read, or reads back different from what was saved."""
+
+
+def check_compatible(saved: dict, abstract_state) -> None:
+  """`saved`: {array path: (shape, dtype name)} of a checkpoint."""
+  wanted = saved_leaves(abstract_state)
+  if set(saved) != set(wanted):
+    missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+    raise IncompatibleCheckpoint(f"arrays differ: missing {missing[:5]}, unexpected {extra[:5]}")
+  for key, (shape, dtype) in wanted.items():
+    if saved[key] != (shape, dtype):
+      raise IncompatibleCheckpoint(
+        f"{key}: saved shape/dtype {saved[key]}, this config needs {(shape, dtype)}"
+      )
+
+
+def saved_leaves(tree) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_name(path): (tuple(leaf.shape), jnp.dtype(leaf.dtype).name) for path, leaf in flat}
+
+
+def path_name(path) -> str:
+  """A path as names joined by "/", e.g. opt_state/0/v/blocks/0/attn/wq. Saved metadata keeps
+  lists and optimizer-state tuples as dicts with string keys, so only the names are compared."""
+  names = []
+  for key in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        names.append(str(getattr(key, attr)))
+        break
+    else:
+      names.append(str(key))
+  return "/".join(names)
+
+
+@jax.jit
+def _fingerprints(leaves):
+  # A position-weighted sum of each array's bits, modulo 2**32. Integer addition is exact and
+  # associative, so the result does not depend on how the array is sharded (a checkpoint may be
+  # restored onto another mesh), and a changed, swapped or zeroed element changes it.
+  out = []
+  for x in leaves:
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    bits = bits.astype(jnp.uint32).reshape(-1)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    out.append(jnp.sum(bits * weights, dtype=jnp.uint32))
+  return out
+
+
+def fingerprint(state) -> dict:
+  """{array path: 32-bit fingerprint} of a state pytree (fetched to the host).
+
+  Arrays on different islands (a pipelined state) are fingerprinted island by island, since one
+  computation cannot take inputs from two device sets.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  groups: dict = {}
+  for path, leaf in flat:
+    if not isinstance(leaf, jax.Array):
+      leaf = jnp.asarray(leaf)
+    groups.setdefault(frozenset(leaf.sharding.device_set), []).append((path, leaf))
+  result = {}
+  for members in groups.values():
+    values = jax.device_get(_fingerprints([leaf for _, leaf in members]))
+    for (path, _), v in zip(members, values, strict=True):
+      result[path_name(path)] = int(np.asarray(v))
+  return result
