@@ -41,14 +41,14 @@ def get_config(arg=None):
   c.parallel.data = 1
   c.parallel.fsdp = 256
   # Does not divide vocab_size=256000: the embedding's vocab dim is padded to 256008 for
-  # sharding (see pwtrain/parallel/dryrun.py).
+  # sharding (see pwtrain/dryrun/estimate.py).
   c.parallel.tensor = 12
 
   c.exchange.mode = "sync"
   c.exchange.compression = "bf16"  # gradients cross the DCN in bf16 (~1.3 GB per host pair)
 
   # The cluster's hardware, for the dry run's estimates: the tpu_v4 preset's numbers, each
-  # sourced in pwtrain/parallel/dryrun.py; any can be overridden, e.g.
+  # sourced in pwtrain/dryrun/hardware.py; any can be overridden, e.g.
   # --config.hardware.dcn_bytes_per_s=12.5e9.
   c.hardware = ml_collections.ConfigDict(
     {

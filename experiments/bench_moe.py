@@ -66,6 +66,7 @@ from pwtrain import config as config_lib  # noqa: E402
 from pwtrain import optim, train  # noqa: E402
 from pwtrain.backend import Controller  # noqa: E402
 from pwtrain.data import corpus  # noqa: E402
+from pwtrain.models import arithmetic  # noqa: E402
 from pwtrain.parallel import build_step_program  # noqa: E402
 from pwtrain.parallel import plan as plan_lib  # noqa: E402
 
@@ -268,8 +269,8 @@ def train_one(args) -> None:
     "moe": config.moe.to_dict() if config.moe.num_experts else None,
     "ce": [r["ce_loss"] for r in result.history],
     "wall_s": wall,
-    "params": plan_lib.param_count(config),
-    "active_params": plan_lib.param_count(config, active=True),
+    "params": arithmetic.param_count(config.model, config.moe),
+    "active_params": arithmetic.param_count(config.model, config.moe, active=True),
   }
   row.update(
     {k: last[k] for k in ("moe_aux_loss", "moe_dropped_fraction", "moe_load_max") if k in last}

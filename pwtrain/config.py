@@ -2,11 +2,11 @@
 
 from pwtrain import optim
 from pwtrain.parallel import exchange
+from pwtrain.parallel.pipeline.schedule import SCHEDULES
 
 TOKENIZERS = ("byte", "sentencepiece")
 BACKENDS = ("embedded", "remote")
 DTYPES = ("float32", "bfloat16", "float16")
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def _positive(config, *keys):
@@ -115,22 +115,7 @@ def validate(config) -> None:
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
       f"{', '.join(SCHEDULES)}"
     )
-  for key, valid in (("mode", exchange.MODES), ("compression", exchange.COMPRESSIONS)):
-    if config.exchange[key] not in valid:
-      raise ValueError(
-        f"exchange.{key}={config.exchange[key]!r} is not supported; valid: {', '.join(valid)}"
-      )
-  if config.exchange.error_feedback and (
-    config.exchange.compression == "none" or config.exchange.mode == "diloco"
-  ):
-    raise ValueError(
-      "exchange.error_feedback=True needs exchange.compression='bf16' or 'int8' and a gradient "
-      f"exchange (not exchange.mode='diloco'); got compression={config.exchange.compression!r}, "
-      f"mode={config.exchange.mode!r}"
-    )
-  for key in ("buckets", "inner_steps"):
-    if config.exchange[key] < 1:
-      raise ValueError(f"exchange.{key}={config.exchange[key]} must be >= 1")
+  exchange.validate(config.exchange)
   if config.train.global_batch % config.train.num_microbatches:
     raise ValueError(
       f"train.num_microbatches={config.train.num_microbatches} does not divide "

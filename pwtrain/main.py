@@ -16,8 +16,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from pwtrain import train  # noqa: E402
-from pwtrain.parallel import dryrun  # noqa: E402
+from pwtrain import dryrun, train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True

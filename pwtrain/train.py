@@ -11,6 +11,7 @@ from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_train_batches
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
+from pwtrain.models import arithmetic
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
@@ -59,7 +60,7 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
     num_steps=num_steps,
     log_every=config.train.log_every,
     tokens_per_step=config.train.global_batch * config.data.seq_len,
-    flops_per_token=plan_lib.flops_per_token(config),
+    flops_per_token=arithmetic.flops_per_token(config.model, config.moe, config.data.seq_len),
     num_devices=sum(i.num_devices for i in plan.islands),
     peak_flops_per_device=peak_flops(plan.islands[0].devices[0]),
     exchange_bytes_per_step=step_program.exchange_bytes,

@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, load_config, tiny_test_config
 
 from pwtrain import config as config_lib
+from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 
 
@@ -32,7 +33,11 @@ def test_paper_shapes(name, layers, heads, d_model, billions):
   assert (m.num_layers, m.num_heads, m.d_model, m.d_ff) == (layers, heads, d_model, 4 * d_model)
   assert m.vocab_size == 256_000 and load_config(name).data.seq_len == 2048
   # PaLM Table 1 / section 2 parameter counts, within 1%.
-  assert abs(plan_lib.param_count(load_config(name)) / 1e9 - billions) / billions < 0.01
+  assert (
+    abs(arithmetic.param_count(load_config(name).model, load_config(name).moe) / 1e9 - billions)
+    / billions
+    < 0.01
+  )
 
 
 def plan(**overrides):
@@ -85,7 +90,10 @@ def test_bad_parallel_layout(overrides, message):
     ({"optim.name": "lamb"}, "optim.name='lamb' is not an optimizer; valid: adafactor, adamw"),
     ({"data.tokenizer": "wordpiece"}, "data.tokenizer='wordpiece' is not a tokenizer; valid: byte"),
     ({"backend.mode": "cloud"}, "backend.mode='cloud' is not a backend"),
-    ({"exchange.mode": "gossip"}, "exchange.mode='gossip' is not supported; valid: sync"),
+    (
+      {"exchange.mode": "gossip"},
+      "exchange.mode='gossip' is not supported; valid: diloco, overlapped, stale, sync",
+    ),
     ({"exchange.compression": "fp4"}, "exchange.compression='fp4' is not supported"),
     ({"exchange.error_feedback": True}, "exchange.error_feedback=True needs"),
     ({"exchange.inner_steps": 0}, "exchange.inner_steps=0 must be >= 1"),

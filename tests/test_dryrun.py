@@ -8,9 +8,9 @@ import pytest
 from conftest import load_config, tiny_test_config
 from jax.sharding import Mesh, NamedSharding
 
-from pwtrain import optim
+from pwtrain import dryrun, optim
 from pwtrain import step as step_lib
-from pwtrain.parallel import dryrun, spmd
+from pwtrain.parallel import exchange, spmd
 
 GB = 1e9
 
@@ -124,7 +124,7 @@ def test_shard_bytes_match_jax_on_a_real_mesh():
   mesh = Mesh(np.asarray(jax.devices()).reshape(1, 4, 2), tuple(shape))
   fns = dryrun.model_fns(config.model)
   tx, _ = optim.build(config.optim, 10)
-  state = dryrun.abstract_state(config, fns, tx)
+  state = dryrun.abstract_state(fns, tx, config.seed, exchange.make(config))
   shardings = spmd.state_shardings(fns, mesh, state)
 
   def real(a, s: NamedSharding):
@@ -164,6 +164,22 @@ def test_tiny_pods_and_pipelines_dry_run_on_an_abstract_cluster(name):
   if config.parallel.pods > 1:
     # The step program's exchange_bytes: each pod sends its float32 gradients once.
     assert e["exchange"]["bytes_per_step"] == e["params"] * 4
+
+
+def test_error_feedback_residual_is_counted():
+  """exchange.error_feedback keeps a float32 residual the size of the gradients per pod: on a
+  data-parallel island (parameters replicated) that is params x 4 bytes more per device."""
+  config = load_config("palm_tiny_2pods")
+  config.exchange.compression = "int8"
+  base = dryrun.estimate(config)
+  config.exchange.error_feedback = True
+  e = dryrun.estimate(config)
+  (plain,), (fed,) = base["islands"], e["islands"]
+  residual = e["params"] * 4
+  assert fed["exchange_state_bytes"] - plain["exchange_state_bytes"] == residual
+  assert fed["state_bytes"] - plain["state_bytes"] == residual
+  assert fed["bytes_remat"] - plain["bytes_remat"] == residual
+  assert e["exchange"] == base["exchange"]  # what crosses pods is unchanged
 
 
 def test_bad_cluster_is_refused_by_the_plan():

@@ -8,9 +8,8 @@ from conftest import tiny_test_config
 from flax import nnx
 
 from pwtrain import step as step_lib
-from pwtrain.models import PaLM, lm_loss
+from pwtrain.models import PaLM, arithmetic, lm_loss
 from pwtrain.models.layers import rope
-from pwtrain.parallel import plan as plan_lib
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def test_no_biases_and_param_count(model_and_cfg):
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(state)[0]]
   assert not [p for p in paths if "bias" in p]
   total = sum(x.size for x in jax.tree.leaves(state))
-  assert total == plan_lib.param_count(config)
+  assert total == arithmetic.param_count(config.model, config.moe)
 
 
 def test_multi_query_attention_shapes(model_and_cfg):

@@ -18,6 +18,7 @@ from test_parity import SGD, assert_close, assert_trees_close
 
 from pwtrain import config as config_lib
 from pwtrain import train
+from pwtrain.models import arithmetic
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import plan as plan_lib
 
@@ -247,7 +248,10 @@ def test_expert_d_ff_zero_keeps_the_dense_active_size():
     blocks = step_lib.model_fns(config.model, config.moe).abstract_params["blocks"]
     assert blocks[1]["moe"]["w_down"].shape == (8, f, 64)
     dense = tiny_test_config()
-    assert plan_lib.param_count(config, active=True) == plan_lib.param_count(dense) + 64 * 8
+    assert (
+      arithmetic.param_count(config.model, config.moe, active=True)
+      == arithmetic.param_count(dense.model, dense.moe) + 64 * 8
+    )
 
 
 def test_expert_axis_fills_and_splits_the_batch():
@@ -264,7 +268,7 @@ def test_dense_default_is_unchanged():
   m = config.model
   attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
   dense = m.vocab_size * m.d_model + m.num_layers * (attn + 3 * m.d_model * m.d_ff + m.d_model)
-  assert plan_lib.param_count(config) == dense + m.d_model
+  assert arithmetic.param_count(config.model, config.moe) == dense + m.d_model
 
 
 # Expert-parallel layouts on the 8 simulated devices, each against the same 1-device run. The
@@ -400,8 +404,8 @@ def test_pipeline_with_moe_matches_single_device(pipeline_reference, layout):
 
 
 def test_fast_dry_run_model_fns_match_the_moe_model():
+  from pwtrain import dryrun
   from pwtrain import step as step_lib
-  from pwtrain.parallel import dryrun
 
   config = moe_config(**{"model.num_layers": 5})
   full = step_lib.model_fns(config.model, config.moe)
@@ -411,7 +415,9 @@ def test_fast_dry_run_model_fns_match_the_moe_model():
   assert full.logical_axes == fast.logical_axes
   e = dryrun.estimate(load_config("palm_tiny_moe"))
   assert e["mesh_shape"] == {"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}
-  assert e["params"] == plan_lib.param_count(load_config("palm_tiny_moe"))
+  assert e["params"] == arithmetic.param_count(
+    load_config("palm_tiny_moe").model, load_config("palm_tiny_moe").moe
+  )
 
 
 def test_train_run_logs_moe_metrics_and_resumes(tmp_path):

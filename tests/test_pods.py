@@ -13,8 +13,9 @@ from test_parity import SGD, assert_close, assert_trees_close
 
 from pwtrain import optim
 from pwtrain.backend import Controller
-from pwtrain.parallel import build_step_program, exchange
+from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel.exchange import compression as codec
 
 NUM_STEPS = 2
 PODS = {"model.num_layers": 4, "parallel.islands": 2, "parallel.pods": 2}
@@ -79,11 +80,11 @@ def test_compression_round_trip_error(compression, bound):
     "a": jax.random.normal(jax.random.key(0), (16, 64)),
     "b": jax.random.normal(jax.random.key(1), (64,)),
   }
-  y = exchange.decode(exchange.encode(x, compression), compression)
+  y = codec.decode(codec.encode(x, compression), compression)
   for k in x:
     scale = np.max(np.abs(np.asarray(x[k])), axis=-1, keepdims=True)
     assert np.all(np.abs(np.asarray(y[k]) - np.asarray(x[k])) <= bound * scale + 1e-7)
-  assert exchange.encoded_bytes(x, compression) < exchange.encoded_bytes(x, "none")
+  assert codec.encoded_bytes(x, compression) < codec.encoded_bytes(x, "none")
 
 
 @pytest.mark.parametrize("compression", ["bf16", "int8"])
@@ -96,7 +97,7 @@ def test_compressed_exchange_keeps_pods_identical(reference, compression):
   assert_close(metrics[0]["loss"], ref_metrics[0]["loss"], "loss")
   full = 2 * 1  # bytes: (pods - 1) * payload, fp32 payload below
   del full
-  assert program.exchange_bytes < exchange.encoded_bytes(
+  assert program.exchange_bytes < codec.encoded_bytes(
     jax.eval_shape(lambda: program.abstract_state["params"]), "none"
   )
 
@@ -221,8 +222,8 @@ def test_error_feedback_loses_nothing_over_steps():
   residual = {"w": np.zeros((8, 32), np.float32)}
   sent_total = 0.0
   for g in grads:
-    encoded, residual = exchange.encode_with_feedback(g, residual, "int8")
-    sent_total = sent_total + exchange.decode(encoded, "int8")["w"]
+    encoded, residual = codec.encode_with_feedback(g, residual, "int8")
+    sent_total = sent_total + codec.decode(encoded, "int8")["w"]
   np.testing.assert_allclose(
     sent_total + residual["w"], sum(g["w"] for g in grads), rtol=1e-5, atol=1e-5
   )

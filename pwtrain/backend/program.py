@@ -1,4 +1,4 @@
-"""A StepProgram: compiled-function nodes and cross-island transfers, in dispatch order.
+"""A Program: compiled-function nodes and cross-island transfers, in dispatch order.
 
 Edges are `Ref`s: a string names a program input; `(node_name, i)` names output i of a node.
 Because every node is compiled ahead, the controller can enqueue the whole graph before any of

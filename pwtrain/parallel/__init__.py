@@ -1,10 +1,11 @@
-"""Parallelism: logical-axis sharding, the plan of islands and meshes."""
+"""Parallelism over islands: the plan (one layout per run), the exchange strategies, and the
+step programs built from them (one SPMD island in spmd.py; stages and pods in pipeline/)."""
 
 
 def build_step_program(config, plan, controller, tx, schedule):
-  """The compiled step for the plan's layout: one SPMD island, or stages/pods over islands."""
+  """The compiled StepProgram (program.py) for the plan's layout."""
   from pwtrain.parallel import pipeline, spmd
 
-  if config.parallel.stages > 1 or config.parallel.pods > 1:
-    return pipeline.build(config, plan, controller, tx, schedule)
-  return spmd.build(config, plan, controller, tx, schedule)
+  if plan.single_island:
+    return spmd.build(config, plan, controller, tx, schedule)
+  return pipeline.build(config, plan, controller, tx, schedule)

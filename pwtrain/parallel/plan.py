@@ -1,8 +1,10 @@
-"""The plan: which islands run what, each island's mesh, and the cost model.
+"""The plan: the one layout of a run, derived once from the config and the cluster.
 
-For one island this resolves `parallel.{data,fsdp,expert,tensor}` into a mesh shape over the
-island's devices and checks that the model and batch divide evenly over it. Later stages
-(pipelines, pods) extend the plan, not the trainer.
+It resolves `parallel.{data,fsdp,expert,tensor}` into each island's mesh shape (checking that
+the model and the batch divide evenly over it), cuts each pod's model into cells (pipeline
+stages, or overlapped exchange's chunks) with their layer ranges, places every cell (pod, stage)
+on an island, and makes the run's `Exchange` strategy. The step builders, the trainer and the
+dry run read these from the Plan; none of them works them out again.
 """
 
 import dataclasses
@@ -12,18 +14,36 @@ import numpy as np
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
 from pwtrain.models import moe as moe_lib
-from pwtrain.parallel.stages import ffn_params, make_stages
+from pwtrain.parallel import exchange as exchange_lib
+from pwtrain.parallel.stages import Stage, make_stages
 from pwtrain.sharding import MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  islands: tuple[Island, ...]
+  islands: tuple[Island, ...]  # pod p's stage s runs on islands[p * stages + s]
   mesh_shape: dict[str, int]  # per island: {"data": d, "fsdp": f, "expert": e, "tensor": t}
+  stages: tuple[Stage, ...]  # the cells of one pod: pipeline stages, or exchange chunks
+  cells: dict  # (pod, stage) -> Island; every pod's cells alike
+  exchange: exchange_lib.Exchange
+  num_pods: int
 
   @property
   def batch_shards(self) -> int:
     return batch_shards(self.mesh_shape)
+
+  @property
+  def num_stages(self) -> int:
+    """Cells per pod (pipeline stages, or overlapped exchange's chunks)."""
+    return len(self.stages)
+
+  @property
+  def single_island(self) -> bool:
+    """One pod of one cell: the plain SPMD step."""
+    return len(self.cells) == 1
+
+  def mesh(self, cell: tuple):
+    return self.cells[cell].mesh(self.mesh_shape)
 
 
 def batch_shards(mesh_shape: dict[str, int]) -> int:
@@ -105,8 +125,9 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
       f"parallel.stages={stages} exceeds model.num_layers={config.model.num_layers}: every "
       "stage needs at least one layer"
     )
-  if stages > 1:
-    make_stages(config)  # checks parallel.stage_boundaries
+  exchange = exchange_lib.make(config)
+  cuts = exchange.cells_per_pod(stages, config.model.num_layers)
+  cells = make_stages(config, cuts)  # checks parallel.stage_boundaries
   resources = resources or ResourceManager(cluster)
   islands = resources.allocate("train", stages * pods, cluster.islands[0].num_devices)
   island = islands[0]
@@ -114,7 +135,19 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
   check_model_divisibility(config, {a: int(config.parallel[a]) for a in MESH_AXES})
   mesh_shape = resolve_mesh_shape(config.parallel, island.num_devices)
   check_divisibility(config, mesh_shape)
-  return Plan(islands=islands, mesh_shape=mesh_shape)
+  # A pod's cells share its stages' islands: one each, or all on the pod's one island when the
+  # exchange cuts a one-stage pod into chunks.
+  placement = {
+    (p, s): islands[p * stages + (s if stages > 1 else 0)] for p in range(pods) for s in range(cuts)
+  }
+  return Plan(
+    islands=islands,
+    mesh_shape=mesh_shape,
+    stages=tuple(cells),
+    cells=placement,
+    exchange=exchange,
+    num_pods=pods,
+  )
 
 
 def make_cluster(config, devices=None) -> Cluster:
@@ -134,30 +167,27 @@ def make_cluster(config, devices=None) -> Cluster:
       heartbeat_s=config.fault.heartbeat_s,
     )
   devices = list(jax.devices() if devices is None else devices)
-  n = config.parallel.islands
-  per = config.parallel.devices_per_island or (len(devices) // max(n, 1))
-  if n < 1:
-    raise ValueError(f"parallel.islands={n} must be >= 1")
-  if per < 1 or n * per > len(devices):
+  sizes = island_sizes(config, len(devices))
+  if sum(sizes) > len(devices):
     raise ValueError(
-      f"parallel.islands={n} x parallel.devices_per_island={max(per, 1)} needs "
-      f"{n * max(per, 1)} devices; this machine has {len(devices)} (on CPU, simulate more with "
+      f"parallel.islands={len(sizes)} x parallel.devices_per_island={sizes[0]} needs "
+      f"{sum(sizes)} devices; this machine has {len(devices)} (on CPU, simulate more with "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
     )
-  return Cluster.local([per] * n, devices=devices)
+  return Cluster.local(sizes, devices=devices)
 
 
-def param_count(config, *, active: bool = False) -> int:
-  """Parameters of the PaLM model (embedding shared with the output layer); with `active`, an
-  MoE layer counts only the top_k experts a token uses (and its router)."""
-  m = config.model
-  attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-  mlp = sum(ffn_params(config, layer)[1 if active else 0] for layer in range(m.num_layers))
-  return m.vocab_size * m.d_model + m.num_layers * (attn + m.d_model) + mlp + m.d_model
-
-
-def flops_per_token(config) -> float:
-  """Training FLOPs per token, PaLM's 6N + 12LHQT (N: active parameters, embedding excluded)."""
-  m = config.model
-  n = param_count(config, active=True) - m.vocab_size * m.d_model
-  return 6.0 * n + 12.0 * m.num_layers * m.num_heads * m.head_dim * config.data.seq_len
+def island_sizes(config, num_devices: int) -> list[int]:
+  """Devices of each of the `parallel.islands` islands: `parallel.devices_per_island`, or (0)
+  the `num_devices` available split evenly."""
+  n = config.parallel.islands
+  if n < 1:
+    raise ValueError(f"parallel.islands={n} must be >= 1")
+  per = config.parallel.devices_per_island or num_devices // n
+  if per < 1:
+    raise ValueError(
+      f"parallel.islands={n} x parallel.devices_per_island={max(per, 1)} needs {n} devices; "
+      f"there are {num_devices} (on CPU, simulate more with "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+    )
+  return [per] * n

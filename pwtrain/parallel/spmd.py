@@ -1,4 +1,4 @@
-"""The single-island StepProgram: init and train step compiled for one SPMD mesh.
+"""The single-island step program: init and train step compiled for one SPMD mesh.
 
 Parameters and optimizer state are created already sharded (the init function is compiled with
 the state's out_shardings), and the step donates its input state.
@@ -18,13 +18,8 @@ from pwtrain.models import moe as moe_lib
 
 
 @dataclasses.dataclass
-class StepProgram:
-  """What the trainer needs from any parallel layout.
-
-  The program's inputs are the state futures (under `state_keys`) plus `feed(batch)`; its
-  outputs are the next state futures (same keys) and "metrics". Checkpoints always hold the
-  whole-model state, so any layout restores any other's checkpoint.
-  """
+class SpmdProgram:
+  """The StepProgram (parallel/program.py) of one island: one state, one train_step node."""
 
   program: Program
   abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings (restore target)
@@ -83,9 +78,9 @@ def with_shardings(abstract, shardings):
   )
 
 
-def build(config, plan, controller: Controller, tx, schedule, island=None) -> StepProgram:
-  island = island or plan.islands[0]
-  mesh = island.mesh(plan.mesh_shape)
+def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
+  island = plan.cells[(0, 0)]
+  mesh = plan.mesh((0, 0))
   fns = step_lib.model_fns(config.model, config.moe)
   init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
   abstract = jax.eval_shape(init_fn)
@@ -136,4 +131,4 @@ def build(config, plan, controller: Controller, tx, schedule, island=None) -> St
   def init():
     return {"state": controller.run(init_program, {})["state"].result()}
 
-  return StepProgram(program, abstract_state, init, {"init": init_exe, "train_step": step_exe})
+  return SpmdProgram(program, abstract_state, init, {"init": init_exe, "train_step": step_exe})

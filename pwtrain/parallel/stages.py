@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from pwtrain.models import moe as moe_lib
+from pwtrain.models import arithmetic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,31 +33,6 @@ class Stage:
       "has_head": self.last,
       "layer_offset": self.start,  # the MoE schedule counts global layers
     }
-
-
-def ffn_params(config, layer: int) -> tuple[int, int]:
-  """(all, active per token) parameters of layer `layer`'s FFN: the dense SwiGLU, or an MoE
-  layer's experts and router (a token uses top_k experts)."""
-  m, moe = config.model, config.moe
-  if not moe_lib.is_moe_layer(moe, layer):
-    return 3 * m.d_model * m.d_ff, 3 * m.d_model * m.d_ff
-  expert = 3 * m.d_model * moe_lib.expert_d_ff(m, moe)
-  router = m.d_model * moe.num_experts
-  return moe.num_experts * expert + router, moe.top_k * expert + router
-
-
-def layer_costs(config) -> tuple[list[float], float, float]:
-  """Training FLOPs per token of each block, of the embedding lookup and of the output layer."""
-  m = config.model
-  attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-  blocks = [
-    6.0 * (attn + ffn_params(config, layer)[1])
-    + 12.0 * m.num_heads * m.head_dim * config.data.seq_len
-    for layer in range(m.num_layers)
-  ]
-  head = 6.0 * m.vocab_size * m.d_model
-  embed = 0.0  # a gather: no matmul FLOPs
-  return blocks, embed, head
 
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra=0.0, last_extra=0.0):
@@ -114,7 +89,7 @@ def make_stages(config, num_stages: int | None = None) -> list[Stage]:
         f"{tuple(balanced_boundaries([1.0] * num_layers, num_stages))}"
       )
   else:
-    costs, embed, head = layer_costs(config)
+    costs, embed, head = arithmetic.layer_costs(config.model, config.moe, config.data.seq_len)
     bounds = balanced_boundaries(costs, num_stages, embed, head)
   return [
     Stage(s, bounds[s], bounds[s + 1], s == 0, s == num_stages - 1) for s in range(num_stages)

@@ -1,0 +1,30 @@
+"""The dry run: a config's plan, memory per device and step time on its configured cluster,
+with no devices (`python -m pwtrain.main --config=... --dry_run`).
+
+hardware.py is the cluster's hardware (presets and `config.hardware` overrides); shapes.py the
+train state's shapes and each device's bytes of it; estimate.py the cost model (`estimate`: the
+numbers); report.py their printout (`report`). The layout and the exchange's behaviour come
+from the run's Plan (parallel/plan.py) and the model's arithmetic from models/arithmetic.py, so
+the dry run plans exactly what a run would.
+"""
+
+from pwtrain.dryrun.estimate import RECOMPUTE_FACTOR, build_plan, estimate, padded_vocab_size
+from pwtrain.dryrun.hardware import DEFAULT_EFFICIENCY, HARDWARE, Hardware, hardware
+from pwtrain.dryrun.report import report
+from pwtrain.dryrun.shapes import abstract_state, model_fns, shard_bytes, tree_bytes
+
+__all__ = [
+  "DEFAULT_EFFICIENCY",
+  "HARDWARE",
+  "RECOMPUTE_FACTOR",
+  "Hardware",
+  "abstract_state",
+  "build_plan",
+  "estimate",
+  "hardware",
+  "model_fns",
+  "padded_vocab_size",
+  "report",
+  "shard_bytes",
+  "tree_bytes",
+]

@@ -1,0 +1,367 @@
+"""The cost model: memory per device and time per step of a config's plan, with no devices.
+
+`estimate(config)` plans `parallel.*` on virtual islands (device ids, no devices) with
+plan.build, so the layout (mesh, cells, their islands) and the exchange are the plan's; builds
+the train state's shapes abstractly (shapes.py); and costs one step. Everything is arithmetic,
+so PaLM 540B on 6144 TPU v4 chips plans in a second on a laptop. Byte counts are per device
+unless named otherwise; times are seconds per step. Every pod's islands are alike, so pod 0's
+describe all. Per device, with the model arithmetic of models/arithmetic.py:
+  state         params, optimizer state and the exchange's state (each leaf's shard, as the run
+                shards it), a running gradient sum the size of the params, and the received
+                pods' encoded gradients (exchange.received_copies() copies).
+  activations   tokens per device and microbatch x (layers x arithmetic.layer_activation_bytes
+                + the head's, on the last stage) + the stage inputs a pipeline stage holds for
+                its backward (schedule.peak_live_inputs); with per-layer remat a layer keeps
+                only its input and one layer's full set is live during its backward.
+  compute       the step's matmul FLOPs (arithmetic.layer_costs; x RECOMPUTE_FACTOR when the
+                forward is recomputed: a pipeline stage's backward, or remat, assumed whenever
+                the activations as the step saves them do not fit) / (devices x peak x
+                efficiency), times the pipeline bubble (M + S - 1) / M.
+  collectives   FSDP gathers and scatters and tensor all-reduces inside an island, at the ICI
+                bandwidth, assumed hidden under compute (the report says when they could not be).
+  cross-pod     exchange.bytes_per_step: each host sends its devices' share, bytes / hosts per
+                island, at the host's DCN bandwidth; the step waits for exchange.exposed_s of it.
+  step          compute + exposed transfer; MFU = tokens x arithmetic.flops_per_token / (step x
+                all devices x peak).
+"""
+
+import dataclasses
+import math
+
+import jax
+
+from pwtrain import config as config_lib
+from pwtrain import optim
+from pwtrain import step as step_lib
+from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.dryrun import shapes
+from pwtrain.dryrun.hardware import Hardware, hardware
+from pwtrain.models import arithmetic
+from pwtrain.parallel import pipeline
+from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel.stages import Stage, to_stage
+
+# The forward is recomputed once in the backward (remat, or a pipeline stage's backward):
+# forward = 1/3 of the training FLOPs, so the hardware does 4/3 of the model FLOPs.
+RECOMPUTE_FACTOR = 4.0 / 3.0
+
+MODEL_STATE_KEYS = ("params", "opt_state")
+OTHER_STATE_KEYS = ("step", "rng")  # every other key of the train state is the exchange's
+
+
+# -- the plan on a virtual cluster ---------------------------------------------------------------
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+  """The vocabulary rounded up to a multiple of the tensor axis, as XLA pads uneven shards."""
+  return -(-vocab_size // tensor) * tensor
+
+
+def virtual_cluster(config) -> Cluster:
+  """`parallel.islands` islands of `parallel.devices_per_island` device ids (0: the local
+  device count split over the islands): what the plan needs, with no devices behind it."""
+  per = plan_lib.island_sizes(config, jax.device_count())[0]  # islands are alike
+  return Cluster(
+    tuple(
+      Island(f"island{i}", tuple(range(i * per, (i + 1) * per)))
+      for i in range(config.parallel.islands)
+    )
+  )
+
+
+def build_plan(config) -> plan_lib.Plan:
+  """plan.build on the virtual cluster, for the vocabulary padded to the tensor axis.
+
+  plan.build requires parallel.tensor to divide model.vocab_size, which PaLM's 256000 and
+  12-way tensor parallelism do not; the planner sees the vocabulary padded to a multiple of
+  the tensor axis (the padding rows are what XLA adds to the uneven shards).
+  """
+  cluster = virtual_cluster(config)
+  mesh_shape = plan_lib.resolve_mesh_shape(config.parallel, cluster.islands[0].num_devices)
+  checked = config.copy_and_resolve_references()
+  checked.model.vocab_size = padded_vocab_size(config.model.vocab_size, mesh_shape["tensor"])
+  return plan_lib.build(checked, cluster)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What every part of the estimate reads: the config, its hardware, its plan, the model's
+  shape-only fns and the abstract whole-model train state (the plan's exchange's included)."""
+
+  config: object
+  hw: Hardware
+  plan: plan_lib.Plan
+  fns: step_lib.ModelFns
+  whole: dict
+
+  @property
+  def devices_per_island(self) -> int:
+    return self.plan.islands[0].num_devices
+
+  @property
+  def hosts_per_island(self) -> int:
+    return math.ceil(self.devices_per_island / self.hw.devices_per_host)
+
+  def tokens_per_device(self, num_micro: int) -> int:
+    """Tokens one device processes per microbatch at `num_micro` microbatches."""
+    train, p = self.config.train, self.plan
+    return (
+      train.global_batch // p.num_pods // num_micro // p.batch_shards * self.config.data.seq_len
+    )
+
+
+def setup(config) -> Setup:
+  plan = build_plan(config)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  fns = shapes.model_fns(config.model, config.moe)
+  whole = shapes.abstract_state(fns, tx, config.seed, plan.exchange)
+  return Setup(config, hardware(config), plan, fns, whole)
+
+
+def island_stages(plan: plan_lib.Plan) -> dict[str, list[Stage]]:
+  """Pod 0's islands, each with the cells (stages, or exchange chunks) placed on it."""
+  islands = {}
+  for stage in plan.stages:
+    islands.setdefault(plan.cells[(0, stage.index)].name, []).append(stage)
+  return islands
+
+
+# -- per-island state bytes ----------------------------------------------------------------------
+
+
+def sent_per_pod_pair(exchange, stage_grads: list) -> int:
+  """Bytes one pod sends one other pod per (outer) step for these cells' gradients."""
+  if exchange.num_pods == 1:
+    return 0
+  return exchange.bytes_per_step(stage_grads) // (exchange.num_pods - 1)
+
+
+def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
+  """One device's bytes of an island's share of the train state, the gradient running sums
+  and the received pods' gradients; `params` and `gradient_bytes_per_pod` are whole counts."""
+  exchange = s.plan.exchange
+  row = dict.fromkeys(
+    ("params", "param_bytes", "optimizer_bytes", "exchange_state_bytes", "other_state_bytes"), 0
+  )
+  row |= {"exchange_buffer_bytes": 0, "gradient_bytes_per_pod": 0}
+  for stage in stage_list:
+    grads = to_stage(s.whole, stage)["params"]
+    device = shapes.stage_device_bytes(s.whole, s.fns, stage, s.plan.mesh_shape)
+    row["params"] += sum(x.size for x in jax.tree.leaves(grads))
+    row["param_bytes"] += device["params"]
+    row["optimizer_bytes"] += device["opt_state"]
+    row["other_state_bytes"] += sum(device[k] for k in OTHER_STATE_KEYS)
+    row["exchange_state_bytes"] += sum(
+      n for k, n in device.items() if k not in MODEL_STATE_KEYS + OTHER_STATE_KEYS
+    )
+    # As the step program counts it: each cell's gradients (both copies of the shared
+    # embedding under pipelining), encoded.
+    sent = sent_per_pod_pair(exchange, [grads])
+    row["gradient_bytes_per_pod"] += sent
+    if sent:  # received pods' encoded gradients, per device
+      ratio = sent / shapes.tree_bytes(grads)
+      row["exchange_buffer_bytes"] += round(exchange.received_copies() * ratio * device["params"])
+  row["gradient_buffer_bytes"] = row["param_bytes"]  # running sums, in the params' dtype
+  row["state_bytes"] = sum(
+    row[k]
+    for k in (
+      "param_bytes",
+      "optimizer_bytes",
+      "exchange_state_bytes",
+      "other_state_bytes",
+      "gradient_buffer_bytes",
+      "exchange_buffer_bytes",
+    )
+  )
+  return row
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+
+def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: bool) -> float:
+  """Activation bytes per device of one island's cells at `num_micro` microbatches."""
+  m, plan = s.config.model, s.plan
+  tensor = plan.mesh_shape["tensor"]
+  layer = arithmetic.layer_activation_bytes(m, tensor, s.config.data.seq_len)
+  live, working, kept = 0.0, 0.0, 0.0
+  for stage in stage_list:
+    if not stage.last and plan.num_stages > 1:
+      # Stage inputs (int32 tokens on the first stage) saved for the stage's backward.
+      order = pipeline.island_order(s.config.parallel.schedule, stage, plan.num_stages, num_micro)
+      input_bytes = 4 if stage.first else arithmetic.layer_input_bytes(m)
+      live += pipeline.peak_live_inputs(order) * input_bytes
+    head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
+    if remat:
+      kept += stage.num_layers * arithmetic.layer_input_bytes(m)
+      working = max(working, layer + head)
+    else:
+      working = max(working, stage.num_layers * layer + head)
+  return s.tokens_per_device(num_micro) * (live + kept + working)
+
+
+def microbatches_to_fit_remat(s: Setup, stage_list: list[Stage], state: int) -> int | None:
+  """The smallest train.num_microbatches that fits with remat (None: none does, or unknown)."""
+  if s.hw.memory_bytes is None:
+    return None
+  per_pod = s.config.train.global_batch // s.plan.num_pods // s.plan.batch_shards
+  for micro in range(1, per_pod + 1):
+    if per_pod % micro == 0:
+      if state + activation_bytes(s, stage_list, micro, remat=True) <= s.hw.memory_bytes:
+        return micro
+  return None
+
+
+def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
+  """One island's cells, memory per device, and training FLOPs per token."""
+  micro, memory = s.config.train.num_microbatches, s.hw.memory_bytes
+  row = {
+    "island": name,
+    "stages": [(st.index, st.start, st.stop, st.first, st.last) for st in stage_list],
+    **state_bytes(s, stage_list),
+  }
+  row["activation_bytes"] = activation_bytes(s, stage_list, micro, remat=False)
+  row["activation_bytes_remat"] = activation_bytes(s, stage_list, micro, remat=True)
+  row["bytes"] = row["state_bytes"] + row["activation_bytes"]
+  row["bytes_remat"] = row["state_bytes"] + row["activation_bytes_remat"]
+  row["fits"] = None if memory is None else row["bytes"] <= memory
+  row["fits_remat"] = None if memory is None else row["bytes_remat"] <= memory
+  row["microbatches_to_fit_remat"] = microbatches_to_fit_remat(s, stage_list, row["state_bytes"])
+  row["flops_per_token"] = island_flops_per_token(s, stage_list)
+  return row
+
+
+# -- compute -------------------------------------------------------------------------------------
+
+
+def island_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
+  m, moe = s.config.model, s.config.moe
+  block_flops, _, head_flops = arithmetic.layer_costs(m, moe, s.config.data.seq_len)
+  return sum(
+    sum(block_flops[st.start : st.stop]) + (head_flops if st.last else 0.0) for st in stage_list
+  )
+
+
+def compute_seconds(s: Setup, rows: list[dict], recompute: float) -> float | None:
+  """The slowest island's compute per step, times the pipeline bubble (None: no peak known)."""
+  if not s.hw.peak_flops:
+    return None
+  train = s.config.train
+  tokens_per_pod = train.global_batch * s.config.data.seq_len // s.plan.num_pods
+  rate = s.devices_per_island * s.hw.peak_flops * s.hw.efficiency
+  island_s = [r["flops_per_token"] * tokens_per_pod * recompute / rate for r in rows]
+  bubble = (train.num_microbatches + len(rows) - 1) / train.num_microbatches
+  return max(island_s) * bubble
+
+
+# -- collectives inside an island ----------------------------------------------------------------
+
+
+def collectives(s: Setup, rows: list[dict], remat: bool) -> dict:
+  """In-island collective bytes per device and step, and their time at the ICI bandwidth.
+
+  Per microbatch, FSDP all-gathers of the parameters in each pass (forward, backward,
+  recomputed forward) and the gradient reduce-scatter; one tensor all-reduce of the block
+  output per layer and pass (PaLM's parallel block sums attention and MLP before reducing); the
+  data-parallel gradient all-reduce once per step.
+  """
+  shape, m, num_micro = s.plan.mesh_shape, s.config.model, s.config.train.num_microbatches
+  # Dense parameters are replicated over data and expert (the batch is split over both).
+  t, f, dp = shape["tensor"], shape["fsdp"], shape["data"] * shape["expert"]
+  passes = 3 if remat else 2
+  param_bytes = max(r["param_bytes"] for r in rows)
+  layers = max(sum(st.num_layers for st in stages) for stages in island_stages(s.plan).values())
+  allreduce = 2 * (t - 1) / t * s.tokens_per_device(num_micro) * arithmetic.layer_input_bytes(m)
+  ici_bytes = (
+    num_micro * (passes + 1) * (f - 1) * param_bytes
+    + num_micro * layers * passes * allreduce
+    + 2 * (dp - 1) / dp * param_bytes
+  )
+  ici_s = ici_bytes / s.hw.ici_bytes_per_s if s.hw.ici_bytes_per_s else None
+  return {"ici_bytes": ici_bytes, "ici_s": ici_s}
+
+
+# -- the cross-pod exchange ----------------------------------------------------------------------
+
+
+def cross_pod(s: Setup, rows: list[dict], compute_s: float | None) -> dict:
+  """What crosses pods per (outer) step, its transfer time and the part the step waits for:
+  each host sends its devices' share to its counterpart in every other pod."""
+  exchange, num_pods = s.plan.exchange, s.plan.num_pods
+  stage_grads = [to_stage(s.whole, stage)["params"] for stage in s.plan.stages]
+  per_host = max(r["gradient_bytes_per_pod"] for r in rows) / s.hosts_per_island
+  transfer_s = exposed_s = 0.0 if num_pods == 1 else None
+  if num_pods > 1 and s.hw.dcn_bytes_per_s:
+    transfer_s = (num_pods - 1) * per_host / s.hw.dcn_bytes_per_s
+    exposed_s = exchange.exposed_s(transfer_s, compute_s, s.config.model.num_layers)
+  return {
+    "mode": exchange.mode if num_pods > 1 else None,
+    "compression": exchange.compression,
+    # Gradients one pod sends to one other pod per (outer) step; the whole step sends
+    # (pods - 1) x this per pod (= the step program's exchange_bytes).
+    "bytes_per_pod_pair": sent_per_pod_pair(exchange, stage_grads),
+    "bytes_per_step": exchange.bytes_per_step(stage_grads),
+    "bytes_per_host_pair": per_host if num_pods > 1 else 0.0,
+    "transfer_s": transfer_s,
+    "exposed_s": exposed_s,
+  }
+
+
+# -- the whole estimate --------------------------------------------------------------------------
+
+
+def estimate(config) -> dict:
+  """The plan and its cost model for `config` on its configured cluster, as numbers."""
+  config_lib.validate(config)
+  s = setup(config)
+  plan, m, train = s.plan, config.model, config.train
+  rows = [island_row(s, name, stages) for name, stages in island_stages(plan).items()]
+  # Remat is assumed when the step as written (all activations saved) does not fit.
+  remat = any(r["fits"] is False for r in rows)
+  recompute = RECOMPUTE_FACTOR if (remat or plan.num_stages > 1) else 1.0
+  compute_s = compute_seconds(s, rows, recompute)
+  exchange = cross_pod(s, rows, compute_s)
+  return {
+    "hardware": dataclasses.asdict(s.hw),
+    "num_pods": plan.num_pods,
+    "num_stages": len(plan.islands) // plan.num_pods,  # pipeline stages (islands per pod)
+    "num_islands": len(plan.islands),
+    "devices_per_island": s.devices_per_island,
+    "hosts_per_island": s.hosts_per_island,
+    "num_devices": s.devices_per_island * len(plan.islands),
+    "mesh_shape": dict(plan.mesh_shape),
+    "vocab_size": m.vocab_size,
+    "padded_vocab_size": padded_vocab_size(m.vocab_size, plan.mesh_shape["tensor"]),
+    "params": sum(x.size for x in jax.tree.leaves(s.whole["params"])),
+    "param_dtype": m.param_dtype,
+    "islands": rows,  # pod 0's; every pod's are the same
+    "layer_activation_bytes_per_token": arithmetic.layer_activation_bytes(
+      m, plan.mesh_shape["tensor"], config.data.seq_len
+    ),
+    "tokens_per_step": train.global_batch * config.data.seq_len,
+    "tokens_per_device": s.tokens_per_device(train.num_microbatches),  # per microbatch
+    "num_microbatches": train.num_microbatches,
+    "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
+    "remat": remat,
+    "recompute_factor": recompute,
+    "compute_s": compute_s,
+    **collectives(s, rows, remat),
+    "exchange": exchange,
+    **throughput(s, compute_s, exchange["exposed_s"]),
+  }
+
+
+def throughput(s: Setup, compute_s: float | None, exposed_s: float | None) -> dict:
+  """Step time (compute + exposed transfer), tokens per second and MFU (None: unknown)."""
+  if compute_s is None or exposed_s is None:
+    return {"step_s": None, "tokens_per_s": None, "mfu": None}
+  config = s.config
+  step_s = compute_s + exposed_s
+  tokens_per_s = config.train.global_batch * config.data.seq_len / step_s
+  flops = arithmetic.flops_per_token(config.model, config.moe, config.data.seq_len)
+  num_devices = s.devices_per_island * len(s.plan.islands)
+  return {
+    "step_s": step_s,
+    "tokens_per_s": tokens_per_s,
+    "mfu": tokens_per_s * flops / (num_devices * s.hw.peak_flops),
+  }

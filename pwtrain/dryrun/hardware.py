@@ -1,0 +1,81 @@
+"""The cluster's hardware: per-device FLOP/s, memory and bandwidths the dry run costs a plan on.
+
+`hardware(config)` reads `config.hardware`: a preset name from HARDWARE, or a ConfigDict whose
+`name` picks the preset and whose other keys override its fields. Without it, the local devices
+(peak FLOP/s from metrics.peak_flops, memory from the device's stats; no bandwidths known).
+"""
+
+import dataclasses
+
+import jax
+
+from pwtrain import metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  peak_flops: float | None  # dense bf16 FLOP/s per device (None: unknown, no time estimate)
+  memory_bytes: float | None  # accelerator memory per device
+  devices_per_host: int
+  ici_bytes_per_s: float | None  # per device, for collectives inside an island
+  dcn_bytes_per_s: float | None  # per host and direction, between islands
+  efficiency: float  # fraction of peak the compute achieves on the FLOPs it executes (HFU)
+
+
+HARDWARE = {
+  "tpu_v4": Hardware(
+    name="tpu_v4",
+    # Cloud TPU v4 documentation (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16 per chip,
+    # 32 GiB HBM2 per chip.
+    peak_flops=275e12,
+    memory_bytes=32.0 * 2**30,
+    # PaLM (Chowdhery et al., 2022, section 4): a pod's 3072 chips are attached to 768 hosts.
+    devices_per_host=4,
+    # Same documentation: all-reduce bandwidth 1.1 PB/s per 4096-chip pod, ~269 GB/s per chip
+    # (each chip has six ICI links of 400 Gb/s = 50 GB/s per direction, 300 GB/s raw).
+    ici_bytes_per_s=1.1e15 / 4096,
+    # PaLM section 4: the cross-pod gradient exchange bursts at 81 Tb/s over all 1536 hosts,
+    # ~52.7 Gb/s = 6.6 GB/s per host. This is what PaLM achieved, not a NIC's line rate.
+    dcn_bytes_per_s=81e12 / 8 / 1536,
+    # PaLM 540B's measured hardware FLOPs utilisation, 57.8% (section 4 and appendix B): the
+    # efficiency of the compute, rematerialisation included (its MFU, 46.2%, is lower because
+    # recomputed FLOPs are not model FLOPs).
+    efficiency=0.578,
+  ),
+}
+
+DEFAULT_EFFICIENCY = 0.5  # for local devices: an assumption, not a measurement
+
+
+def hardware(config) -> Hardware:
+  """`config.hardware` (a preset name, or a ConfigDict of `name` + overrides), else the local
+  devices."""
+  spec = config.get("hardware")
+  if spec is None:
+    return local_hardware()
+  overrides = {"name": spec} if isinstance(spec, str) else spec.to_dict()
+  name = overrides.pop("name", None)
+  if name not in HARDWARE:
+    raise ValueError(f"hardware.name={name!r} is not a known cluster; valid: {', '.join(HARDWARE)}")
+  fields = {f.name for f in dataclasses.fields(Hardware)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"hardware.{unknown[0]} is not a hardware field; valid: {sorted(fields)}")
+  return dataclasses.replace(HARDWARE[name], **overrides)
+
+
+def local_hardware() -> Hardware:
+  """The local devices: peak FLOP/s from metrics.peak_flops (none known for CPU), memory from
+  the first device's stats, no bandwidths, DEFAULT_EFFICIENCY."""
+  device = jax.devices()[0]
+  stats = getattr(device, "memory_stats", lambda: None)() or {}
+  return Hardware(
+    name=device.device_kind,
+    peak_flops=metrics.peak_flops(device),
+    memory_bytes=stats.get("bytes_limit"),
+    devices_per_host=jax.local_device_count(),
+    ici_bytes_per_s=None,
+    dcn_bytes_per_s=None,
+    efficiency=DEFAULT_EFFICIENCY,
+  )

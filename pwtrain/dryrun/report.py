@@ -1,0 +1,141 @@
+"""The dry run's printout: `report(config)` is `estimate(config)` as lines of text.
+
+Sizes are in decimal units (1 GB = 1e9 bytes); per-device figures are pod 0's islands, which
+stand for every pod's. Sections, top to bottom: the cluster and mesh, each island's memory per
+device (whether it fits, and how to make it fit), the step's compute and collectives, the
+cross-pod exchange, and the step time.
+"""
+
+from pwtrain.dryrun.estimate import estimate
+
+
+def _size(n: float) -> str:
+  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def _seconds(x) -> str:
+  return "n/a" if x is None else f"{x:.3g} s"
+
+
+def _fits(value) -> str:
+  return {None: "capacity unknown", True: "fits", False: "does NOT fit"}[value]
+
+
+def cluster_lines(e: dict) -> list[str]:
+  """Parameters, pods, stages, islands and devices; the mesh; the vocabulary's padding."""
+  hw = e["hardware"]
+  # The expert axis is shown only where it splits something (an MoE model's experts).
+  axes = {a: n for a, n in e["mesh_shape"].items() if a != "expert" or n > 1}
+  mesh = " x ".join(f"{a}={n}" for a, n in axes.items())
+  count = f"{e['params'] / 1e9:,.2f}B" if e["params"] >= 1e9 else f"{e['params'] / 1e6:,.2f}M"
+  lines = [
+    f"Dry run: {count} parameters ({e['params']:,}, {e['param_dtype']}), "
+    f"{e['num_pods']} pod(s) x {e['num_stages']} stage(s) = {e['num_islands']} island(s) of "
+    f"{e['devices_per_island']} {hw['name']} devices ({e['num_devices']} devices, "
+    f"{e['hosts_per_island']} host(s) per island)",
+    f"Mesh per island: {mesh}",
+  ]
+  if e["padded_vocab_size"] != e["vocab_size"]:
+    lines.append(
+      f"Vocabulary: {e['vocab_size']:,} padded to {e['padded_vocab_size']:,} for "
+      f"tensor={e['mesh_shape']['tensor']} sharding"
+    )
+  return lines
+
+
+def _cells(r: dict, num_stages: int) -> str:
+  """The island's cells: pipeline stages, or (one stage cut by the exchange) chunks."""
+  kind = "stage" if len(r["stages"]) == 1 or num_stages > 1 else "chunk"
+  parts = []
+  for index, start, stop, first, last in r["stages"]:
+    part = f"{kind} {index}: layers {start}-{stop - 1}"
+    part += " + embedding" if first else ""
+    part += " + head" if last and not first else (" + head (tied)" if last else "")
+    parts.append(part)
+  return "; ".join(parts)
+
+
+def island_lines(r: dict, num_stages: int, memory: float | None) -> list[str]:
+  """One island's memory per device, and what would make it fit."""
+  capacity = "unknown" if memory is None else f"{_size(memory)} ({memory / 2**30:.3g} GiB)"
+  lines = [
+    f"{r['island']} ({_cells(r, num_stages)}; every pod alike), per device:",
+    f"  parameters       {_size(r['param_bytes'])} ({r['params'] / 1e9:,.3f}B params)",
+    f"  optimizer state  {_size(r['optimizer_bytes'])}",
+    f"  gradients        {_size(r['gradient_buffer_bytes'])} (running sums)",
+  ]
+  if r["exchange_state_bytes"]:
+    lines.append(f"  exchange state   {_size(r['exchange_state_bytes'])}")
+  if r["exchange_buffer_bytes"]:
+    lines.append(f"  exchange buffers {_size(r['exchange_buffer_bytes'])} (pods' gradients)")
+  lines += [
+    f"  activations      {_size(r['activation_bytes'])} as the step runs (all saved), "
+    f"{_size(r['activation_bytes_remat'])} with per-layer remat",
+    f"  total            {_size(r['bytes'])} ({_fits(r['fits'])}), "
+    f"{_size(r['bytes_remat'])} with remat ({_fits(r['fits_remat'])}) in {capacity}",
+  ]
+  micro = r["microbatches_to_fit_remat"]
+  if r["fits_remat"] is False:
+    lines.append(
+      "  to fit           remat and "
+      + (f"train.num_microbatches={micro}" if micro else "more devices (no microbatching fits)")
+    )
+  return lines
+
+
+def compute_lines(e: dict, config) -> list[str]:
+  """Activations and FLOPs per token, the step's compute time, and in-island collectives."""
+  hw = e["hardware"]
+  if e["compute_s"] is None:
+    compute = f"Compute: n/a (no peak FLOP/s known for {hw['name']})"
+  else:
+    compute = (
+      f"Compute: {e['compute_s']:.3g} s per step at {hw['efficiency']:.1%} of "
+      f"{hw['peak_flops'] / 1e12:g} TFLOP/s per device"
+    )
+    if e["recompute_factor"] != 1:
+      compute += f", x{e['recompute_factor']:.3g} for recomputing the forward"
+  hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
+  return [
+    f"Activations per token and layer: {_size(e['layer_activation_bytes_per_token'])}; "
+    f"tokens per device and microbatch: {e['tokens_per_device']:,}",
+    f"FLOPs per token: {e['flops_per_token']:.4g} (6N + 12LHQT); tokens per step: "
+    f"{e['tokens_per_step']:,} ({config.train.global_batch} x {config.data.seq_len})",
+    compute,
+    f"In-island collectives: {_size(e['ici_bytes'])} per device per step, "
+    f"{_seconds(e['ici_s'])} at ICI bandwidth (assumed hidden under compute"
+    + (": NOT hideable)" if hidden else ")"),
+  ]
+
+
+def exchange_lines(e: dict) -> list[str]:
+  """What crosses pods per step, per pod pair and per host pair, and how long it takes."""
+  x, dcn = e["exchange"], e["hardware"]["dcn_bytes_per_s"]
+  if x["mode"] is None:
+    return ["Cross-pod exchange: none (one pod)"]
+  return [
+    f"Cross-pod exchange ({x['mode']}, compression {x['compression']}): "
+    f"{_size(x['bytes_per_pod_pair'])} per pod pair per step, "
+    f"{_size(x['bytes_per_host_pair'])} per host pair",
+    f"  transfer {_seconds(x['transfer_s'])} at "
+    f"{'n/a' if dcn is None else _size(dcn) + '/s'} per host; exposed {_seconds(x['exposed_s'])}",
+  ]
+
+
+def step_line(e: dict) -> str:
+  if e["step_s"] is None:
+    return "Step: n/a (no peak FLOP/s or network bandwidth known for this hardware)"
+  return f"Step: {e['step_s']:.3g} s; MFU {e['mfu']:.1%}; {e['tokens_per_s']:,.0f} tokens/s"
+
+
+def report(config) -> str:
+  """`estimate(config)` as printable lines."""
+  e = estimate(config)
+  lines = cluster_lines(e)
+  for r in e["islands"]:
+    lines += island_lines(r, e["num_stages"], e["hardware"]["memory_bytes"])
+  lines += compute_lines(e, config) + exchange_lines(e) + [step_line(e)]
+  return "\n".join(lines)

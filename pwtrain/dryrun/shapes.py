@@ -1,0 +1,83 @@
+"""The train state on paper: its shapes (nothing allocated) and each device's bytes of it.
+
+`model_fns` gives the whole model's abstract params and logical axes quickly, `abstract_state`
+the whole-model train state as ShapeDtypeStructs, built by the same function a run uses
+(pipeline.state.train_state, so it holds whatever the plan's exchange carries), and
+`stage_device_bytes` one device's bytes of every leaf of a stage's share of it, from the leaf's
+PartitionSpec (spmd.state_shardings, as a run shards it) and the mesh's axis sizes.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from pwtrain import step as step_lib
+from pwtrain.models import moe as moe_lib
+from pwtrain.parallel import spmd
+from pwtrain.parallel.exchange import Exchange
+from pwtrain.parallel.pipeline.state import train_state
+from pwtrain.parallel.stages import Stage, to_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapeOnlyFns(step_lib.ModelFns):
+  """ModelFns whose init returns zeros of the abstract shapes: for eval_shape only."""
+
+  def init(self, key) -> dict:
+    del key
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_params)
+
+
+def model_fns(model_cfg, moe=None) -> step_lib.ModelFns:
+  """The whole model's abstract params and logical axes, from a model of one period of layers.
+
+  Blocks repeat with the MoE schedule's period (`moe.every`; 1 for a dense model), so the
+  period's blocks are copied to all layers: the same trees as step.model_fns(model_cfg, moe)
+  (tested), in 0.1 s instead of 20 s for PaLM 540B's 118 layers. The graphdef is the short
+  model's: shapes only, not for running.
+  """
+  period = min(moe.every, model_cfg.num_layers) if moe_lib.enabled(moe) else 1
+  one = step_lib.model_fns(model_cfg, moe, num_layers=period)
+
+  def widen(tree):
+    blocks = {i: tree["blocks"][i % period] for i in range(model_cfg.num_layers)}
+    return {**tree, "blocks": blocks}
+
+  return _ShapeOnlyFns(
+    one.graphdef, widen(one.abstract_params), widen(one.logical_axes), model_cfg, moe
+  )
+
+
+def abstract_state(fns, tx, seed: int, exchange: Exchange) -> dict:
+  """The whole-model train state as ShapeDtypeStructs: step, params, opt_state, rng, and the
+  entries `exchange` adds (stale gradients, DiLoCo's anchor, error-feedback residuals)."""
+  return jax.eval_shape(lambda: train_state(fns, tx, seed, exchange))
+
+
+def shard_bytes(leaf, sharding, mesh_shape: dict[str, int]) -> int:
+  """Bytes of one device's shard: each dim divided (rounded up) by its mesh axes' sizes."""
+  n = 1
+  spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+  for dim, axes in zip(leaf.shape, spec, strict=True):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    n *= -(-dim // math.prod(mesh_shape[a] for a in axes))
+  return n * jnp.dtype(leaf.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of all of a tree's (abstract) arrays, unsharded."""
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def stage_device_bytes(whole: dict, fns, stage: Stage, mesh_shape: dict[str, int]) -> dict:
+  """{state key: one device's bytes of that entry} of `stage`'s share of the `whole` state, on
+  an island of `mesh_shape`."""
+  mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+  state = to_stage(whole, stage)
+  stage_fns = dataclasses.replace(fns, logical_axes=to_stage(fns.logical_axes, stage))
+  shardings = spmd.state_shardings(stage_fns, mesh, state)
+  per_leaf = jax.tree.map(lambda a, s: shard_bytes(a, s, mesh_shape), state, shardings)
+  return {key: sum(jax.tree.leaves(tree)) for key, tree in per_leaf.items()}

@@ -1,0 +1,81 @@
+"""The PaLM model's arithmetic: parameter counts, FLOPs and activation bytes, per layer and whole.
+
+One place for what the plan (stage balancing), the metrics (MFU) and the dry run (memory, step
+time) compute from the model's shapes, so they cannot disagree. Everything takes the model and
+MoE configs (`model.*`, `moe.*`) and plain numbers; nothing here builds or traces a model.
+
+Notation: d = d_model, H = num_heads, g = num_kv_heads, K = head_dim, F = d_ff, V = vocab_size,
+T = seq_len, L = num_layers. Training FLOPs are PaLM's (Chowdhery et al., 2022, appendix B):
+6 per parameter and token (forward 2, backward 4) plus 12 L H K T for attention's scores and
+weighted sum, with the embedding lookup (a gather) counted as no FLOPs.
+"""
+
+import math
+
+import jax.numpy as jnp
+
+from pwtrain.models import moe as moe_lib
+
+
+def attention_params(m) -> int:
+  """One block's attention projections: q and output (H heads), k and v (g heads)."""
+  return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+
+
+def ffn_params(m, moe, layer: int) -> tuple[int, int]:
+  """(all, active per token) parameters of layer `layer`'s FFN: the dense SwiGLU, or an MoE
+  layer's experts and router (a token uses top_k experts)."""
+  if not moe_lib.is_moe_layer(moe, layer):
+    return 3 * m.d_model * m.d_ff, 3 * m.d_model * m.d_ff
+  expert = 3 * m.d_model * moe_lib.expert_d_ff(m, moe)
+  router = m.d_model * moe.num_experts
+  return moe.num_experts * expert + router, moe.top_k * expert + router
+
+
+def param_count(m, moe, *, active: bool = False) -> int:
+  """Parameters of the model (embedding shared with the output layer); with `active`, an MoE
+  layer counts only the top_k experts a token uses (and its router)."""
+  mlp = sum(ffn_params(m, moe, layer)[1 if active else 0] for layer in range(m.num_layers))
+  norms = m.num_layers * m.d_model + m.d_model  # a LayerNorm scale per block, and the final one
+  return m.vocab_size * m.d_model + m.num_layers * attention_params(m) + mlp + norms
+
+
+def flops_per_token(m, moe, seq_len: int) -> float:
+  """Training FLOPs per token, 6N + 12LHKT (N: active parameters, embedding excluded)."""
+  n = param_count(m, moe, active=True) - m.vocab_size * m.d_model
+  return 6.0 * n + 12.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
+
+
+def layer_costs(m, moe, seq_len: int) -> tuple[list[float], float, float]:
+  """Training FLOPs per token of each block, of the embedding lookup and of the output layer."""
+  blocks = [
+    6.0 * (attention_params(m) + ffn_params(m, moe, layer)[1])
+    + 12.0 * m.num_heads * m.head_dim * seq_len
+    for layer in range(m.num_layers)
+  ]
+  head = 6.0 * m.vocab_size * m.d_model
+  embed = 0.0  # a gather: no matmul FLOPs
+  return blocks, embed, head
+
+
+def layer_activation_bytes(m, tensor: int, seq_len: int) -> float:
+  """Bytes autodiff saves per token for one block split `tensor` ways: B(2d + 2HK/t + 2gK +
+  3F/t) (block input and LayerNorm output; q and the attention output; k and v; gate, up,
+  hidden) + (4 + B) H/t T (softmax probabilities in float32 and their cast), B = the
+  activation dtype's bytes."""
+  b = jnp.dtype(m.dtype).itemsize
+  heads = m.num_heads / tensor
+  saved = 2 * m.d_model + 2 * heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+  saved += 3 * m.d_ff / tensor
+  return b * saved + (4 + b) * heads * seq_len
+
+
+def head_activation_bytes(m, tensor: int) -> float:
+  """Bytes per token the output layer keeps: float32 logits and their gradient over its V/t
+  vocabulary shard, and its input."""
+  return 8 * math.ceil(m.vocab_size / tensor) + jnp.dtype(m.dtype).itemsize * m.d_model
+
+
+def layer_input_bytes(m) -> float:
+  """Bytes per token a rematerialised block keeps: its input."""
+  return jnp.dtype(m.dtype).itemsize * m.d_model

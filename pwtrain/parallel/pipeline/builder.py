@@ -1,0 +1,286 @@
+"""Builds the MPMD step: every cell's pieces compiled, then wired into one Program.
+
+Cell (p, s) is stage s of pod p, on the island the plan gives it. Besides the stage's pieces
+(pieces.py) the step moves activations forward, activation gradients backward, the shared
+embedding's gradient halves between the first and last stage, the loss statistics and squared
+norms to every cell, and whatever the exchange sends between pods (exchange/*.py). Node names
+are prefixed with the pod ("1:F0.3"); transfers are named for what they carry ("1:act2.0",
+"0>1:g1" from pod 0 to pod 1). Each island's nodes follow the schedule (schedule.py); the
+controller enqueues the whole step at once and each island's scheduler launches its nodes in
+that order as their inputs appear.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pwtrain import guard
+from pwtrain import sharding as sharding_lib
+from pwtrain import step as step_lib
+from pwtrain.backend import Controller, Node, Program, Transfer
+from pwtrain.models import moe as moe_lib
+from pwtrain.parallel import spmd
+from pwtrain.parallel.pipeline import pieces as pieces_lib
+from pwtrain.parallel.pipeline.schedule import interleave, island_order
+from pwtrain.parallel.pipeline.state import (
+  PipelineProgram,
+  state_key,
+  train_state,
+  whole_abstract,
+)
+from pwtrain.parallel.stages import to_stage
+
+
+def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram:
+  assert not plan.single_island, "one stage on one island is spmd.build's job"
+  exchange, stages = plan.exchange, list(plan.stages)
+  whole_fns = step_lib.model_fns(config.model, config.moe)
+  whole_init = lambda: train_state(whole_fns, tx, config.seed, exchange)
+  whole = jax.eval_shape(whole_init)
+  update = guard.wrap_update(
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
+  )
+  # MoE: each stage adds its weighted aux losses to what it differentiates, and passes the
+  # running MoE stats forward with its activations, so the last stage's stats cover all stages.
+  moe = config.moe if moe_lib.enabled(config.moe) else None
+  if moe:
+    update = moe_lib.with_metrics(moe, update)
+  update = exchange.wrap_update(update)
+
+  pieces, cells = {}, {}
+  for (p, s), island in plan.cells.items():
+    stage = stages[s]
+    mesh = plan.mesh((p, s))
+    fns = step_lib.model_fns(config.model, config.moe, **stage.model_kwargs())
+    abstract = to_stage(whole, stage)
+    shardings = spmd.state_shardings(fns, mesh, abstract)
+    cell = pieces_lib.cell_pieces(
+      (p, s),
+      stage,
+      plan.num_stages,
+      island,
+      mesh,
+      fns,
+      spmd.with_shardings(abstract, shardings),
+      shardings,
+      config,
+      controller=controller,
+      pieces=pieces,
+    )
+    cells[(p, s)] = cell
+    _compile_cell(cell, whole_init, update, exchange, moe, config, plan.num_pods)
+
+  builder = lambda kind: ProgramBuilder(plan, pieces, config).program(kind)
+  programs = {kind: builder(kind) for kind in exchange.program_kinds}
+  init_program = Program(
+    nodes=tuple(Node(f"{p}:init{s}", pieces[("init", p, s)].executable, ()) for p, s in cells),
+    outputs={state_key(c): (f"{c[0]}:init{c[1]}", 0) for c in cells},
+    carried=tuple(state_key(c) for c in cells),
+  )
+
+  def init():
+    out = controller.run(init_program, {})
+    return {k: v.result() for k, v in out.items()}
+
+  cell_abstract = {c: cell.state_abs for c, cell in cells.items()}
+  stage_grads = [cells[(0, s)].grads_abs for s in range(plan.num_stages)]
+  return PipelineProgram(
+    programs=programs,
+    abstract_state=whole_abstract(
+      whole, cell_abstract, stages, plan.num_pods, exchange.per_pod_state
+    ),
+    init=init,
+    executables={key: piece.executable for key, piece in pieces.items()},
+    stages=stages,
+    num_pods=plan.num_pods,
+    num_micro=config.train.num_microbatches,
+    cell_shardings={c: cell.shardings for c, cell in cells.items()},
+    exchange=exchange,
+    exchange_bytes=exchange.bytes_per_step(stage_grads),
+  )
+
+
+def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int) -> None:
+  """Every piece of one cell: init, zeros, the stage's F/B/FB, the exchange's, emb, finish,
+  apply."""
+  stage, num_stages = cell.stage, cell.num_stages
+  cell.compile("init", lambda: to_stage(whole_init(), stage), {}, out_shardings=cell.shardings)
+
+  def zeros_fn(state):
+    return jax.tree.map(jnp.zeros_like, state["params"]), pieces_lib.zero_stats(
+      config.moe.num_experts
+    )
+
+  cell.compile(
+    "zeros",
+    zeros_fn,
+    {"state": cell.state_abs},
+    out_shardings=(cell.grads_sharding, cell.sharding_of(cell.stats_abs)),
+  )
+  pieces_lib.compile_stage(cell, moe, config.model.z_loss)
+  exchange.compile_cell(cell)
+
+  tied = num_stages > 1 and (stage.first or stage.last)
+  if tied:
+    cell.compile(
+      "emb",
+      lambda grads: grads["embedding"],
+      {"grads": cell.grads_abs},
+      out_shardings=cell.grads_sharding["embedding"],
+    )
+
+  def finish_fn(grads, other=None):
+    # The embedding's gradient is the sum of its use as input (first stage) and as output
+    # layer (last stage); both ends add the halves in the same order, so their copies of the
+    # embedding stay bitwise equal. It is counted in the norm once, on the first stage.
+    if other is not None:
+      own = grads["embedding"]
+      grads = {**grads, "embedding": own + other if stage.first else other + own}
+    counted = {k: v for k, v in grads.items() if stage.first or k != "embedding"}
+    return grads, step_lib.sum_of_squares(counted)
+
+  cell.compile(
+    "finish",
+    finish_fn,
+    {"grads": cell.grads_abs, **({"other": cell.grads_abs["embedding"]} if tied else {})},
+    out_shardings=(cell.grads_sharding, cell.replicated),
+    donate=("grads",),
+  )
+
+  pod = cell.key[0]
+
+  def apply_fn(state, grads, stats, sumsq, **extras):
+    return exchange.update(update, pod, state, grads, stats, sum(sumsq), **extras)
+
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=cell.replicated)
+  cell.compile(
+    "apply",
+    apply_fn,
+    {
+      "state": cell.state_abs,
+      "grads": cell.grads_abs,
+      "stats": [cell.stats_abs] * num_pods,
+      "sumsq": [scalar] * num_stages,
+      **exchange.apply_inputs(cell),
+    },
+    out_shardings=(cell.shardings, cell.replicated),
+    donate=("state",),
+  )
+
+
+class ProgramBuilder:
+  """Emits the step's nodes cell by cell, then interleaves them into one dispatch order."""
+
+  state_key = staticmethod(state_key)
+
+  def __init__(self, plan, pieces: dict, config):
+    self.plan, self.pieces, self.exchange = plan, pieces, plan.exchange
+    self.cells = list(plan.cells)
+    self.pods = sorted({p for p, _ in self.cells})
+    self.num_stages = plan.num_stages
+    self.num_micro = config.train.num_microbatches
+    self.schedule = config.parallel.schedule
+    self.moe = moe_lib.enabled(config.moe)
+    self.per_cell: dict = {c: [] for c in self.cells}
+
+  def piece(self, cell: tuple, kind: str) -> pieces_lib.Piece:
+    return self.pieces[(kind, *cell)]
+
+  def move(self, cell, name, src, names=None, sharding=None):
+    """Transfer `src` onto `cell`'s island, sharded by logical `names` (or `sharding`)."""
+    if sharding is None:
+      sharding = sharding_lib.named_sharding(self.plan.mesh(cell), names)
+    self.per_cell[cell].append(Transfer(name, src, self.plan.cells[cell].name, sharding))
+    return (name, 0)
+
+  def node(self, cell, kind: str, suffix: str = "", **refs) -> str:
+    """Adds `cell`'s piece `kind` with its named input refs; returns the node's name."""
+    piece = self.piece(cell, kind)
+    name = f"{cell[0]}:{kind}{cell[1]}{suffix}"
+    self.per_cell[cell].append(Node(name, piece.executable, piece.args(refs)))
+    return name
+
+  def program(self, kind: str = "step") -> Program:
+    last = self.num_stages - 1
+    grads, stats = self._backward()
+    grads = self.exchange.gradient_nodes(self, grads)
+
+    # The shared embedding: each end sends its (pod-summed) half of the gradient to the other.
+    tied = [c for c in self.cells if self.num_stages > 1 and c[1] in (0, last)]
+    for cell in tied:
+      self.node(cell, "emb", grads=grads[cell])
+    for p, s in self.cells:
+      refs = {"grads": grads[(p, s)]}
+      if (p, s) in tied:
+        other = last if s == 0 else 0
+        src = (f"{p}:emb{other}", 0)
+        refs["other"] = self.move((p, s), f"{p}:emb{other}to{s}", src, ("vocab", "embed"))
+      self.node((p, s), "finish", **refs)
+
+    # Every cell clips by the same global norm and normalises by the same token count.
+    for p, s in self.cells:
+      cell = (p, s)
+      sumsq = [
+        (f"{p}:finish{t}", 1)
+        if t == s
+        else self.move(cell, f"{p}:sq{t}to{s}", (f"{p}:finish{t}", 1), ())
+        for t in range(self.num_stages)
+      ]
+      pod_stats = [
+        stats[q] if (q, last) == cell else self.move(cell, f"{q}>{p}:stats{s}", stats[q], ())
+        for q in self.pods
+      ]
+      extras = self.exchange.apply_refs(self, cell)
+      self.node(
+        cell,
+        "apply",
+        state=state_key(cell),
+        grads=(f"{p}:finish{s}", 0),
+        stats=pod_stats,
+        sumsq=sumsq,
+        **extras,
+      )
+    final = {c: (f"{c[0]}:apply{c[1]}", 0) for c in self.cells}
+    if kind != "step":
+      final = self.exchange.outer_nodes(self, final)
+    return Program(
+      nodes=interleave(list(self.per_cell.values())),
+      outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (f"0:apply{last}", 1)},
+      carried=tuple(state_key(c) for c in self.cells),
+    )
+
+  def _backward(self) -> tuple[dict, dict]:
+    """Every cell's microbatches in schedule order; returns each cell's summed gradients and
+    each pod's loss statistics (from its last stage)."""
+    last, act, tokens = self.num_stages - 1, pieces_lib.ACT, pieces_lib.TOKENS
+    grads_ref, stats_ref = {}, {}
+    for p, s in self.cells:
+      stage = self.plan.stages[s]
+      cell, state, pre = (p, s), state_key((p, s)), f"{p}:"
+      zeros = self.node(cell, "zeros", state=state)
+      grads, stats = (zeros, 0), (zeros, 1)
+      for kind, m in island_order(self.schedule, stage, self.num_stages, self.num_micro):
+        if kind == "B":
+          x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
+          src = (f"{pre}FB{last}.{m}", 2) if s + 1 == last else (f"{pre}B{s + 1}.{m}", 1)
+          g = self.move(cell, f"{pre}grad{s}.{m}", src, act)
+          grads = (self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads), 0)
+          continue
+        moe_in = {}  # MoE: the running MoE stats of the stages before
+        if stage.first:
+          x = self.move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
+        else:
+          x = self.move(cell, f"{pre}act{s}.{m}", (f"{pre}F{s - 1}.{m}", 0), act)
+          if self.moe:
+            moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (f"{pre}F{s - 1}.{m}", 1), ())
+        if kind == "F":
+          self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
+        else:
+          y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
+          name = self.node(
+            cell, "FB", f".{m}", state=state, x=x, targets=y, grads=grads, stats=stats, **moe_in
+          )
+          grads, stats = (name, 0), (name, 1)
+      grads_ref[cell] = grads
+      if stage.last:
+        stats_ref[p] = stats
+    return grads_ref, stats_ref

@@ -1,0 +1,274 @@
+"""A cell's compiled pieces, with named inputs.
+
+A piece is one function of a cell (pod p, stage s) compiled once for the cell's island. Its
+inputs are named, in the order it takes them; a name may stand for a list of values (every
+pod's loss statistics, say), one argument each. The code that compiles a piece and the code that
+wires its node into the step use the same names, so no one slices arguments by position.
+
+Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
+  F    forward: input activation (or tokens) -> output activation
+  B    backward: recomputes the stage's forward from its saved input (GPipe's
+       re-materialisation), pulls back the next stage's activation gradient and adds the
+       parameter gradients into the stage's running sums
+  FB   on the last stage: forward, loss and backward in one piece
+and once per step: init, zeros (the running sums), emb (the shared embedding's gradient half),
+finish (tie the embedding halves; the squared norm), apply (the optimizer update), plus the
+exchange's own pieces (exchange/*.py).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pwtrain import sharding as sharding_lib
+from pwtrain import step as step_lib
+from pwtrain.backend import Controller, Executable
+from pwtrain.models import lm_loss
+from pwtrain.models import moe as moe_lib
+
+ACT = ("batch", "length", "embed")  # logical axes of a stage's input/output activation
+TOKENS = ("batch", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """An executable and the names of its inputs: (name, list length, or None for one value)."""
+
+  executable: Executable
+  signature: tuple[tuple[str, int | None], ...]
+
+  def args(self, refs: dict) -> tuple:
+    """The node's positional refs from {input name: ref, or a list of refs}."""
+    names = [name for name, _ in self.signature]
+    assert set(refs) == set(names), f"{self.executable.name}: inputs {sorted(refs)} != {names}"
+    out = []
+    for name, length in self.signature:
+      if length is None:
+        out.append(refs[name])
+      else:
+        assert len(refs[name]) == length, f"{self.executable.name}: {name} needs {length}"
+        out.extend(refs[name])
+    return tuple(out)
+
+  def input_sharding(self, name: str, index: int = 0):
+    """The compiled sharding of input `name` (element `index` of a list input)."""
+    position = 0
+    for other, length in self.signature:
+      if other == name:
+        return self.executable.compiled.input_shardings[0][position + index]
+      position += 1 if length is None else length
+    raise KeyError(name)
+
+  @property
+  def out_abstract(self):
+    """The outputs as ShapeDtypeStructs with their compiled shardings."""
+    compiled = self.executable.compiled
+    return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      compiled.out_info,
+      compiled.output_shardings,
+    )
+
+
+def compile_piece(
+  controller: Controller, name, fn, island: str, mesh, inputs: dict, *, donate=(), **kw
+) -> Piece:
+  """Compiles `fn(**inputs)` for abstract `inputs` ({name: value or list of values}); `donate`
+  names the inputs whose buffers the piece may reuse."""
+  signature = tuple((k, len(v) if isinstance(v, list) else None) for k, v in inputs.items())
+  flat, donate_argnums = [], []
+  for key, value in inputs.items():
+    for v in value if isinstance(value, list) else [value]:
+      if key in donate:
+        donate_argnums.append(len(flat))
+      flat.append(v)
+
+  def positional(*args):
+    named, it = {}, iter(args)
+    for key, length in signature:
+      named[key] = next(it) if length is None else [next(it) for _ in range(length)]
+    return fn(**named)
+
+  exe = controller.compile(
+    name, positional, island, tuple(flat), mesh=mesh, donate_argnums=tuple(donate_argnums), **kw
+  )
+  return Piece(exe, signature)
+
+
+@dataclasses.dataclass
+class CellPieces:
+  """One cell's island, mesh and abstract values; compiles its pieces into `pieces`."""
+
+  key: tuple  # (pod, stage)
+  stage: Any  # stages.Stage
+  num_stages: int
+  island: Any  # backend.Island
+  mesh: Any
+  fns: step_lib.ModelFns  # the stage's model
+  state_abs: dict  # the cell's state, with shardings
+  shardings: dict  # the state's shardings
+  stats_abs: dict  # the loss statistics (and MoE stats) carried through the step
+  tokens_abs: Any
+  act_abs: Any
+  controller: Controller
+  pieces: dict  # (kind, pod, stage) -> Piece, shared by every cell
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  @property
+  def grads_abs(self) -> dict:
+    return self.state_abs["params"]
+
+  @property
+  def grads_sharding(self) -> dict:
+    return self.shardings["params"]
+
+  @property
+  def x_abs(self):
+    """The stage's input: tokens on the first stage, else the previous stage's activation."""
+    return self.tokens_abs if self.stage.first else self.act_abs
+
+  @property
+  def moe_abs(self) -> dict:
+    return {k: v for k, v in self.stats_abs.items() if k in moe_lib.STAT_KEYS}
+
+  def sharding_of(self, tree):
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+  def compile(self, kind: str, fn, inputs: dict, **kw) -> Piece:
+    p, s = self.key
+    piece = compile_piece(
+      self.controller, f"{p}:{kind}{s}", fn, self.island.name, self.mesh, inputs, **kw
+    )
+    self.pieces[(kind, p, s)] = piece
+    return piece
+
+
+def cell_pieces(key, stage, num_stages, island, mesh, fns, state_abs, shardings, config, **kw):
+  """A CellPieces with the step's abstract activations, tokens and statistics."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  mb = config.train.global_batch // config.parallel.pods // config.train.num_microbatches
+  seq = config.data.seq_len
+  tokens = jax.ShapeDtypeStruct(
+    (mb, seq), np.int32, sharding=sharding_lib.named_sharding(mesh, TOKENS)
+  )
+  act = jax.ShapeDtypeStruct(
+    (mb, seq, config.model.d_model),
+    jnp.dtype(config.model.dtype),
+    sharding=sharding_lib.named_sharding(mesh, ACT),
+  )
+  stats = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+    jax.eval_shape(lambda: zero_stats(config.moe.num_experts)),
+  )
+  return CellPieces(
+    key, stage, num_stages, island, mesh, fns, state_abs, shardings, stats, tokens, act, **kw
+  )
+
+
+def zero_stats(num_experts: int) -> dict:
+  """The running loss statistics of a step (and MoE stats), all zero."""
+  return {
+    **{k: jnp.zeros((), jnp.float32) for k in step_lib.STAT_KEYS},
+    **moe_lib.zero_stats(num_experts),
+  }
+
+
+def compile_stage(cell: CellPieces, moe, z_loss: float) -> None:
+  """A stage's F and B pieces, or its FB on the last stage.
+
+  F returns the stage's output activation; B is its VJP (a first stage's tokens get no
+  gradient); FB differentiates the LM loss. With MoE layers (`moe` set) a stage also has its
+  weighted aux losses: its objective is (output, aux), B's cotangents are (the next stage's
+  activation gradient, 1) and FB adds its aux losses to the loss. F then also returns the running
+  MoE stats (the previous stages', carried in as `moe_in`, plus its own), so FB's stats cover
+  every stage and its loss_sum every stage's weighted aux losses.
+  """
+  stage, fns = cell.stage, cell.fns
+  act_sharding = cell.act_abs.sharding
+  moe_in = {} if stage.first or moe is None else {"moe_in": cell.moe_abs}
+  argnums = (0,) if stage.first else (0, 1)  # tokens are not differentiable
+
+  def forward(params, x):
+    if moe is None:
+      return fns.module(params)(x), {}
+    rngs = moe_lib.jitter_rngs(moe, x)
+    return fns.module(params).forward(x, train=True, rngs=rngs)
+
+  def objective(params, x):
+    out, stats = forward(params, x)
+    if moe is None:
+      return out, stats
+    return (out, moe_lib.weighted_aux(moe, stats)), stats
+
+  if stage.last:
+
+    def fb_fn(state, x, targets, grads, stats, moe_in=None):
+      def loss_fn(params, x):
+        out, own = forward(params, x)
+        total, lm = lm_loss(out, targets, z_loss=z_loss)
+        if moe is not None:
+          total = total + moe_lib.weighted_aux(moe, own)
+        return total, (lm, own)
+
+      (total, (lm, own)), g = jax.value_and_grad(loss_fn, argnums, has_aux=True)(state["params"], x)
+      if moe_in is not None:  # earlier stages' aux losses were differentiated there
+        own = moe_lib.add_stats(moe_in, own)
+        total = total + moe_lib.weighted_aux(moe, moe_in)
+      grads = jax.tree.map(jnp.add, grads, g[0])
+      stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **lm, **own})
+      return (grads, stats) if stage.first else (grads, stats, g[1])
+
+    cell.compile(
+      "FB",
+      fb_fn,
+      {
+        "state": cell.state_abs,
+        "x": cell.x_abs,
+        "targets": cell.tokens_abs,
+        "grads": cell.grads_abs,
+        "stats": cell.stats_abs,
+        **moe_in,
+      },
+      out_shardings=(cell.grads_sharding, cell.sharding_of(cell.stats_abs))
+      + (() if stage.first else (act_sharding,)),
+      donate=("grads", "stats"),
+    )
+    return
+
+  def f_fn(state, x, moe_in=None):
+    out, own = forward(state["params"], x)
+    if moe is None:
+      return out
+    if moe_in is not None:
+      own = moe_lib.add_stats(moe_in, own)
+    return out, own
+
+  cell.compile(
+    "F",
+    f_fn,
+    {"state": cell.state_abs, "x": cell.x_abs, **moe_in},
+    out_shardings=act_sharding if moe is None else (act_sharding, cell.sharding_of(cell.moe_abs)),
+  )
+
+  def b_fn(state, x, g_out, grads):
+    cotangent = g_out if moe is None else (g_out, jnp.ones((), jnp.float32))
+    fn = objective if not stage.first else lambda params: objective(params, x)
+    primals = (state["params"], x)[: len(argnums)]
+    _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
+    g_params, *g_in = vjp(cotangent)
+    return (jax.tree.map(jnp.add, grads, g_params), *g_in)
+
+  cell.compile(
+    "B",
+    b_fn,
+    {"state": cell.state_abs, "x": cell.x_abs, "g_out": cell.act_abs, "grads": cell.grads_abs},
+    out_shardings=(cell.grads_sharding,) + (() if stage.first else (act_sharding,)),
+    donate=("grads",),
+  )

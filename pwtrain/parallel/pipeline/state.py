@@ -1,0 +1,107 @@
+"""The state layout of an MPMD step: one train state per cell, keyed "state/<pod>.<stage>".
+
+A cell's state is the stage's share of the whole-model state (stages.to_stage); checkpoints
+hold the whole model (stages.to_whole), every pod's when the pods' states differ. Every leaf of
+the whole-model restore target is sharded on pod 0's island of the stage that owns it (shared
+leaves on the first), and `from_checkpoint` copies it wherever else it is used.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from pwtrain import step as step_lib
+from pwtrain.backend import Program
+from pwtrain.parallel.exchange import Exchange
+from pwtrain.parallel.stages import Stage, to_stage, to_whole
+
+
+def state_key(cell: tuple) -> str:
+  return f"state/{cell[0]}.{cell[1]}"
+
+
+@dataclasses.dataclass
+class PipelineProgram:
+  """The StepProgram (parallel/program.py) of stages and pods over islands."""
+
+  programs: dict[str, Program]  # "step", and the exchange's other kinds (DiLoCo: "outer")
+  abstract_state: dict  # whole-model state (every pod's, when they differ): restore target
+  init: Callable[[], dict]  # () -> {"state/<p>.<s>": cell state}
+  executables: dict  # (kind, pod, stage) -> Executable
+  stages: list[Stage]
+  num_pods: int
+  num_micro: int
+  cell_shardings: dict  # (p, s) -> state shardings
+  exchange: Exchange
+  exchange_bytes: int  # bytes each pod sends to the other pods per (outer) step
+
+  @property
+  def program(self) -> Program:
+    return self.programs["step"]
+
+  @property
+  def per_pod_checkpoint(self) -> bool:
+    return self.exchange.per_pod_state
+
+  @property
+  def state_keys(self) -> tuple:
+    return tuple(state_key(c) for c in self.cell_shardings)
+
+  def program_for(self, step: int) -> Program:
+    return self.programs[self.exchange.program_kind(step)]
+
+  def feed(self, batch: dict) -> dict:
+    """Host batch -> per-pod, per-microbatch inputs.
+
+    Pod p takes the p-th contiguous slice of the global batch; within it rows m, m+M, ... form
+    microbatch m (as gradient accumulation does).
+    """
+    out, n = {}, len(batch["inputs"])
+    for p in range(self.num_pods):
+      rows = slice(p * n // self.num_pods, (p + 1) * n // self.num_pods)
+      for m in range(self.num_micro):
+        out[f"tokens/{p}.{m}"] = batch["inputs"][rows][m :: self.num_micro]
+        out[f"targets/{p}.{m}"] = batch["targets"][rows][m :: self.num_micro]
+    return out
+
+  def _pod_whole(self, state: dict, p: int) -> dict:
+    return to_whole([state[state_key((p, s))] for s in range(len(self.stages))], self.stages)
+
+  def to_checkpoint(self, state: dict) -> dict:
+    if self.per_pod_checkpoint:
+      return {"pods": [self._pod_whole(state, p) for p in range(self.num_pods)]}
+    return self._pod_whole(state, 0)  # pods hold identical states
+
+  def from_checkpoint(self, whole: dict) -> dict:
+    return {
+      state_key(cell): jax.device_put(
+        to_stage(
+          whole["pods"][cell[0]] if self.per_pod_checkpoint else whole, self.stages[cell[1]]
+        ),
+        shardings,
+      )
+      for cell, shardings in self.cell_shardings.items()
+    }
+
+
+def whole_abstract(whole: dict, cell_abstract: dict, stages: list, num_pods: int, per_pod: bool):
+  """The restore target: `whole` (ShapeDtypeStructs) with each leaf sharded as its cell has it."""
+
+  def pod(p):
+    cells = [cell_abstract[(p, s)] for s in range(len(stages))]
+    shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in cells], stages)
+    return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), whole, shardings
+    )
+
+  if per_pod:
+    return {"pods": [pod(p) for p in range(num_pods)]}
+  return pod(0)
+
+
+def train_state(fns, tx, seed: int, exchange: Exchange) -> dict:
+  """The whole-model train state, with what the exchange carries (stale gradients, DiLoCo's
+  anchor, error-feedback residuals)."""
+  state = step_lib.init_state(fns, tx, seed)
+  return {**state, **exchange.init_state(state["params"])}

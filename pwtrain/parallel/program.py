@@ -1,0 +1,40 @@
+"""The contract between a parallel layout and the trainer: a StepProgram.
+
+Every layout (one SPMD island in spmd.py; stages and pods over islands in pipeline/) builds an
+object with these members, and the trainer, the harness, the tests and the benchmarks use only
+them. The program's inputs are the state values (under `state_keys`) plus `feed(batch)`; its
+outputs are the next state values (same keys) and "metrics". Checkpoints always hold the
+whole-model state (`to_checkpoint`), so any layout restores any other layout's checkpoint.
+"""
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from pwtrain.backend import Program
+
+
+@runtime_checkable
+class StepProgram(Protocol):
+  abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings: restore target
+  init: Callable[[], dict]  # () -> {state key: state}, computed on the islands
+  executables: dict  # every compiled piece, for inspection (memory analysis, tests)
+  exchange_bytes: int  # bytes one pod sends to the others per (outer) step; 0 for one pod
+
+  @property
+  def state_keys(self) -> tuple[str, ...]: ...
+
+  def program_for(self, step: int) -> Program:
+    """The program that runs step `step` (0-based)."""
+    ...
+
+  def feed(self, batch: dict) -> dict:
+    """A host batch {"inputs", "targets"} -> the program's batch inputs."""
+    ...
+
+  def to_checkpoint(self, state: dict) -> dict:
+    """The program's state values -> the whole-model train state."""
+    ...
+
+  def from_checkpoint(self, whole: dict) -> dict:
+    """A whole-model train state (as restored into `abstract_state`) -> the program's state."""
+    ...
