@@ -75,6 +75,9 @@ def get_config(arg=None):
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"
   c.optim.lr = 1e-2
+  # Learning-rate schedule: "auto" (adafactor/sgd: PaLM's rsqrt; adamw: cosine), "rsqrt",
+  # "cosine", "linear", "wsd" (warmup-stable-decay) or "constant"; all warm up linearly.
+  c.optim.schedule = "auto"
   c.optim.warmup_steps = 30
   c.optim.constant_steps = 10_000  # PaLM: constant lr for 10k steps, then 1/sqrt(step)
   c.optim.b1 = 0.9
@@ -82,7 +85,8 @@ def get_config(arg=None):
   c.optim.clip_norm = 1.0
   c.optim.weight_decay = 1.0  # Adafactor: decay = weight_decay * lr^2 (PaLM uses lr^2)
   c.optim.b2 = 0.95  # AdamW only
-  c.optim.end_lr_fraction = 0.1  # AdamW cosine floor
+  c.optim.end_lr_fraction = 0.1  # where cosine, linear and wsd end, as a fraction of lr
+  c.optim.decay_fraction = 0.2  # wsd: the last fraction of train.num_steps that decays
 
   c.parallel = ml_collections.ConfigDict()
   c.parallel.islands = 1  # number of islands the local devices are carved into

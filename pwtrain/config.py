@@ -101,6 +101,13 @@ def validate(config) -> None:
     raise ValueError(
       f"optim.name={config.optim.name!r} is not an optimizer; valid: {', '.join(optim.OPTIMIZERS)}"
     )
+  if config.optim.schedule not in optim.SCHEDULES:
+    raise ValueError(
+      f"optim.schedule={config.optim.schedule!r} is not a schedule; valid: "
+      f"{', '.join(optim.SCHEDULES)}"
+    )
+  if not 0 < config.optim.decay_fraction <= 1:
+    raise ValueError(f"optim.decay_fraction={config.optim.decay_fraction!r} must be in (0, 1]")
   if config.data.tokenizer not in TOKENIZERS:
     raise ValueError(
       f"data.tokenizer={config.data.tokenizer!r} is not a tokenizer; valid: {', '.join(TOKENIZERS)}"

@@ -127,7 +127,7 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
     )
   exchange = exchange_lib.make(config)
   cuts = exchange.cells_per_pod(stages, config.model.num_layers)
-  cells = make_stages(config, cuts)  # checks parallel.stage_boundaries
+  layer_ranges = make_stages(config, cuts)  # checks parallel.stage_boundaries
   resources = resources or ResourceManager(cluster)
   islands = resources.allocate("train", stages * pods, cluster.islands[0].num_devices)
   island = islands[0]
@@ -143,7 +143,7 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
   return Plan(
     islands=islands,
     mesh_shape=mesh_shape,
-    stages=tuple(cells),
+    stages=tuple(layer_ranges),
     cells=placement,
     exchange=exchange,
     num_pods=pods,
