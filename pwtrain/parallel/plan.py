@@ -156,7 +156,12 @@ def make_cluster(config, devices=None) -> Cluster:
   import jax
 
   if config.backend.mode == "remote":
-    from pwtrain.backend.remote import auth
+    try:
+      from pwtrain.backend.remote import auth
+    except ImportError as e:  # grpcio is the [remote] extra
+      raise ValueError(
+        f"backend.mode='remote' needs the remote extra ({e}): pip install 'pwtrain[remote]'"
+      ) from None
 
     token = auth.read_token(config.backend.token_file, config.backend.token_env)
     return Cluster.connect(
