@@ -29,6 +29,12 @@ def get_config(arg=None):
   c.model.z_loss = 1e-4
   c.model.dtype = "float32"  # activation/compute dtype
   c.model.param_dtype = "float32"
+  # Rematerialisation per block (models/remat.py): "none", "full", "dots" (keep matmul
+  # outputs) or "outputs" (keep only attention and FFN outputs).
+  c.model.remat = "none"
+  # Attention implementation: "einsum" (written out, float32 softmax), or
+  # jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
+  c.model.attention = "einsum"
 
   # Sparse Mixture-of-Experts FFNs (pwtrain/models/moe.py). num_experts=0: dense (PaLM).
   c.moe = ml_collections.ConfigDict()

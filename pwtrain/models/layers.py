@@ -7,6 +7,7 @@ Parameters carry logical axis names in their `axes` metadata; nothing here knows
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from pwtrain.models.moe import MoE
 from pwtrain.sharding import constrain
@@ -46,6 +47,30 @@ def rope(x, positions, base: float):
   return out.astype(x.dtype)
 
 
+ATTENTION = ("einsum", "xla", "cudnn")
+
+
+def causal_attention(q, k, v, implementation: str):
+  """Causal softmax(q k^T / sqrt(head_dim)) v; q [b, l, h, d], k and v [b, l, g, d] with g
+  dividing h (query heads share K/V heads in groups: MQA for g = 1, GQA otherwise).
+
+  "einsum": written out here, logits and softmax in float32; "xla" and "cudnn":
+  `jax.nn.dot_product_attention` with that implementation (cudnn: fused attention on NVIDIA
+  GPUs, bf16/fp16 only).
+  """
+  if implementation != "einsum":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  b, length, h, d = q.shape
+  g = k.shape[2]
+  # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, d].
+  q = q.reshape(b, length, g, h // g, d) * (d**-0.5)
+  logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(jnp.float32)
+  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  return jnp.einsum("bgrlm,bmgk->blgrk", probs, v).reshape(b, length, h, d)
+
+
 class Attention(nnx.Module):
   """Causal multi-query (num_kv_heads=1) or grouped-query attention with RoPE."""
 
@@ -53,6 +78,7 @@ class Attention(nnx.Module):
     d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
     self.rope_base = cfg.rope_base
+    self.implementation = cfg.get("attention", "einsum")
 
     def param(shape, names, init):
       return nnx.Param(init(rngs.params(), shape, param_dtype), axes=names)
@@ -69,16 +95,9 @@ class Attention(nnx.Module):
     v = jnp.einsum("bld,dgk->blgk", x, self.wv[...].astype(dtype))
     q = constrain(rope(q, positions, self.rope_base), ("batch", "length", "heads", "head_dim"))
     kk = rope(kk, positions, self.rope_base)
-    b, length, h, k = q.shape
-    g = self.num_kv_heads
-    # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, k].
-    q = q.reshape(b, length, g, h // g, k) * (k**-0.5)
-    logits = jnp.einsum("blgrk,bmgk->bgrlm", q, kk).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-    out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v).reshape(b, length, h, k)
-    out = constrain(out, ("batch", "length", "heads", "head_dim"))
+    out = causal_attention(q, kk, v, self.implementation)
+    # Named for the remat policy that keeps only the attention and MLP outputs (models/remat.py).
+    out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
     return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(dtype))
 
 
@@ -99,7 +118,7 @@ class SwiGLU(nnx.Module):
     dtype = x.dtype
     gate = x @ self.w_gate[...].astype(dtype)
     up = x @ self.w_up[...].astype(dtype)
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp")), "mlp")
     return hidden @ self.w_down[...].astype(dtype)
 
 

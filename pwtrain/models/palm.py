@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pwtrain.models import moe as moe_lib
+from pwtrain.models import remat as remat_lib
 from pwtrain.models.layers import LayerNorm, ParallelBlock
 from pwtrain.sharding import constrain
 
@@ -40,6 +41,7 @@ class PaLM(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     self.d_model = cfg.d_model
     self.has_embed, self.has_head = has_embed, has_head
+    self.remat = cfg.get("remat", "none")
     if has_embed or has_head:
       # PaLM: E ~ N(0, 1); the embedding is not followed by a norm, so unit scale is kept.
       init = nnx.initializers.normal(1.0)
@@ -70,8 +72,14 @@ class PaLM(nnx.Module):
     """-> (output of blocks[start:stop], their summed MoE stats; {} for a dense model)."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     stats = moe_lib.zero_stats(self.num_experts)
+
+    def apply(block, x, rngs):
+      return block.with_stats(x, positions, train=train, rngs=rngs)
+
+    if self.remat != "none":  # models/remat.py
+      apply = nnx.remat(apply, policy=remat_lib.policy(self.remat))
     for block in self.blocks[start:stop]:
-      x, block_stats = block.with_stats(x, positions, train=train, rngs=rngs)
+      x, block_stats = apply(block, x, rngs)
       stats = moe_lib.add_stats(stats, block_stats)
     return x, stats
 
