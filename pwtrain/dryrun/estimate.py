@@ -9,14 +9,19 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
   state         params, optimizer state and the exchange's state (each leaf's shard, as the run
                 shards it), a running gradient sum the size of the params, and the received
                 pods' encoded gradients (exchange.received_copies() copies).
-  activations   tokens per device and microbatch x (layers x arithmetic.layer_activation_bytes
-                + the head's, on the last stage) + the stage inputs a pipeline stage holds for
-                its backward (schedule.peak_live_inputs); with per-layer remat a layer keeps
-                only its input and one layer's full set is live during its backward.
-  compute       the step's matmul FLOPs (arithmetic.layer_costs; x RECOMPUTE_FACTOR when the
-                forward is recomputed: a pipeline stage's backward, or remat, assumed whenever
-                the activations as the step saves them do not fit) / (devices x peak x
-                efficiency), times the pipeline bubble (M + S - 1) / M.
+  activations   tokens per device and microbatch (train.num_microbatches, as configured) x
+                (layers x what a block keeps under model.remat, activations.py, + one block's
+                whole set (arithmetic.layer_activation_bytes: the one being recomputed for its
+                backward; with remat "none" every block keeps it) + the head's, on the last
+                stage) + the stage inputs a pipeline stage holds for its backward
+                (schedule.peak_live_inputs).
+  compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
+                the pipeline bubble (M + S - 1) / M. Executed FLOPs = the model's
+                (arithmetic.layer_costs) + what model.remat recomputes (activations.py) + a
+                pipeline stage's forward again in its backward (every stage but the last: its B
+                piece recomputes the stage from its input, 1/3 of the stage's training FLOPs).
+                hardware.efficiency is a stated assumption (hardware.py), so the step time and
+                MFU are predictions from it, not measurements fed back.
   collectives   FSDP gathers and scatters and tensor all-reduces inside an island, at the ICI
                 bandwidth, assumed hidden under compute (the report says when they could not be).
   cross-pod     exchange.bytes_per_step: each host sends its devices' share, bytes / hosts per
@@ -34,16 +39,18 @@ from pwtrain import config as config_lib
 from pwtrain import optim
 from pwtrain import step as step_lib
 from pwtrain.backend.cluster import Cluster, Island
-from pwtrain.dryrun import shapes
+from pwtrain.dryrun import activations, shapes
 from pwtrain.dryrun.hardware import Hardware, hardware
 from pwtrain.models import arithmetic
 from pwtrain.parallel import pipeline
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.stages import Stage, to_stage
 
-# The forward is recomputed once in the backward (remat, or a pipeline stage's backward):
-# forward = 1/3 of the training FLOPs, so the hardware does 4/3 of the model FLOPs.
-RECOMPUTE_FACTOR = 4.0 / 3.0
+# A pipeline stage's backward (its B piece) recomputes the stage's forward from its saved input:
+# forward = 1/3 of the training FLOPs (2 of 6 per parameter and token; 4 of 12 LHKT).
+PIPELINE_RECOMPUTE = 1.0 / 3.0
+# Remat policies from the most activation memory kept to the least (models/remat.py).
+REMAT_BY_MEMORY = ("none", "dots", "outputs", "full")
 
 MODEL_STATE_KEYS = ("params", "opt_state")
 OTHER_STATE_KEYS = ("step", "rng")  # every other key of the train state is the exchange's
@@ -179,11 +186,13 @@ def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
 # -- activations ---------------------------------------------------------------------------------
 
 
-def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: bool) -> float:
-  """Activation bytes per device of one island's cells at `num_micro` microbatches."""
+def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: str) -> float:
+  """Activation bytes per device of one island's cells at `num_micro` microbatches, when every
+  block keeps what `remat` keeps (activations.kept_bytes_per_token)."""
   m, plan = s.config.model, s.plan
-  tensor = plan.mesh_shape["tensor"]
-  layer = arithmetic.layer_activation_bytes(m, tensor, s.config.data.seq_len)
+  tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
+  layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
+  kept_per_layer = activations.kept_bytes_per_token(m, tensor, seq_len, remat)
   live, working, kept = 0.0, 0.0, 0.0
   for stage in stage_list:
     if not stage.last and plan.num_stages > 1:
@@ -192,42 +201,50 @@ def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: b
       input_bytes = 4 if stage.first else arithmetic.layer_input_bytes(m)
       live += pipeline.peak_live_inputs(order) * input_bytes
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
-    if remat:
-      kept += stage.num_layers * arithmetic.layer_input_bytes(m)
-      working = max(working, layer + head)
-    else:
+    if remat == "none":
       working = max(working, stage.num_layers * layer + head)
+    else:  # every block keeps its share; the one in its backward has its whole set live
+      kept += stage.num_layers * kept_per_layer
+      working = max(working, layer + head)
   return s.tokens_per_device(num_micro) * (live + kept + working)
 
 
-def microbatches_to_fit_remat(s: Setup, stage_list: list[Stage], state: int) -> int | None:
-  """The smallest train.num_microbatches that fits with remat (None: none does, or unknown)."""
+def to_fit(s: Setup, stage_list: list[Stage], state: int) -> dict | None:
+  """The first remat policy, from the configured one towards "full" (in REMAT_BY_MEMORY order),
+  with a number of microbatches that fits, and the smallest such train.num_microbatches:
+  {"remat", "num_microbatches"}; None when none fits or the capacity is unknown."""
   if s.hw.memory_bytes is None:
     return None
   per_pod = s.config.train.global_batch // s.plan.num_pods // s.plan.batch_shards
-  for micro in range(1, per_pod + 1):
-    if per_pod % micro == 0:
-      if state + activation_bytes(s, stage_list, micro, remat=True) <= s.hw.memory_bytes:
-        return micro
+  order = REMAT_BY_MEMORY[REMAT_BY_MEMORY.index(activations.remat_of(s.config.model)) :]
+  for remat in order:
+    for micro in range(1, per_pod + 1):
+      if per_pod % micro == 0:
+        if state + activation_bytes(s, stage_list, micro, remat) <= s.hw.memory_bytes:
+          return {"remat": remat, "num_microbatches": micro}
   return None
 
 
 def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
-  """One island's cells, memory per device, and training FLOPs per token."""
+  """One island's cells, memory per device (with the configured model.remat and
+  train.num_microbatches), and model and executed FLOPs per token."""
   micro, memory = s.config.train.num_microbatches, s.hw.memory_bytes
+  remat = activations.remat_of(s.config.model)
   row = {
     "island": name,
     "stages": [(st.index, st.start, st.stop, st.first, st.last) for st in stage_list],
     **state_bytes(s, stage_list),
   }
-  row["activation_bytes"] = activation_bytes(s, stage_list, micro, remat=False)
-  row["activation_bytes_remat"] = activation_bytes(s, stage_list, micro, remat=True)
+  # Every policy at the configured microbatches, for comparison; the plan's is `remat`'s.
+  row["activation_bytes_by_remat"] = {
+    policy: activation_bytes(s, stage_list, micro, policy) for policy in REMAT_BY_MEMORY
+  }
+  row["activation_bytes"] = row["activation_bytes_by_remat"][remat]
   row["bytes"] = row["state_bytes"] + row["activation_bytes"]
-  row["bytes_remat"] = row["state_bytes"] + row["activation_bytes_remat"]
   row["fits"] = None if memory is None else row["bytes"] <= memory
-  row["fits_remat"] = None if memory is None else row["bytes_remat"] <= memory
-  row["microbatches_to_fit_remat"] = microbatches_to_fit_remat(s, stage_list, row["state_bytes"])
+  row["to_fit"] = None if row["fits"] is not False else to_fit(s, stage_list, row["state_bytes"])
   row["flops_per_token"] = island_flops_per_token(s, stage_list)
+  row["executed_flops_per_token"] = island_executed_flops_per_token(s, stage_list)
   return row
 
 
@@ -235,6 +252,7 @@ def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
 
 
 def island_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
+  """The model's training FLOPs per token of the island's cells (no recomputation)."""
   m, moe = s.config.model, s.config.moe
   block_flops, _, head_flops = arithmetic.layer_costs(m, moe, s.config.data.seq_len)
   return sum(
@@ -242,14 +260,35 @@ def island_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
   )
 
 
-def compute_seconds(s: Setup, rows: list[dict], recompute: float) -> float | None:
-  """The slowest island's compute per step, times the pipeline bubble (None: no peak known)."""
+def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
+  """The FLOPs per token the island's hardware executes: the model's, plus what model.remat
+  recomputes in every block's backward, plus (every pipeline stage but the last) the stage's
+  forward recomputed in its B piece. The head is never rematerialised."""
+  m, moe, seq_len = s.config.model, s.config.moe, s.config.data.seq_len
+  remat = activations.remat_of(m)
+  block_flops, _, head_flops = arithmetic.layer_costs(m, moe, seq_len)
+  total = 0.0
+  for st in stage_list:
+    blocks = sum(block_flops[st.start : st.stop])
+    total += blocks + (head_flops if st.last else 0.0)
+    total += sum(
+      activations.recompute_flops_per_token(m, moe, seq_len, remat, layer)
+      for layer in range(st.start, st.stop)
+    )
+    if s.plan.num_stages > 1 and not st.last:
+      total += PIPELINE_RECOMPUTE * blocks
+  return total
+
+
+def compute_seconds(s: Setup, rows: list[dict]) -> float | None:
+  """The slowest island's executed FLOPs per step / (its devices x peak x hardware.efficiency),
+  times the pipeline bubble (None: no peak known)."""
   if not s.hw.peak_flops:
     return None
   train = s.config.train
   tokens_per_pod = train.global_batch * s.config.data.seq_len // s.plan.num_pods
   rate = s.devices_per_island * s.hw.peak_flops * s.hw.efficiency
-  island_s = [r["flops_per_token"] * tokens_per_pod * recompute / rate for r in rows]
+  island_s = [r["executed_flops_per_token"] * tokens_per_pod / rate for r in rows]
   bubble = (train.num_microbatches + len(rows) - 1) / train.num_microbatches
   return max(island_s) * bubble
 
@@ -257,18 +296,20 @@ def compute_seconds(s: Setup, rows: list[dict], recompute: float) -> float | Non
 # -- collectives inside an island ----------------------------------------------------------------
 
 
-def collectives(s: Setup, rows: list[dict], remat: bool) -> dict:
+def collectives(s: Setup, rows: list[dict]) -> dict:
   """In-island collective bytes per device and step, and their time at the ICI bandwidth.
 
-  Per microbatch, FSDP all-gathers of the parameters in each pass (forward, backward,
-  recomputed forward) and the gradient reduce-scatter; one tensor all-reduce of the block
+  Per microbatch, FSDP all-gathers of the parameters in each pass (forward, backward, and a
+  recomputed forward when remat "full" or "outputs" recomputes projections, or on a pipeline)
+  and the gradient reduce-scatter; one tensor all-reduce of the block
   output per layer and pass (PaLM's parallel block sums attention and MLP before reducing); the
   data-parallel gradient all-reduce once per step.
   """
   shape, m, num_micro = s.plan.mesh_shape, s.config.model, s.config.train.num_microbatches
   # Dense parameters are replicated over data and expert (the batch is split over both).
   t, f, dp = shape["tensor"], shape["fsdp"], shape["data"] * shape["expert"]
-  passes = 3 if remat else 2
+  recomputes = activations.remat_of(m) in ("full", "outputs") or s.plan.num_stages > 1
+  passes = 3 if recomputes else 2
   param_bytes = max(r["param_bytes"] for r in rows)
   layers = max(sum(st.num_layers for st in stages) for stages in island_stages(s.plan).values())
   allreduce = 2 * (t - 1) / t * s.tokens_per_device(num_micro) * arithmetic.layer_input_bytes(m)
@@ -316,11 +357,9 @@ def estimate(config) -> dict:
   s = setup(config)
   plan, m, train = s.plan, config.model, config.train
   rows = [island_row(s, name, stages) for name, stages in island_stages(plan).items()]
-  # Remat is assumed when the step as written (all activations saved) does not fit.
-  remat = any(r["fits"] is False for r in rows)
-  recompute = RECOMPUTE_FACTOR if (remat or plan.num_stages > 1) else 1.0
-  compute_s = compute_seconds(s, rows, recompute)
+  compute_s = compute_seconds(s, rows)
   exchange = cross_pod(s, rows, compute_s)
+  tensor, seq_len = plan.mesh_shape["tensor"], config.data.seq_len
   return {
     "hardware": dataclasses.asdict(s.hw),
     "num_pods": plan.num_pods,
@@ -335,24 +374,30 @@ def estimate(config) -> dict:
     "params": sum(x.size for x in jax.tree.leaves(s.whole["params"])),
     "param_dtype": m.param_dtype,
     "islands": rows,  # pod 0's; every pod's are the same
-    "layer_activation_bytes_per_token": arithmetic.layer_activation_bytes(
-      m, plan.mesh_shape["tensor"], config.data.seq_len
-    ),
+    "layer_activation_bytes_per_token": arithmetic.layer_activation_bytes(m, tensor, seq_len),
+    # What one block keeps per token under each policy (activations.py).
+    "kept_bytes_per_token": {
+      policy: activations.kept_bytes_per_token(m, tensor, seq_len, policy)
+      for policy in REMAT_BY_MEMORY
+    },
     "tokens_per_step": train.global_batch * config.data.seq_len,
     "tokens_per_device": s.tokens_per_device(train.num_microbatches),  # per microbatch
     "num_microbatches": train.num_microbatches,
     "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
-    "remat": remat,
-    "recompute_factor": recompute,
+    "remat": activations.remat_of(m),
+    # Executed / model FLOPs over all islands: what remat and pipeline stages recompute.
+    "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
+    / sum(r["flops_per_token"] for r in rows),
     "compute_s": compute_s,
-    **collectives(s, rows, remat),
+    **collectives(s, rows),
     "exchange": exchange,
     **throughput(s, compute_s, exchange["exposed_s"]),
   }
 
 
 def throughput(s: Setup, compute_s: float | None, exposed_s: float | None) -> dict:
-  """Step time (compute + exposed transfer), tokens per second and MFU (None: unknown)."""
+  """Step time (compute + exposed transfer), tokens per second and MFU (None: unknown): a
+  prediction from hardware.efficiency, the assumed fraction of peak on the executed FLOPs."""
   if compute_s is None or exposed_s is None:
     return {"step_s": None, "tokens_per_s": None, "mfu": None}
   config = s.config

@@ -2,8 +2,9 @@
 
 Sizes are in decimal units (1 GB = 1e9 bytes); per-device figures are pod 0's islands, which
 stand for every pod's. Sections, top to bottom: the cluster and mesh, each island's memory per
-device (whether it fits, and how to make it fit), the step's compute and collectives, the
-cross-pod exchange, and the step time.
+device with the configured model.remat and train.num_microbatches (whether it fits, and how to
+make it fit), the step's compute at the assumed hardware efficiency and collectives, the
+cross-pod exchange, and the step time and MFU the assumption predicts.
 """
 
 from pwtrain.dryrun.estimate import estimate
@@ -58,8 +59,11 @@ def _cells(r: dict, num_stages: int) -> str:
   return "; ".join(parts)
 
 
-def island_lines(r: dict, num_stages: int, memory: float | None) -> list[str]:
-  """One island's memory per device, and what would make it fit."""
+def island_lines(r: dict, e: dict) -> list[str]:
+  """One island's memory per device with the configured remat and microbatches (the other
+  policies' activations for comparison), and what would make it fit."""
+  num_stages, memory = e["num_stages"], e["hardware"]["memory_bytes"]
+  remat, micro = e["remat"], e["num_microbatches"]
   capacity = "unknown" if memory is None else f"{_size(memory)} ({memory / 2**30:.3g} GiB)"
   lines = [
     f"{r['island']} ({_cells(r, num_stages)}; every pod alike), per device:",
@@ -71,17 +75,25 @@ def island_lines(r: dict, num_stages: int, memory: float | None) -> list[str]:
     lines.append(f"  exchange state   {_size(r['exchange_state_bytes'])}")
   if r["exchange_buffer_bytes"]:
     lines.append(f"  exchange buffers {_size(r['exchange_buffer_bytes'])} (pods' gradients)")
+  others = ", ".join(
+    f"{policy} {_size(n)}"
+    for policy, n in r["activation_bytes_by_remat"].items()
+    if policy != remat
+  )
   lines += [
-    f"  activations      {_size(r['activation_bytes'])} as the step runs (all saved), "
-    f"{_size(r['activation_bytes_remat'])} with per-layer remat",
-    f"  total            {_size(r['bytes'])} ({_fits(r['fits'])}), "
-    f"{_size(r['bytes_remat'])} with remat ({_fits(r['fits_remat'])}) in {capacity}",
+    f"  activations      {_size(r['activation_bytes'])} (model.remat={remat}, "
+    f"train.num_microbatches={micro}; other policies: {others})",
+    f"  total            {_size(r['bytes'])} ({_fits(r['fits'])}) in {capacity}",
   ]
-  micro = r["microbatches_to_fit_remat"]
-  if r["fits_remat"] is False:
+  if r["fits"] is False:
+    hint = r["to_fit"]
     lines.append(
-      "  to fit           remat and "
-      + (f"train.num_microbatches={micro}" if micro else "more devices (no microbatching fits)")
+      "  to fit           "
+      + (
+        f"model.remat={hint['remat']} and train.num_microbatches={hint['num_microbatches']}"
+        if hint
+        else "more devices (no remat policy and microbatching fits)"
+      )
     )
   return lines
 
@@ -93,15 +105,16 @@ def compute_lines(e: dict, config) -> list[str]:
     compute = f"Compute: n/a (no peak FLOP/s known for {hw['name']})"
   else:
     compute = (
-      f"Compute: {e['compute_s']:.3g} s per step at {hw['efficiency']:.1%} of "
-      f"{hw['peak_flops'] / 1e12:g} TFLOP/s per device"
+      f"Compute: {e['compute_s']:.3g} s per step, assumed {hw['efficiency']:.1%} of peak FLOP/s "
+      f"({hw['peak_flops'] / 1e12:g} TFLOP/s per device) on the executed FLOPs, "
+      f"x{e['recompute_factor']:.4g} the model's (recomputed by remat={e['remat']}"
+      + (" and the pipeline's backward)" if e["num_stages"] > 1 else ")")
     )
-    if e["recompute_factor"] != 1:
-      compute += f", x{e['recompute_factor']:.3g} for recomputing the forward"
   hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
+  kept = ", ".join(f"{p} {_size(n)}" for p, n in e["kept_bytes_per_token"].items())
   return [
-    f"Activations per token and layer: {_size(e['layer_activation_bytes_per_token'])}; "
-    f"tokens per device and microbatch: {e['tokens_per_device']:,}",
+    f"Activations per token a layer keeps, by model.remat: {kept}; tokens per device and "
+    f"microbatch: {e['tokens_per_device']:,}",
     f"FLOPs per token: {e['flops_per_token']:.4g} (6N + 12LHQT); tokens per step: "
     f"{e['tokens_per_step']:,} ({config.train.global_batch} x {config.data.seq_len})",
     compute,
@@ -128,7 +141,10 @@ def exchange_lines(e: dict) -> list[str]:
 def step_line(e: dict) -> str:
   if e["step_s"] is None:
     return "Step: n/a (no peak FLOP/s or network bandwidth known for this hardware)"
-  return f"Step: {e['step_s']:.3g} s; MFU {e['mfu']:.1%}; {e['tokens_per_s']:,.0f} tokens/s"
+  return (
+    f"Step: {e['step_s']:.3g} s; MFU {e['mfu']:.1%} (predicted from the assumed "
+    f"{e['hardware']['efficiency']:.0%} of peak); {e['tokens_per_s']:,.0f} tokens/s"
+  )
 
 
 def report(config) -> str:
@@ -136,6 +152,6 @@ def report(config) -> str:
   e = estimate(config)
   lines = cluster_lines(e)
   for r in e["islands"]:
-    lines += island_lines(r, e["num_stages"], e["hardware"]["memory_bytes"])
+    lines += island_lines(r, e)
   lines += compute_lines(e, config) + exchange_lines(e) + [step_line(e)]
   return "\n".join(lines)
