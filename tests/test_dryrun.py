@@ -267,11 +267,11 @@ RECOMPUTED = {"none": 0, "full": 45056, "dots": 8192, "outputs": 40960}
 def test_kept_bytes_and_recomputed_flops_per_remat_policy_by_hand():
   m = load_config("palm_tiny", REMAT_SMALL).model
   for remat in dryrun.REMAT_BY_MEMORY:
-    assert dryrun.kept_bytes_per_token(m, 1, 32, remat) == KEPT[remat], remat
-    assert dryrun.recompute_flops_per_token(m, None, 32, remat, 0) == RECOMPUTED[remat], remat
+    assert arithmetic.remat_kept_bytes(m, 1, 32, remat) == KEPT[remat], remat
+    assert arithmetic.remat_recompute_flops(m, None, 32, remat, 0) == RECOMPUTED[remat], remat
   # Split 2 ways over tensor: the heads' and the MLP's shares halve; d and the K/V head do not.
-  assert dryrun.kept_bytes_per_token(m, 2, 32, "dots") == 2 * (64 + 32 + 32 + 96)
-  assert dryrun.kept_bytes_per_token(m, 2, 32, "outputs") == 2 * (64 + 32 + 48)
+  assert arithmetic.remat_kept_bytes(m, 2, 32, "dots") == 2 * (64 + 32 + 32 + 96)
+  assert arithmetic.remat_kept_bytes(m, 2, 32, "outputs") == 2 * (64 + 32 + 48)
 
 
 def _dot_flops(jaxpr) -> int:
@@ -327,13 +327,13 @@ def test_per_policy_arithmetic_is_what_jax_keeps_and_executes(remat):
   config = load_config("palm_tiny", REMAT_SMALL)
   m, moe = config.model, config.moe
   kept, flops = _per_layer(remat)
-  model = dryrun.kept_bytes_per_token(m, 1, 32, remat)
+  model = arithmetic.remat_kept_bytes(m, 1, 32, remat)
   if remat == "none":
     assert kept >= model
   else:
     assert kept == model
   block, _, _ = arithmetic.layer_costs(m, moe, 32)
-  assert flops == block[0] + dryrun.recompute_flops_per_token(m, moe, 32, remat, 0)
+  assert flops == block[0] + arithmetic.remat_recompute_flops(m, moe, 32, remat, 0)
 
 
 def test_recompute_follows_remat_and_pipeline_stages():
@@ -362,7 +362,7 @@ def test_recompute_follows_remat_and_pipeline_stages():
   config.model.remat = "full"
   full = dryrun.estimate(config)["islands"]
   m = config.model
-  recomputed = dryrun.recompute_flops_per_token(m, config.moe, config.data.seq_len, "full", 0)
+  recomputed = arithmetic.remat_recompute_flops(m, config.moe, config.data.seq_len, "full", 0)
   for row, plain in zip(full, rows, strict=True):  # one layer per stage
     assert row["executed_flops_per_token"] == pytest.approx(
       plain["executed_flops_per_token"] + recomputed

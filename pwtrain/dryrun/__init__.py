@@ -3,23 +3,23 @@ with no devices (`python -m pwtrain.main --config=... --dry_run`).
 
 hardware.py is the cluster's hardware (presets and `config.hardware` overrides); shapes.py the
 train state's shapes and each device's bytes of it; estimate.py the cost model (`estimate`: the
-numbers); report.py their printout (`report`); activations.py what a block keeps and recomputes
-under each `model.remat` policy. The layout and the exchange's behaviour come from the run's Plan
-(parallel/plan.py) and the model's arithmetic from models/arithmetic.py, so the dry run plans
-exactly what a run would, with the run's own remat and microbatches.
+numbers); report.py their printout (`report`). The layout and the exchange's behaviour come
+from the run's Plan (parallel/plan.py) and the model's arithmetic, what a block keeps and
+recomputes under each `model.remat` policy included, from models/arithmetic.py, so the dry run
+plans exactly what a run would, with the run's own remat and microbatches.
 """
 
-from pwtrain.dryrun.activations import kept_bytes_per_token, recompute_flops_per_token
-from pwtrain.dryrun.estimate import (
-  PIPELINE_RECOMPUTE,
-  REMAT_BY_MEMORY,
-  build_plan,
-  estimate,
-  padded_vocab_size,
-)
+from pwtrain.dryrun.estimate import PIPELINE_RECOMPUTE, REMAT_BY_MEMORY, estimate
 from pwtrain.dryrun.hardware import DEFAULT_EFFICIENCY, HARDWARE, Hardware, hardware
 from pwtrain.dryrun.report import report
-from pwtrain.dryrun.shapes import abstract_state, model_fns, shard_bytes, tree_bytes
+from pwtrain.dryrun.shapes import (
+  abstract_state,
+  build_plan,
+  model_fns,
+  padded_vocab_size,
+  shard_bytes,
+  tree_bytes,
+)
 
 __all__ = [
   "DEFAULT_EFFICIENCY",
@@ -31,10 +31,8 @@ __all__ = [
   "build_plan",
   "estimate",
   "hardware",
-  "kept_bytes_per_token",
   "model_fns",
   "padded_vocab_size",
-  "recompute_flops_per_token",
   "report",
   "shard_bytes",
   "tree_bytes",

@@ -10,14 +10,14 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
                 shards it), a running gradient sum the size of the params, and the received
                 pods' encoded gradients (exchange.received_copies() copies).
   activations   tokens per device and microbatch (train.num_microbatches, as configured) x
-                (layers x what a block keeps under model.remat, activations.py, + one block's
+                (layers x what a block keeps under model.remat, models/arithmetic.py, + one block's
                 whole set (arithmetic.layer_activation_bytes: the one being recomputed for its
                 backward; with remat "none" every block keeps it) + the head's, on the last
                 stage) + the stage inputs a pipeline stage holds for its backward
                 (schedule.peak_live_inputs).
   compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
                 the pipeline bubble (M + S - 1) / M. Executed FLOPs = the model's
-                (arithmetic.layer_costs) + what model.remat recomputes (activations.py) + a
+                (arithmetic.layer_costs) + what model.remat recomputes (models/arithmetic.py) + a
                 pipeline stage's forward again in its backward (every stage but the last: its B
                 piece recomputes the stage from its input, 1/3 of the stage's training FLOPs).
                 hardware.efficiency is a stated assumption (hardware.py), so the step time and
@@ -38,8 +38,7 @@ import jax
 from pwtrain import config as config_lib
 from pwtrain import optim
 from pwtrain import step as step_lib
-from pwtrain.backend.cluster import Cluster, Island
-from pwtrain.dryrun import activations, shapes
+from pwtrain.dryrun import shapes
 from pwtrain.dryrun.hardware import Hardware, hardware
 from pwtrain.models import arithmetic
 from pwtrain.parallel import pipeline
@@ -54,40 +53,6 @@ REMAT_BY_MEMORY = ("none", "dots", "outputs", "full")
 
 MODEL_STATE_KEYS = ("params", "opt_state")
 OTHER_STATE_KEYS = ("step", "rng")  # every other key of the train state is the exchange's
-
-
-# -- the plan on a virtual cluster ---------------------------------------------------------------
-
-
-def padded_vocab_size(vocab_size: int, tensor: int) -> int:
-  """The vocabulary rounded up to a multiple of the tensor axis, as XLA pads uneven shards."""
-  return -(-vocab_size // tensor) * tensor
-
-
-def virtual_cluster(config) -> Cluster:
-  """`parallel.islands` islands of `parallel.devices_per_island` device ids (0: the local
-  device count split over the islands): what the plan needs, with no devices behind it."""
-  per = plan_lib.island_sizes(config, jax.device_count())[0]  # islands are alike
-  return Cluster(
-    tuple(
-      Island(f"island{i}", tuple(range(i * per, (i + 1) * per)))
-      for i in range(config.parallel.islands)
-    )
-  )
-
-
-def build_plan(config) -> plan_lib.Plan:
-  """plan.build on the virtual cluster, for the vocabulary padded to the tensor axis.
-
-  plan.build requires parallel.tensor to divide model.vocab_size, which PaLM's 256000 and
-  12-way tensor parallelism do not; the planner sees the vocabulary padded to a multiple of
-  the tensor axis (the padding rows are what XLA adds to the uneven shards).
-  """
-  cluster = virtual_cluster(config)
-  mesh_shape = plan_lib.resolve_mesh_shape(config.parallel, cluster.islands[0].num_devices)
-  checked = config.copy_and_resolve_references()
-  checked.model.vocab_size = padded_vocab_size(config.model.vocab_size, mesh_shape["tensor"])
-  return plan_lib.build(checked, cluster)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +83,7 @@ class Setup:
 
 
 def setup(config) -> Setup:
-  plan = build_plan(config)
+  plan = shapes.build_plan(config)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   fns = shapes.model_fns(config.model, config.moe)
   whole = shapes.abstract_state(fns, tx, config.seed, plan.exchange)
@@ -192,7 +157,7 @@ def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: s
   m, plan = s.config.model, s.plan
   tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
   layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
-  kept_per_layer = activations.kept_bytes_per_token(m, tensor, seq_len, remat)
+  kept_per_layer = arithmetic.remat_kept_bytes(m, tensor, seq_len, remat)
   live, working, kept = 0.0, 0.0, 0.0
   for stage in stage_list:
     if not stage.last and plan.num_stages > 1:
@@ -216,7 +181,7 @@ def to_fit(s: Setup, stage_list: list[Stage], state: int) -> dict | None:
   if s.hw.memory_bytes is None:
     return None
   per_pod = s.config.train.global_batch // s.plan.num_pods // s.plan.batch_shards
-  order = REMAT_BY_MEMORY[REMAT_BY_MEMORY.index(activations.remat_of(s.config.model)) :]
+  order = REMAT_BY_MEMORY[REMAT_BY_MEMORY.index(s.config.model.remat) :]
   for remat in order:
     for micro in range(1, per_pod + 1):
       if per_pod % micro == 0:
@@ -229,7 +194,7 @@ def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
   """One island's cells, memory per device (with the configured model.remat and
   train.num_microbatches), and model and executed FLOPs per token."""
   micro, memory = s.config.train.num_microbatches, s.hw.memory_bytes
-  remat = activations.remat_of(s.config.model)
+  remat = s.config.model.remat
   row = {
     "island": name,
     "stages": [(st.index, st.start, st.stop, st.first, st.last) for st in stage_list],
@@ -265,14 +230,14 @@ def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
   recomputes in every block's backward, plus (every pipeline stage but the last) the stage's
   forward recomputed in its B piece. The head is never rematerialised."""
   m, moe, seq_len = s.config.model, s.config.moe, s.config.data.seq_len
-  remat = activations.remat_of(m)
+  remat = m.remat
   block_flops, _, head_flops = arithmetic.layer_costs(m, moe, seq_len)
   total = 0.0
   for st in stage_list:
     blocks = sum(block_flops[st.start : st.stop])
     total += blocks + (head_flops if st.last else 0.0)
     total += sum(
-      activations.recompute_flops_per_token(m, moe, seq_len, remat, layer)
+      arithmetic.remat_recompute_flops(m, moe, seq_len, remat, layer)
       for layer in range(st.start, st.stop)
     )
     if s.plan.num_stages > 1 and not st.last:
@@ -308,7 +273,7 @@ def collectives(s: Setup, rows: list[dict]) -> dict:
   shape, m, num_micro = s.plan.mesh_shape, s.config.model, s.config.train.num_microbatches
   # Dense parameters are replicated over data and expert (the batch is split over both).
   t, f, dp = shape["tensor"], shape["fsdp"], shape["data"] * shape["expert"]
-  recomputes = activations.remat_of(m) in ("full", "outputs") or s.plan.num_stages > 1
+  recomputes = m.remat in ("full", "outputs") or s.plan.num_stages > 1
   passes = 3 if recomputes else 2
   param_bytes = max(r["param_bytes"] for r in rows)
   layers = max(sum(st.num_layers for st in stages) for stages in island_stages(s.plan).values())
@@ -370,21 +335,20 @@ def estimate(config) -> dict:
     "num_devices": s.devices_per_island * len(plan.islands),
     "mesh_shape": dict(plan.mesh_shape),
     "vocab_size": m.vocab_size,
-    "padded_vocab_size": padded_vocab_size(m.vocab_size, plan.mesh_shape["tensor"]),
+    "padded_vocab_size": shapes.padded_vocab_size(m.vocab_size, plan.mesh_shape["tensor"]),
     "params": sum(x.size for x in jax.tree.leaves(s.whole["params"])),
     "param_dtype": m.param_dtype,
     "islands": rows,  # pod 0's; every pod's are the same
     "layer_activation_bytes_per_token": arithmetic.layer_activation_bytes(m, tensor, seq_len),
-    # What one block keeps per token under each policy (activations.py).
+    # What one block keeps per token under each policy (models/arithmetic.py).
     "kept_bytes_per_token": {
-      policy: activations.kept_bytes_per_token(m, tensor, seq_len, policy)
-      for policy in REMAT_BY_MEMORY
+      policy: arithmetic.remat_kept_bytes(m, tensor, seq_len, policy) for policy in REMAT_BY_MEMORY
     },
     "tokens_per_step": train.global_batch * config.data.seq_len,
     "tokens_per_device": s.tokens_per_device(train.num_microbatches),  # per microbatch
     "num_microbatches": train.num_microbatches,
     "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
-    "remat": activations.remat_of(m),
+    "remat": m.remat,
     # Executed / model FLOPs over all islands: what remat and pipeline stages recompute.
     "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
     / sum(r["flops_per_token"] for r in rows),

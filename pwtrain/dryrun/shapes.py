@@ -1,4 +1,4 @@
-"""The train state on paper: its shapes (nothing allocated) and each device's bytes of it.
+"""The plan and the train state on paper: shapes (nothing allocated), each device's bytes.
 
 `model_fns` gives the whole model's abstract params and logical axes quickly, `abstract_state`
 the whole-model train state as ShapeDtypeStructs, built by the same function a run uses
@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from pwtrain import step as step_lib
+from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.models import moe as moe_lib
+from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel import spmd
 from pwtrain.parallel.exchange import Exchange
 from pwtrain.parallel.pipeline.state import train_state
@@ -81,3 +83,37 @@ def stage_device_bytes(whole: dict, fns, stage: Stage, mesh_shape: dict[str, int
   shardings = spmd.state_shardings(stage_fns, mesh, state)
   per_leaf = jax.tree.map(lambda a, s: shard_bytes(a, s, mesh_shape), state, shardings)
   return {key: sum(jax.tree.leaves(tree)) for key, tree in per_leaf.items()}
+
+
+# -- the plan on a virtual cluster ---------------------------------------------------------------
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+  """The vocabulary rounded up to a multiple of the tensor axis, as XLA pads uneven shards."""
+  return -(-vocab_size // tensor) * tensor
+
+
+def virtual_cluster(config) -> Cluster:
+  """`parallel.islands` islands of `parallel.devices_per_island` device ids (0: the local
+  device count split over the islands): what the plan needs, with no devices behind it."""
+  per = plan_lib.island_sizes(config, jax.device_count())[0]  # islands are alike
+  return Cluster(
+    tuple(
+      Island(f"island{i}", tuple(range(i * per, (i + 1) * per)))
+      for i in range(config.parallel.islands)
+    )
+  )
+
+
+def build_plan(config) -> plan_lib.Plan:
+  """plan.build on the virtual cluster, for the vocabulary padded to the tensor axis.
+
+  plan.build requires parallel.tensor to divide model.vocab_size, which PaLM's 256000 and
+  12-way tensor parallelism do not; the planner sees the vocabulary padded to a multiple of
+  the tensor axis (the padding rows are what XLA adds to the uneven shards).
+  """
+  cluster = virtual_cluster(config)
+  mesh_shape = plan_lib.resolve_mesh_shape(config.parallel, cluster.islands[0].num_devices)
+  checked = config.copy_and_resolve_references()
+  checked.model.vocab_size = padded_vocab_size(config.model.vocab_size, mesh_shape["tensor"])
+  return plan_lib.build(checked, cluster)
