@@ -17,7 +17,16 @@ FILE_LINES = 400
 # components of one layer do not import each other.
 LAYERS = (
   # Foundations: jax, orbax and the standard library only.
-  ("sharding", "integrity", "checkpoint_parts", "preemption", "optim", "guard", "metrics"),
+  (
+    "sharding",
+    "integrity",
+    "checkpoint_parts",
+    "preemption",
+    "workdir",
+    "optim",
+    "guard",
+    "metrics",
+  ),
   # The model, the runtime, the data and the checkpoint store: independent of each other.
   ("models", "backend", "data", "checkpoint"),
   ("step",),  # the train step as pure functions of a model

@@ -1,0 +1,93 @@
+"""The run's working directory: created and checked, locked for one run, and its config saved.
+
+A run holds an exclusive `flock` on `<workdir>/.lock` for as long as it runs; the file names the
+holder (pid and host). A second run on the same workdir fails at once with a line naming them.
+The kernel drops the lock when its holder dies, however it dies, so a lock left by a dead
+process (kill -9, a crash) is simply taken over by the next run: there is no stale state to
+clean up. (flock is advisory and per host: runs on different hosts sharing a network filesystem
+are not kept apart by it.)
+"""
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+
+LOCK_FILE = ".lock"
+CONFIG_FILE = "config.json"
+
+
+def prepare(workdir: str) -> str:
+  """The absolute workdir, created if needed; a ValueError if it cannot be made or written."""
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--workdir={workdir!r} cannot be created: {e}") from e
+  if not os.access(workdir, os.W_OK):
+    raise ValueError(f"--workdir={workdir!r} is not writable")
+  return workdir
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir, held from `acquire` until `release` (or process exit)."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.workdir = workdir
+    self._fd: int | None = None
+
+  def acquire(self) -> "WorkdirLock":
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read_holder(fd)
+      os.close(fd)
+      raise ValueError(
+        f"--workdir={self.workdir} is in use by another run: {holder} (lock file {self.path}); "
+        "wait for it to finish, stop it, or use another --workdir"
+      ) from None
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.ftruncate(self._fd, 0)
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _read_holder(fd: int) -> str:
+  try:
+    holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    return f"pid {holder['pid']} on host {holder['host']} since {holder['since']}"
+  except (ValueError, KeyError):
+    return "a run that has not written its name yet"
+
+
+def _now() -> str:
+  return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def save_config(workdir: str, config) -> str:
+  """Writes the resolved config as `<workdir>/config.json` (replacing the last run's): what
+  this start of the run used, for `pwtrain.sample` and for the record."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(config.to_dict(), f, indent=2, sort_keys=True, default=repr)
+    f.write("\n")
+  os.replace(tmp, path)
+  return path

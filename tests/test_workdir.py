@@ -1,0 +1,66 @@
+"""One run per workdir (a real second process is refused; a dead holder's lock is taken over),
+and the resolved config saved in it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import load_config
+
+from pwtrain import workdir as workdir_lib
+
+HOLD = """
+import sys, time
+from pwtrain.workdir import WorkdirLock
+lock = WorkdirLock(sys.argv[1]).acquire()
+print("LOCKED", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(path):
+  proc = subprocess.Popen(
+    [sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True
+  )
+  assert proc.stdout.readline().strip() == "LOCKED"
+  return proc
+
+
+def test_a_second_run_on_the_workdir_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path):
+  holder = _holder(tmp_path)
+  try:
+    with pytest.raises(ValueError) as e:
+      workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+    message = str(e.value)
+    assert f"--workdir={tmp_path} is in use by another run: pid {holder.pid} on host" in message
+    assert os.path.join(str(tmp_path), ".lock") in message
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  # The holder died without releasing anything: its lock went with it.
+  deadline = time.monotonic() + 10
+  while True:
+    try:
+      lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+      break
+    except ValueError:
+      assert time.monotonic() < deadline, "the dead holder's lock was never released"
+      time.sleep(0.1)
+  with open(lock.path) as f:
+    assert json.load(f)["pid"] == os.getpid()
+  lock.release()
+  with workdir_lib.WorkdirLock(str(tmp_path)):  # and again, once released
+    pass
+
+
+def test_the_resolved_config_is_saved(tmp_path):
+  config = load_config("palm_tiny")
+  path = workdir_lib.save_config(str(tmp_path), config)
+  with open(path) as f:
+    saved = json.load(f)
+  assert saved["model"]["d_model"] == config.model.d_model
+  assert saved["parallel"]["stages"] == config.parallel.stages
