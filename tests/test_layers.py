@@ -23,6 +23,7 @@ LAYERS = (
     "checkpoint_parts",
     "preemption",
     "workdir",
+    "profiling",
     "optim",
     "guard",
     "metrics",

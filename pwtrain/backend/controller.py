@@ -63,21 +63,23 @@ class _IslandScheduler:
       item = self.queue.get()
       if item is None:
         return
-      launch, args, out, event = item
+      name, launch, args, out, event = item
       try:
         values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
         if self.serial is None:
           if event is not None:
             event.launch = self.trace.now()
-          result = launch(*values)
+          with jax.profiler.TraceAnnotation(name):  # the node's name in a jax.profiler trace
+            result = launch(*values)
           if self.watcher:
             self.watcher.watch(result, event, self.trace)
         else:
           with self.serial:  # see Controller: run to completion, one computation at a time
             if event is not None:
               event.launch = self.trace.now()
-            result = launch(*values)
-            _block_ready(result)
+            with jax.profiler.TraceAnnotation(name):
+              result = launch(*values)
+              _block_ready(result)
             if event is not None:  # exact: nothing else runs until this has finished
               event.done = self.trace.now()
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
@@ -252,7 +254,7 @@ class Controller:
   def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace else None
-    self._schedulers[island].queue.put((launch, args, out, event))
+    self._schedulers[island].queue.put((name, launch, args, out, event))
     return out
 
   def _bound_inflight(self):
