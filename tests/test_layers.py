@@ -35,7 +35,7 @@ LAYERS = (
   ("config",),  # validation and loading (reads the exchange modes)
   ("harness", "dryrun"),  # config -> a ready step; config -> a plan on paper
   ("train",),
-  ("main",),
+  ("main", "sample"),  # entry points: training and the dry run; sampling
 )
 LAYER = {component: i for i, layer in enumerate(LAYERS) for component in layer}
 

@@ -54,19 +54,28 @@ def causal_attention(q, k, v, implementation: str):
   """Causal softmax(q k^T / sqrt(head_dim)) v; q [b, l, h, d], k and v [b, l, g, d] with g
   dividing h (query heads share K/V heads in groups: MQA for g = 1, GQA otherwise).
 
-  "einsum": written out here, logits and softmax in float32; "xla" and "cudnn":
+  "einsum": `attend`, logits and softmax in float32; "xla" and "cudnn":
   `jax.nn.dot_product_attention` with that implementation (cudnn: fused attention on NVIDIA
   GPUs, bf16/fp16 only).
   """
   if implementation != "einsum":
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  return attend(q, k, v)
+
+
+def attend(q, k, v, mask=None):
+  """softmax(q k^T / sqrt(head_dim)) v over the keys `mask` allows; q [b, l, h, d], k and v
+  [b, m, g, d] with g dividing h. `mask` (True: attend) broadcasts to [b, g, h/g, l, m], e.g.
+  [b, 1, 1, l, m]; None is causal (l == m, query i sees keys 0..i). Logits and softmax in
+  float32; masked keys get weight exactly 0."""
   b, length, h, d = q.shape
   g = k.shape[2]
   # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, d].
   q = q.reshape(b, length, g, h // g, d) * (d**-0.5)
   logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(jnp.float32)
-  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  if mask is None:
+    mask = jnp.tril(jnp.ones((length, length), dtype=bool))
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
   return jnp.einsum("bgrlm,bmgk->blgrk", probs, v).reshape(b, length, h, d)
 
@@ -89,16 +98,25 @@ class Attention(nnx.Module):
     self.wo = param((h, k, d), ("heads", "head_dim", "embed"), fan_in_init((0, 1), 2))
 
   def __call__(self, x, positions):
+    q, kk, v = self.project(x, positions)
+    out = causal_attention(q, kk, v, self.implementation)
+    # Named for the remat policy that keeps only the attention and MLP outputs (models/remat.py).
+    out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
+    return self.output(out)
+
+  def project(self, x, positions):
+    """x [b, l, d] at `positions` [b, l] -> (q [b, l, h, k], k [b, l, g, k], v [b, l, g, k]),
+    RoPE applied to q and k. The KV-cache decoder (models/decode.py) caches k and v."""
     dtype = x.dtype
     q = jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dtype))
     kk = jnp.einsum("bld,dgk->blgk", x, self.wk[...].astype(dtype))
     v = jnp.einsum("bld,dgk->blgk", x, self.wv[...].astype(dtype))
     q = constrain(rope(q, positions, self.rope_base), ("batch", "length", "heads", "head_dim"))
-    kk = rope(kk, positions, self.rope_base)
-    out = causal_attention(q, kk, v, self.implementation)
-    # Named for the remat policy that keeps only the attention and MLP outputs (models/remat.py).
-    out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
-    return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(dtype))
+    return q, rope(kk, positions, self.rope_base), v
+
+  def output(self, out):
+    """The heads' outputs [b, l, h, k] -> [b, l, d]."""
+    return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(out.dtype))
 
 
 class SwiGLU(nnx.Module):

@@ -1,0 +1,95 @@
+"""The PaLM decoder's forward pass with a key/value cache, for autoregressive decoding.
+
+`forward` runs a PaLM module's own parameters (embedding, each block's norm, attention
+projections and MLP or MoE FFN, the final norm and the shared-embedding head) on new tokens at
+given positions, writing their keys and values into a `KVCache` and attending to every cached
+position up to the query's own. Its arithmetic is the training forward's (layers.Attention's
+`project` and `output`, layers.attend), except that softmax runs over the cache's `max_len`
+keys (the masked ones with weight exactly 0) instead of the sequence's, so its logits equal
+`PaLM.__call__`'s up to float rounding; it is the written-out (einsum) attention whatever
+`model.attention` says. The training path is untouched by this module.
+
+The cache is MQA-sized: per layer, keys and values of shape [batch, max_len, num_kv_heads,
+head_dim], one K/V head (PaLM's multi-query attention) or `num_kv_heads` of them (grouped-query).
+
+Positions. Row b's token j goes to cache position `positions[b, j]` and attends to cache
+positions 0..positions[b, j]; whatever the cache holds there must be that row's keys and values
+(earlier calls'), while positions after it may hold anything (they are masked). So a batch of
+prompts of different lengths is prefilled right-padded, each row then decoding from its own
+length: the padding's entries are masked until the decoded tokens overwrite them.
+
+MoE layers use the eval path (`train=False`: eval capacity factor, no jitter). A decoded token
+is routed in a group of its own (capacity >= 1, so it is never dropped), whereas the full
+forward routes it with its whole sequence; where the full forward would drop it the two differ.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pwtrain.models.layers import attend
+from pwtrain.models.palm import PaLM
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Per layer (model order), keys and values [batch, max_len, num_kv_heads, head_dim]."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+
+def init_cache(model: PaLM, batch: int, max_len: int) -> KVCache:
+  """Zeros for `batch` rows of `max_len` positions, in the model's activation dtype."""
+  zeros = tuple(
+    jnp.zeros((batch, max_len, b.attn.num_kv_heads, b.attn.head_dim), model.dtype)
+    for b in model.blocks
+  )
+  return KVCache(k=zeros, v=zeros)
+
+
+def forward(model: PaLM, cache: KVCache, tokens, positions, *, logits_at=None):
+  """Tokens [b, l] at `positions` [b, l] (int32, each row increasing) -> (logits, new cache).
+
+  The logits (float32) are [b, l, vocab], or with `logits_at` ([b] int32 indices into l) only
+  those of token logits_at[b] of each row, [b, vocab]. `model` must be the whole model (embed,
+  all blocks, head). See the module docstring for what the cache must hold.
+  """
+  key_positions = jnp.arange(cache.max_len)
+  # [b, 1, 1, l, max_len]: broadcast over K/V heads and the query heads sharing each.
+  mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None, None]
+  x = model.embed(tokens)
+  new_k, new_v = [], []
+  for block, k_cache, v_cache in zip(model.blocks, cache.k, cache.v, strict=True):
+    x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+  if logits_at is not None:
+    x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, d]
+  logits = model.head(x)
+  if logits_at is not None:
+    logits = logits[:, 0]
+  return logits, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def _block(block, x, positions, k_cache, v_cache, mask):
+  """layers.ParallelBlock with cached attention: x + Attention(LN(x)) + FFN(LN(x))."""
+  h = block.norm(x)
+  q, k, v = block.attn.project(h, positions)
+  k_cache = _write(k_cache, k, positions)
+  v_cache = _write(v_cache, v, positions)
+  attn = block.attn.output(attend(q, k_cache, v_cache, mask))
+  ffn = block.moe(h, train=False)[0] if block.is_moe else block.mlp(h)
+  return x + attn + ffn, k_cache, v_cache
+
+
+def _write(cache, new, positions):
+  """cache [b, max_len, g, k] with new [b, l, g, k] written at positions [b, l] of each row."""
+  rows = jnp.arange(cache.shape[0])[:, None]
+  return cache.at[rows, positions].set(new.astype(cache.dtype))

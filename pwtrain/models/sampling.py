@@ -1,0 +1,133 @@
+"""Autoregressive generation: the next-token rule (temperature, top-k, nucleus) and the loop
+that runs it over the KV-cache forward (decode.py).
+
+The rule, on a row's float32 logits over the vocabulary:
+  temperature == 0   greedy: the argmax (the lowest id among equal maxima); top_k, top_p unused
+  otherwise          a draw from softmax(logits / temperature) restricted, in this order, to
+    top_k > 0        the ids whose logit is >= the top_k-th largest (ties at the cut are kept)
+    top_p < 1        the nucleus of what is left: the most probable ids, in decreasing
+                     probability, up to and including the first at which the cumulative
+                     probability (renormalised after top_k) reaches top_p, ties at the cut
+                     kept; never empty
+Ids >= `num_tokens` (a vocabulary padded past the tokenizer's) are never produced.
+
+The loop (`generate`) prefills the prompts in one forward pass, then feeds back one token at a
+time inside a `jax.lax.while_loop`, so the whole generation is one traced function the caller
+jits. Step t's randomness is `jax.random.fold_in(key, t)`; rows draw independently from it.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pwtrain.models import decode
+from pwtrain.models.palm import PaLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the next token is picked (module docstring); hashable, so it can be a static arg."""
+
+  temperature: float = 1.0
+  top_k: int = 0  # 0: no top-k cut
+  top_p: float = 1.0  # 1: no nucleus cut
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0: off)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Generated:
+  """`tokens` [b, max_new_tokens]: each row's new tokens, ending with EOS if the row stopped
+  at it (counted in `lengths`), then pad_id; `lengths` [b]: how many each row generated."""
+
+  tokens: jax.Array
+  lengths: jax.Array
+
+
+def next_token(logits, key, sampling: Sampling, num_tokens: int | None = None):
+  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule."""
+  logits = logits.astype(jnp.float32)
+  neg_inf = jnp.finfo(jnp.float32).min
+  if num_tokens is not None and num_tokens < logits.shape[-1]:
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < num_tokens, logits, neg_inf)
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if 0 < sampling.top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+    logits = jnp.where(logits >= kth, logits, neg_inf)
+  if sampling.top_p < 1:
+    descending = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(descending, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more probable ids
+    # The least probable id kept; the first (most probable) always is.
+    cut = jnp.min(jnp.where(before < sampling.top_p, descending, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits >= cut, logits, neg_inf)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(
+  model: PaLM,
+  prompts,
+  prompt_lengths,
+  key,
+  *,
+  max_new_tokens: int,
+  sampling: Sampling,
+  eos_id: int | None = None,
+  pad_id: int = 0,
+  num_tokens: int | None = None,
+) -> Generated:
+  """Continues each prompt by up to `max_new_tokens` tokens; stops a row at `eos_id`.
+
+  `prompts` [b, p] int32 are right-padded, row b's prompt being its first prompt_lengths[b]
+  (>= 1) tokens. Stops early once every row has stopped. Traceable: jit it with the model's
+  parameters as an argument and the keyword arguments static.
+  """
+  batch, prompt_len = prompts.shape
+  cache = decode.init_cache(model, batch, prompt_len + max_new_tokens)
+  positions = jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape)
+  logits, cache = decode.forward(model, cache, prompts, positions, logits_at=prompt_lengths - 1)
+  first = next_token(logits, jax.random.fold_in(key, 0), sampling, num_tokens)
+  tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  done = _stops(first, eos_id)
+
+  def more(carry):
+    t, _, _, done = carry
+    return (t < max_new_tokens) & ~jnp.all(done)
+
+  def step(carry):
+    t, cache, tokens, done = carry
+    fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, axis=1)
+    logits, cache = decode.forward(
+      model, cache, fed, prompt_lengths[:, None] + t - 1, logits_at=jnp.zeros((batch,), jnp.int32)
+    )
+    new = next_token(logits, jax.random.fold_in(key, t), sampling, num_tokens)
+    new = jnp.where(done, pad_id, new)
+    tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t))
+    return t + 1, cache, tokens, done | _stops(new, eos_id)
+
+  carry = (jnp.int32(1), cache, tokens, done)
+  _, _, tokens, _ = jax.lax.while_loop(more, step, carry)
+  return Generated(tokens=tokens, lengths=_lengths(tokens, eos_id, max_new_tokens))
+
+
+def _stops(tokens, eos_id):
+  return jnp.zeros(tokens.shape, bool) if eos_id is None else tokens == eos_id
+
+
+def _lengths(tokens, eos_id, max_new_tokens):
+  """Tokens up to and including the first EOS, else all of them."""
+  if eos_id is None:
+    return jnp.full(tokens.shape[:1], max_new_tokens, jnp.int32)
+  is_eos = tokens == eos_id
+  first_eos = jnp.argmax(is_eos, axis=-1)
+  return jnp.where(jnp.any(is_eos, axis=-1), first_eos + 1, max_new_tokens).astype(jnp.int32)

@@ -1,0 +1,244 @@
+"""Sampling from a trained run: `python -m pwtrain.sample --workdir=/tmp/run --prompt="def "`.
+
+The run's config is `--config=<file>` (with `--config.<key>=<value>` overrides, as for
+pwtrain.main) when given, else `<workdir>/config.json` (the resolved config a run saves); with
+neither the command stops and says so. Its latest readable checkpoint
+(`<workdir>/checkpoints`) is restored onto this machine whatever layout wrote it: checkpoints
+hold the whole-model state, read here into a single-island mesh of parallel.fsdp *
+parallel.expert * parallel.tensor local devices (parameters sharded by their logical axes, as
+in training; parallel.data is 1, since a few prompts gain nothing from data parallelism). The
+optimizer state and the exchange's state are restored with the parameters (the checkpoint holds
+them; restore checks every array) and then dropped; runs whose pods differ (DiLoCo, error
+feedback) sample from pod 0's parameters.
+
+Prompts are `--prompt`, or `--prompt_file` (one prompt per line; blank lines skipped). Each is
+fed as the start of a document (after an EOS, as in training's packed stream) and continued
+`--num_samples` times by up to `--max_new_tokens` tokens (models/sampling.py: `--temperature`
+0 is greedy, `--top_k`, `--top_p`), stopping at EOS. All rows decode as one batch with a
+KV cache (models/decode.py). Each sample is printed after a header line,
+`--- prompt P, sample S: N new tokens[, stopped at EOS] (checkpoint step K) ---`, as the
+prompt followed by its continuation (N does not count the EOS).
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from jax.sharding import Mesh
+from ml_collections import config_flags
+
+from pwtrain import optim
+from pwtrain import step as step_lib
+from pwtrain.checkpoint import Checkpointer
+from pwtrain.data import build_tokenizer
+from pwtrain.data.tokenizer import sentencepiece_path
+from pwtrain.integrity import IncompatibleCheckpoint
+from pwtrain.models.sampling import Sampling, generate
+from pwtrain.parallel import exchange as exchange_lib
+from pwtrain.parallel import spmd
+from pwtrain.parallel.pipeline.state import train_state
+from pwtrain.sharding import MESH_AXES
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "The run's config file; default: <workdir>/config.json.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (checkpoints, tokenizer).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Text to continue.")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A file of prompts, one per line.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Tokens to add to each prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature; 0: greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens; 0: all.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling's probability mass; 1: all.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed of the draws.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
+
+
+def load_config(config, workdir: str):
+  """`config` (from --config) if given, else <workdir>/config.json as an ml_collections
+  ConfigDict; a ValueError naming the fix if there is neither."""
+  if config is not None:
+    return config
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ValueError(
+      f"{path} does not exist: pass the run's config with --config=<file> (and the "
+      "--config.<key>=<value> overrides it was trained with)"
+    )
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
+  if (prompt is None) == (prompt_file is None):
+    raise ValueError("give exactly one of --prompt=<text> and --prompt_file=<file>")
+  if prompt is not None:
+    return [prompt]
+  with open(prompt_file) as f:
+    prompts = [line.rstrip("\n") for line in f if line.strip()]
+  if not prompts:
+    raise ValueError(f"--prompt_file={prompt_file!r} has no non-blank line")
+  return prompts
+
+
+def sampling_mesh(config, devices=None):
+  """A mesh over the first fsdp * expert * tensor local devices (data = 1)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = {axis: 1 if axis == "data" else int(config.parallel[axis]) for axis in MESH_AXES}
+  if any(size < 1 for size in shape.values()):  # -1: fill the devices, as training does
+    fixed = int(np.prod([s for s in shape.values() if s > 0]))
+    shape = {a: len(devices) // fixed if s < 1 else s for a, s in shape.items()}
+  needed = int(np.prod(list(shape.values())))
+  if not 1 <= needed <= len(devices):
+    raise ValueError(
+      f"parallel.fsdp * parallel.expert * parallel.tensor = {needed} devices are needed to "
+      f"hold the model as it was sharded; this machine has {len(devices)} (with --config, "
+      "override them, e.g. --config.parallel.tensor=1)"
+    )
+  return Mesh(np.asarray(devices[:needed], dtype=object).reshape(tuple(shape.values())), MESH_AXES)
+
+
+def restore_params(config, workdir: str, mesh):
+  """(step, the model's ModelFns, params) of the latest readable checkpoint in
+  <workdir>/checkpoints, the params sharded on `mesh` by their logical axes."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise ValueError(f"{directory} does not exist: is --workdir={workdir!r} a training run's?")
+  fns = step_lib.model_fns(config.model, config.moe)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
+  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
+  abstract = spmd.with_shardings(whole, spmd.state_shardings(fns, mesh, whole))
+  if exchange.per_pod_state:
+    abstract = {"pods": [abstract] * config.parallel.pods}
+  ckpt = Checkpointer(directory, keep=config.train.keep_checkpoints, every=1, async_save=False)
+  try:
+    found = ckpt.restore_latest(abstract)
+  except IncompatibleCheckpoint as e:
+    raise ValueError(
+      f"the checkpoints in {directory} do not match this config's model/optimizer ({e}); "
+      "pass the config the run was trained with"
+    ) from e
+  finally:
+    ckpt.close()
+  if found is None:
+    raise ValueError(f"{directory} holds no readable checkpoint")
+  step, state, _ = found
+  if exchange.per_pod_state:
+    state = state["pods"][0]
+  return step, fns, state["params"]
+
+
+def run_tokenizer(config, workdir: str):
+  """The run's tokenizer; never trains one (SentencePiece must be in <workdir>/tokenizer)."""
+  if config.data.tokenizer == "sentencepiece":
+    path = sentencepiece_path(workdir, config.data.sp_vocab_size)
+    if not os.path.exists(path):
+      raise ValueError(f"{path} does not exist: the run's SentencePiece model is missing")
+  return build_tokenizer(config.data, workdir)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  prompt: int  # index in the prompts
+  sample: int  # 0..num_samples-1
+  text: str  # the prompt followed by its continuation, decoded
+  new_tokens: int  # tokens of the continuation, EOS not counted
+  stopped_at_eos: bool
+  checkpoint_step: int
+
+
+def sample(
+  config,
+  workdir: str,
+  prompts: list[str],
+  *,
+  sampling: Sampling,
+  max_new_tokens: int,
+  num_samples: int,
+  seed: int,
+  devices=None,
+) -> list[Sample]:
+  """`num_samples` continuations of each prompt, prompt-major, from the run's latest checkpoint
+  (see the module docstring), decoded in one batch on `devices` (default: the local ones)."""
+  if max_new_tokens < 1 or num_samples < 1:
+    raise ValueError(
+      f"--max_new_tokens={max_new_tokens} and --num_samples={num_samples} must be >= 1"
+    )
+  tokenizer = run_tokenizer(config, workdir)
+  step, fns, params = restore_params(config, workdir, sampling_mesh(config, devices))
+  # A prompt starts a document: it follows an EOS, as documents do in the packed training data.
+  encoded = [np.concatenate([[tokenizer.eos_id], tokenizer.encode(p)]) for p in prompts]
+  rows = [ids for ids in encoded for _ in range(num_samples)]
+  lengths = np.asarray([len(ids) for ids in rows], np.int32)
+  batch = np.full((len(rows), int(lengths.max())), tokenizer.pad_id, np.int32)
+  for r, ids in enumerate(rows):
+    batch[r, : len(ids)] = ids
+
+  def run(params, prompts, lengths, key):
+    return generate(
+      fns.module(params),
+      prompts,
+      lengths,
+      key,
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+      eos_id=tokenizer.eos_id,
+      pad_id=tokenizer.pad_id,
+      num_tokens=tokenizer.vocab_size,
+    )
+
+  out = jax.device_get(jax.jit(run)(params, batch, lengths, jax.random.key(seed)))
+  samples = []
+  for r, ids in enumerate(rows):
+    new = out.tokens[r, : int(out.lengths[r])]
+    eos = bool(len(new) and new[-1] == tokenizer.eos_id)
+    samples.append(
+      Sample(
+        prompt=r // num_samples,
+        sample=r % num_samples,
+        text=tokenizer.decode(np.concatenate([ids[1:], new])),
+        new_tokens=len(new) - eos,
+        stopped_at_eos=eos,
+        checkpoint_step=step,
+      )
+    )
+  return samples
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO.
+  try:
+    workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
+    config = load_config(_CONFIG.value, workdir)
+    prompts = read_prompts(_PROMPT.value, _PROMPT_FILE.value)
+    sampling = Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    samples = sample(
+      config,
+      workdir,
+      prompts,
+      sampling=sampling,
+      max_new_tokens=_MAX_NEW_TOKENS.value,
+      num_samples=_NUM_SAMPLES.value,
+      seed=_SEED.value,
+    )
+  except (ValueError, OSError) as e:
+    sys.exit(f"pwtrain.sample: {e}")
+  for s in samples:
+    stopped = ", stopped at EOS" if s.stopped_at_eos else ""
+    print(
+      f"--- prompt {s.prompt}, sample {s.sample}: {s.new_tokens} new tokens{stopped} "
+      f"(checkpoint step {s.checkpoint_step}) ---"
+    )
+    print(s.text)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["workdir"])
+  app.run(main)
