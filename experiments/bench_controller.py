@@ -10,8 +10,8 @@ What it measures. Both sides run the same compiled train step (pwtrain.step's mo
 loss_and_grads -> accumulate -> apply_update -> train_step, the same in/out shardings, the
 state donated) on the same mesh, over the same pre-generated numpy batches, so data loading is
 excluded:
-  pwtrain: `controller.run(step_program.program, {**state, **step_program.feed(batch)})` as
-           train.py calls it, the state threaded from step to step as futures;
+  pwtrain: `harness.step(state, batch, i)` (pwtrain.harness: `controller.run(program_for(i),
+           {**state, **feed(batch)})`) as train.py calls it, the state threaded as futures;
   jit:     `state, metrics = step(state, batch)` in a Python loop, where `step` is `jax.jit` of
            the same function with in_shardings, so jit moves the numpy batch to the devices
            (--jit_device_put: `jax.device_put(batch, batch_sharding)` first, as the controller's
@@ -29,8 +29,9 @@ reductions are non-deterministic and the params drift apart over the steps).
 
 import argparse
 import os
-import re
 import sys
+
+import common
 
 
 def _device_count(argv) -> int:
@@ -40,18 +41,8 @@ def _device_count(argv) -> int:
 
 
 NUM_DEVICES = _device_count(sys.argv[1:])
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.force_host_devices(NUM_DEVICES)
 
-import ast  # noqa: E402
-import hashlib  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -59,27 +50,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from pwtrain import guard, optim  # noqa: E402
+from pwtrain import guard  # noqa: E402
 from pwtrain import sharding as sharding_lib  # noqa: E402
 from pwtrain import step as step_lib  # noqa: E402
-from pwtrain.backend import Controller  # noqa: E402
 from pwtrain.backend import controller as controller_lib  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain.harness import Harness  # noqa: E402
 from pwtrain.parallel import spmd  # noqa: E402
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
-  p.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="config override, e.g. parallel.data=8 (repeatable)",
-  )
+  common.add_config_args(p)
   p.add_argument("--steps", type=int, default=10, help="steps per timed block")
   p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
   p.add_argument("--repeats", type=int, default=6, help="timed blocks per side")
@@ -95,43 +76,6 @@ def parse_args(argv=None):
   if min(args.steps, args.warmup, args.repeats, args.num_batches) < 1:
     p.error("--steps, --warmup, --repeats and --num_batches must be >= 1")
   return args
-
-
-def load_config(path: str, overrides: list[str]):
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  for item in overrides:
-    key, sep, text = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set {item!r} must be KEY=VALUE")
-    *sections, name = key.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    old = node[name]
-    if isinstance(old, bool):
-      value = text.lower() in ("1", "true", "yes")
-    elif isinstance(old, (int, float, str)):
-      value = type(old)(text)
-    else:
-      try:
-        value = ast.literal_eval(text)
-      except (ValueError, SyntaxError):
-        value = text
-    node[name] = value
-  return config
-
-
-def make_batches(config, num: int, seed: int = 0) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  shape = (config.train.global_batch, config.data.seq_len + 1)
-  out = []
-  for _ in range(num):
-    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
-    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
-  return out
 
 
 def build_plain_jit(config, mesh, tx, schedule):
@@ -160,27 +104,18 @@ def build_plain_jit(config, mesh, tx, schedule):
 
 def main(argv=None):
   args = parse_args(argv)
-  load_start = os.getloadavg()
-  config = load_config(args.config, args.set)
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  mesh = cluster.islands[0].mesh(plan.mesh_shape)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
-  batches = make_batches(config, args.num_batches)
-  controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
-  step_program = spmd.build(config, plan, controller, tx, schedule)
-  jit_step, jit_init, batch_sharding = build_plain_jit(config, mesh, tx, schedule)
-
-  # StepProgram's state is a dict of futures under `state_keys`, fed with `feed(batch)`; older
-  # versions took and returned the bare state under "state".
-  state_keys = getattr(step_program, "state_keys", ("state",))
-  feed = getattr(step_program, "feed", lambda batch: {"batch": batch})
-  pw_state = step_program.init()
-  if set(pw_state) != set(state_keys):
-    pw_state = {"state": pw_state}
+  load = common.Load()
+  config = common.load_config(args.config, common.parse_sets(args.set))
+  harness = Harness.build(config)
+  plan = harness.plan
+  if not plan.single_island:
+    raise SystemExit("bench_controller compares one island's spmd step: set parallel.islands=1")
+  mesh = harness.cluster.islands[0].mesh(plan.mesh_shape)
+  batches = common.random_batches(config, args.num_batches)
+  jit_step, jit_init, batch_sharding = build_plain_jit(config, mesh, harness.tx, harness.schedule)
 
   sides = {
-    "pwtrain": {"state": pw_state, "i": 0, "blocks": [], "dispatch": [], "first": []},
+    "pwtrain": {"state": harness.init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
     "jit": {"state": jit_init(), "i": 0, "blocks": [], "dispatch": [], "first": []},
   }
 
@@ -190,15 +125,14 @@ def main(argv=None):
     start = time.perf_counter()
     for _ in range(n):
       t = time.perf_counter()
-      inputs = {**state, **feed(batches[side["i"] % len(batches)])}
-      out = controller.run(step_program.program, inputs)
+      out = harness.step(state, batches[side["i"] % len(batches)], side["i"])
       dispatch.append(time.perf_counter() - t)
       if side["i"] == 0:
-        side["first_metrics"] = out["metrics"]
-      state, side["i"] = {k: out[k] for k in state_keys}, side["i"] + 1
-    jax.block_until_ready([f.result() for f in out.values()])
+        side["first_metrics"] = out.metrics
+      state, side["i"] = out.state, side["i"] + 1
+    jax.block_until_ready([f.result() for f in (out.metrics, *out.state.values())])
     elapsed = time.perf_counter() - start
-    controller.wait()  # drains the in-flight deque (all done already), outside the timing
+    harness.controller.wait()  # drains the in-flight deque (all done already), outside the timing
     side["state"] = state
     if record:
       side["blocks"].append(elapsed / n)
@@ -245,9 +179,8 @@ def main(argv=None):
       )
 
   pw_final = {k: f.result() for k, f in sides["pwtrain"]["state"].items()}
-  to_checkpoint = getattr(step_program, "to_checkpoint", lambda state: state["state"])
   final = {
-    "pwtrain": jax.device_get(to_checkpoint(pw_final)),
+    "pwtrain": jax.device_get(harness.step_program.to_checkpoint(pw_final)),
     "jit": jax.device_get(sides["jit"]["state"]),
   }
   first = {
@@ -255,7 +188,7 @@ def main(argv=None):
     "jit": jax.device_get(sides["jit"]["first_metrics"]),
   }
   first_loss_diff = abs(float(first["pwtrain"]["loss"]) - float(first["jit"]["loss"]))
-  controller.close()
+  harness.close()
   param_diff = max(
     float(np.max(np.abs(a - b)))
     for a, b in zip(
@@ -265,7 +198,7 @@ def main(argv=None):
     )
   )
 
-  ms = lambda xs: statistics.median(xs) * 1e3
+  ms = common.median_ms
   summary = {
     name: {
       "step_ms": ms(s["blocks"]),
@@ -297,9 +230,7 @@ def main(argv=None):
     )
   target = "OK" if ratio >= 0.97 else "BELOW TARGET 0.97"
   print(f"ratio jit/pwtrain: {ratio:.3f} (median of paired blocks {paired:.3f})  {target}")
-  load = os.getloadavg()
-  if load[0] > (os.cpu_count() or 1):
-    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
+  loadavg = load.report()
   print(
     f"first-step loss: pwtrain {float(first['pwtrain']['loss']):.6f}, "
     f"jit {float(first['jit']['loss']):.6f} (|diff| {first_loss_diff:.3g})"
@@ -309,17 +240,10 @@ def main(argv=None):
   result = {
     "config": args.config,
     "overrides": args.set,
-    "devices": len(jax.devices()),
-    "platform": jax.devices()[0].platform,
-    "cpu_count": os.cpu_count(),
-    "host": platform.node(),
-    "loadavg_start": load_start,
-    "loadavg_end": load,
-    "jax": jax.__version__,
+    **common.machine(),
+    **loadavg,
     # Which controller was measured (pwtrain/backend is being edited).
-    "controller_sha256": hashlib.sha256(
-      pathlib.Path(controller_lib.__file__).read_bytes()
-    ).hexdigest()[:12],
+    "controller_sha256": common.source_sha256(controller_lib),
     "mesh_shape": plan.mesh_shape,
     "global_batch": config.train.global_batch,
     "seq_len": config.data.seq_len,
@@ -336,9 +260,7 @@ def main(argv=None):
     "first_step_loss_diff": first_loss_diff,
     "max_param_diff": param_diff,
   }
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.out}")
+  common.write_json(args.out, result)
   return result
 
 

@@ -82,19 +82,11 @@ average 8-11; plot of run 1: docs/bench_dispatch.png):
 """
 
 import argparse
-import os
-import re
 
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
+common.force_host_devices(8)
+
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -490,7 +482,7 @@ def plot(rows, path: str, k: int, tolerance: float):
 
 def main(argv=None):
   args = parse_args(argv)
-  load_start = os.getloadavg()
+  load = common.Load()
   devices = jax.devices()
   assert len(devices) == 8, devices
   k = args.num_computations
@@ -550,20 +542,10 @@ def main(argv=None):
 
   plot(rows, args.plot, k, args.tolerance)
   print(f"wrote {args.plot}")
-  load = os.getloadavg()
-  if load[0] > (os.cpu_count() or 1):
-    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
   result = {
-    "devices": 8,
-    "platform": devices[0].platform,
-    "cpu_count": os.cpu_count(),
-    "host": platform.node(),
-    "jax": jax.__version__,
-    "loadavg_start": load_start,
-    "loadavg_end": load,
-    "controller_sha256": hashlib.sha256(
-      pathlib.Path(controller_lib.__file__).read_bytes()
-    ).hexdigest()[:12],
+    **common.machine(),
+    **load.report(),
+    "controller_sha256": common.source_sha256(controller_lib),
     "num_computations": k,
     "repeats": args.repeats,
     "serialize_execution": True,
@@ -573,9 +555,7 @@ def main(argv=None):
     "tolerance": args.tolerance,
     "multitenancy": mt_rows,
   }
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.out}")
+  common.write_json(args.out, result)
   return result
 
 

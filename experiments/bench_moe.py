@@ -38,39 +38,28 @@ are not what a TPU/GPU does. The timings say what each layout costs here, not on
 """
 
 import argparse
-import ast
-import importlib.util
 import json
 import os
-import pathlib
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import common
+
 # The timing sides run on 8 simulated devices; each training run is a child process
 # (--_train_one) on one device, the fastest way to train this model on a CPU.
-DEVICES = 1 if "--_train_one" in sys.argv else 8
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + f" --xla_force_host_platform_device_count={DEVICES}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.force_host_devices(1 if "--_train_one" in sys.argv else 8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import optim, train  # noqa: E402
-from pwtrain.backend import Controller  # noqa: E402
+from pwtrain import train  # noqa: E402
 from pwtrain.data import corpus  # noqa: E402
+from pwtrain.harness import Harness  # noqa: E402
 from pwtrain.models import arithmetic  # noqa: E402
-from pwtrain.parallel import build_step_program  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SIDES = {
   "dense": ("palm_tiny", {}),
   "moe_ep8": ("palm_tiny_moe", {}),
@@ -144,92 +133,28 @@ def parse_args(argv=None):
 
 def parse_overrides(text: str) -> dict:
   """'moe.every=2,moe.capacity_factor=1.25' -> {'moe.every': 2, 'moe.capacity_factor': 1.25}."""
-  out = {}
-  for item in filter(None, text.split(",")):
-    key, _, value = item.partition("=")
-    try:
-      out[key.strip()] = ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-      out[key.strip()] = value.strip()
-  return out
-
-
-def load_config(name: str, overrides: dict):
-  path = REPO / "configs" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.unlock()
-  for key, value in overrides.items():
-    *section, field = key.split(".")
-    (config[section[0]] if section else config)[field] = value
-  config_lib.validate(config)
-  return config
-
-
-def random_batches(config, num: int, seed: int = 0) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  shape = (config.train.global_batch, config.data.seq_len + 1)
-  out = []
-  for _ in range(num):
-    tokens = rng.integers(1, 258, size=shape).astype(np.int32)  # byte tokens, as the corpus
-    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
-  return out
-
-
-class Side:
-  """One compiled step program and its Controller; the state is threaded through its steps."""
-
-  def __init__(self, config, batches):
-    self.batches, self.i = batches, 0
-    cluster = plan_lib.make_cluster(config)
-    plan = plan_lib.build(config, cluster)
-    tx, schedule = optim.build(config.optim, config.train.num_steps)
-    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
-    start = time.perf_counter()
-    self.program = build_step_program(config, plan, self.controller, tx, schedule)
-    self.compile_s = time.perf_counter() - start
-    self.state = self.program.init()
-    self.last_metrics = None
-
-  def run(self, n: int) -> float:
-    """Seconds per step over n steps, from the first dispatch to the last step's outputs."""
-    start = time.perf_counter()
-    for _ in range(n):
-      batch = self.batches[self.i % len(self.batches)]
-      self.i += 1
-      out = self.controller.run(self.program.program, {**self.state, **self.program.feed(batch)})
-      self.state = {k: out[k] for k in self.program.state_keys}
-    self.last_metrics = jax.device_get(out["metrics"].result())
-    jax.block_until_ready([v.result() for v in self.state.values()])
-    seconds = (time.perf_counter() - start) / n
-    self.state = {k: v.result() for k, v in self.state.items()}
-    return seconds
-
-  def close(self):
-    self.controller.wait()
-    self.controller.close()
+  return common.parse_sets([item for item in text.split(",") if item])
 
 
 def time_sides(args) -> dict:
   sides = {}
   for name, (config_name, overrides) in SIDES.items():
-    config = load_config(config_name, overrides)
-    sides[name] = Side(config, random_batches(config, 8))
+    config = common.load_config(config_name, overrides)
+    # Byte tokens, as the corpus has: below 258.
+    sides[name] = common.Side(Harness.build(config), common.random_batches(config, 8, high=258))
     sides[name].run(1)  # warm-up: first dispatch, allocator
-    print(f"compiled {name} in {sides[name].compile_s:.1f} s", file=sys.stderr)
+    print(f"compiled {name} in {sides[name].harness.compile_s:.1f} s", file=sys.stderr)
   times = {name: [] for name in sides}
   for _ in range(args.repeats):
     for name, side in sides.items():
       times[name].append(side.run(args.steps))
   rows = {}
   for name, side in sides.items():
-    m = side.last_metrics
+    m = jax.device_get(side.last_metrics.result())
     rows[name] = {
       "ms_per_step": 1e3 * statistics.median(times[name]),
       "blocks_ms": [1e3 * t for t in times[name]],
-      "compile_s": side.compile_s,
+      "compile_s": side.harness.compile_s,
       "dropped_fraction": float(m.get("moe_dropped_fraction", 0.0)),
     }
     side.close()
@@ -249,7 +174,7 @@ def train_config(variant: str, seed: int, steps: int, moe_overrides: dict, data_
     overrides.update({"parallel.expert": 1, "parallel.data": -1, **moe_overrides})
   if data_dir:
     overrides["data.data_dir"] = data_dir
-  return load_config(name, overrides)
+  return common.load_config(name, overrides)
 
 
 def train_one(args) -> None:
@@ -391,9 +316,8 @@ def main(argv=None):
   if args.train_steps:
     results["train"] = train_compare(args)
     train_table(args, results["train"])
-  with open(args.out, "w") as f:
-    json.dump(results, f, indent=1)
-  print(f"\nwrote {args.out}")
+  print()
+  common.write_json(args.out, results)
 
 
 if __name__ == "__main__":

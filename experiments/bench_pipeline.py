@@ -50,36 +50,21 @@ it?), GPipe vs 1F1B, and serial/step (does the runtime add overhead over bare co
 """
 
 import argparse
-import ast
-import importlib.util
-import inspect
-import json
 import os
-import pathlib
-import platform
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common
+
+common.force_host_devices(8)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
-from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import optim  # noqa: E402
-from pwtrain.backend import Controller, Node, Transfer  # noqa: E402
-from pwtrain.parallel import build_step_program  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain.backend import Node, Transfer  # noqa: E402
+from pwtrain.harness import Harness  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = {
   "model.d_model": 256,
   "model.d_ff": 1024,
@@ -94,8 +79,7 @@ COMPUTE = re.compile(r"(?:^|:)(FB|F|B)(\d+)\.(\d+)$")
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  common.add_config_args(p)
   p.add_argument("--stages", type=int, default=4, help="S: stages, one island of 8/S devices each")
   p.add_argument("--microbatches", default="1,2,4,8", help="M values, comma-separated")
   p.add_argument("--schedules", default="gpipe,1f1b")
@@ -114,105 +98,10 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def load_config(path: str, overrides: dict):
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.unlock()
-  for key, value in overrides.items():
-    *sections, name = key.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    node[name] = value
-  return config
-
-
-def parse_sets(items: list[str]) -> dict:
-  out = {}
-  for item in items:
-    key, sep, text = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set {item!r} must be KEY=VALUE")
-    try:
-      out[key] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      out[key] = text
-  return out
-
-
-def make_batches(config, num: int, seed: int = 0) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  shape = (config.train.global_batch, config.data.seq_len + 1)
-  out = []
-  for _ in range(num):
-    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
-    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
-  return out
-
-
-class Side:
-  """One compiled step program on its own Controller, with its state threaded through."""
-
-  def __init__(self, config, batches, concurrent=False):
-    config_lib.validate(config)
-    self.config, self.batches, self.i = config, batches, 0
-    cluster = plan_lib.make_cluster(config)
-    plan = plan_lib.build(config, cluster)
-    tx, schedule = optim.build(config.optim, config.train.num_steps)
-    kwargs = {"serialize_execution": False} if concurrent else {}
-    if concurrent and "serialize_execution" not in inspect.signature(Controller).parameters:
-      raise SystemExit("--concurrent: this Controller has no serialize_execution option")
-    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, **kwargs)
-    t = time.perf_counter()
-    self.step_program = build_step_program(config, plan, self.controller, tx, schedule)
-    self.compile_s = time.perf_counter() - t
-    self.state = self.step_program.init()
-
-  def inputs(self) -> dict:
-    batch = self.batches[self.i % len(self.batches)]
-    self.i += 1
-    return {**self.state, **self.step_program.feed(batch)}
-
-  def run(self, n: int) -> float:
-    """Seconds per step over `n` steps, from the first dispatch to the last step's outputs."""
-    program = self.step_program.program
-    start = time.perf_counter()
-    for _ in range(n):
-      out = self.controller.run(program, self.inputs())
-      self.state = {k: out[k] for k in self.step_program.state_keys}
-    jax.block_until_ready([f.result() for f in out.values()])
-    elapsed = time.perf_counter() - start
-    self.controller.wait()
-    self.state = {k: v.result() for k, v in self.state.items()}
-    return elapsed / n
-
-  def profile(self) -> dict:
-    """One step node by node in program order, blocking on each: {node: (island, seconds)}."""
-    program, inputs, values, times = self.step_program.program, self.inputs(), {}, {}
-
-    def get(ref):
-      if isinstance(ref, str):
-        return inputs[ref]
-      value = values[ref[0]]
-      return value[ref[1]] if isinstance(value, tuple) else value
-
-    for node in program.nodes:
-      t = time.perf_counter()
-      if isinstance(node, Node):
-        out = node.executable.compiled(*[get(r) for r in node.args])
-      else:
-        assert isinstance(node, Transfer)
-        out = jax.device_put(get(node.src), node.sharding)
-      jax.block_until_ready(out)
-      times[node.name] = (node.island, time.perf_counter() - t)
-      values[node.name] = out
-    self.state = {k: get(program.outputs[k]) for k in self.step_program.state_keys}
-    return times
-
-  def close(self):
-    self.controller.close()
+def make_side(config, batches, concurrent: bool) -> common.Side:
+  """One compiled step program on its own Controller (islands overlap if `concurrent`)."""
+  harness = Harness.build(config, serialize_execution=False if concurrent else None)
+  return common.Side(harness, batches)
 
 
 def simulate(program, times: dict) -> float:
@@ -252,41 +141,38 @@ def kind_costs(times: dict, num_stages: int) -> list[dict]:
 
 def main(argv=None):
   args = parse_args(argv)
-  load_start = os.getloadavg()
-  cache = args.compile_cache or tempfile.mkdtemp(prefix="bench_pipeline_cache_")
+  load = common.Load()
   # Pieces that do not depend on the schedule or M (init, optimizer update, ...) compile once.
-  jax.config.update("jax_compilation_cache_dir", cache)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  with common.compile_cache(args.compile_cache, "bench_pipeline_cache_"):
+    return _main(args, load)
+
+
+def _main(args, load):
   num_stages, num_devices = args.stages, len(jax.devices())
   micros = [int(m) for m in args.microbatches.split(",")]
   schedules = args.schedules.split(",")
-  common = {**MODEL, **parse_sets(args.set)}
+  model = {**MODEL, **common.parse_sets(args.set)}
   t_start = time.perf_counter()
 
-  single_config = load_config(
+  single_config = common.load_config(
     args.config,
     {
-      **common,
+      **model,
       "parallel.islands": 1,
       "parallel.stages": 1,
       "parallel.data": -1,
       "train.num_microbatches": 1,
     },
   )
-  batches = make_batches(single_config, 4)
-  single = Side(single_config, batches, args.concurrent)
-  serialized = (
-    not args.concurrent
-    and "serialize_execution" in inspect.signature(Controller).parameters
-    and jax.devices()[0].platform == "cpu"
-  )
+  batches = common.random_batches(single_config, 4)
+  single = make_side(single_config, batches, args.concurrent)
+  serialized = not args.concurrent and jax.devices()[0].platform == "cpu"
   single.run(2)  # warm up
   gb, seq = single_config.train.global_batch, single_config.data.seq_len
   print(
     f"model d_model={single_config.model.d_model} layers={single_config.model.num_layers} "
     f"seq={seq} global_batch={gb} (fixed); {num_devices} {jax.devices()[0].platform} devices; "
-    f"single island: {single.compile_s:.1f}s to compile"
+    f"single island: {single.harness.compile_s:.1f}s to compile"
   )
   how = (
     "the Controller serializes execution on CPU: islands never run at once"
@@ -301,19 +187,17 @@ def main(argv=None):
   rows = []
   for micro in micros:
     for schedule in schedules:
-      config = load_config(
-        args.config,
-        {
-          **common,
-          "parallel.islands": num_stages,
-          "parallel.stages": num_stages,
-          "parallel.data": -1,
-          "parallel.schedule": schedule,
-          "train.num_microbatches": micro,
-        },
-      )
-      try:
-        pipe = Side(config, batches, args.concurrent)
+      layout = {
+        "parallel.islands": num_stages,
+        "parallel.stages": num_stages,
+        "parallel.data": -1,
+        "parallel.schedule": schedule,
+        "train.num_microbatches": micro,
+      }
+      try:  # config checks, then the plan's divisibility checks
+        pipe = make_side(
+          common.load_config(args.config, {**model, **layout}), batches, args.concurrent
+        )
       except ValueError as e:
         print(f"skip {schedule} M={micro}: {e}")
         continue
@@ -337,7 +221,7 @@ def main(argv=None):
         "stages": num_stages,
         "microbatches": micro,
         "microbatch_size": gb // micro,
-        "compile_s": pipe.compile_s,
+        "compile_s": pipe.harness.compile_s,
         "step_ms": step * 1e3,
         "single_ms": one * 1e3,
         "throughput_ratio": one / step,
@@ -358,12 +242,10 @@ def main(argv=None):
       print(
         f"{schedule:5} M={micro:<2} step {row['step_ms']:7.1f} ms  single {row['single_ms']:6.1f} "
         f"ms  stage ms/microbatch {[round(c, 1) for c in row['stage_ms']]}  compile "
-        f"{pipe.compile_s:.1f}s  [{time.perf_counter() - t_start:.0f}s]",
+        f"{pipe.harness.compile_s:.1f}s  [{time.perf_counter() - t_start:.0f}s]",
         flush=True,
       )
   single.close()
-  if args.compile_cache is None:
-    shutil.rmtree(cache, ignore_errors=True)
 
   print()
   header = (
@@ -387,34 +269,22 @@ def main(argv=None):
     "bound = M/(M+S-1);\nserial = sum of the step's isolated node times (islands cannot overlap "
     "on this CPU, so serial/step ~ 1 means little runtime overhead)."
   )
-  load = os.getloadavg()
-  if max(load[0], load_start[0]) > (os.cpu_count() or 1):
-    print(
-      f"warning: load average {max(load[0], load_start[0]):.1f} > {os.cpu_count()} cores: "
-      "other processes ran"
-    )
   result = {
     "argv": sys.argv[1:],
     "config": args.config,
-    "model": common,
-    "devices": num_devices,
-    "platform": jax.devices()[0].platform,
-    "cpu_count": os.cpu_count(),
-    "host": platform.node(),
-    "jax": jax.__version__,
-    "loadavg_start": load_start,
-    "loadavg_end": load,
+    "model": model,
+    **common.machine(),
+    **load.report(),
     "steps_per_block": args.steps,
     "repeats": args.repeats,
-    "single_compile_s": single.compile_s,
+    "single_compile_s": single.harness.compile_s,
     "concurrent": args.concurrent,
     # pwtrain's Controller serializes execution on CPU by default (see the docstring).
     "serialized_execution": serialized,
     "rows": rows,
   }
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f}s)")
+  print(f"[{time.perf_counter() - t_start:.0f}s]")
+  common.write_json(args.out, result)
   return result
 
 

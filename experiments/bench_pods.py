@@ -55,12 +55,7 @@ compiled pieces between runs), --no_concurrent (skip the 1-device-island overlap
 """
 
 import argparse
-import ast
-import importlib.util
-import json
 import os
-import pathlib
-import platform
 import re
 import shutil
 import statistics
@@ -68,22 +63,17 @@ import sys
 import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common
+
+common.force_host_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import optim, train  # noqa: E402
-from pwtrain.backend import Controller, Node, Trace, Transfer  # noqa: E402
-from pwtrain.parallel import build_step_program  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain import train  # noqa: E402
+from pwtrain.backend import Controller, Node, Trace  # noqa: E402
+from pwtrain.harness import Harness  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = {
   "model.d_model": 256,
   "model.d_ff": 1024,
@@ -111,8 +101,7 @@ EXCHANGE = re.compile(r"^(?:\d+>(\d+):g\d+|(\d+):(?:reduce|enc)\d+)$")
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny.py"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  common.add_config_args(p)
   p.add_argument("--modes", default=",".join(VARIANTS), help="section-1 pod variants")
   p.add_argument("--steps", type=int, default=2, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
@@ -125,127 +114,30 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def load_config(path: str, overrides: dict):
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.unlock()
-  for key, value in overrides.items():
-    *sections, name = key.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    node[name] = value
-  return config
-
-
-def parse_sets(items: list[str]) -> dict:
-  out = {}
-  for item in items:
-    key, sep, text = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set {item!r} must be KEY=VALUE")
-    try:
-      out[key] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      out[key] = text
-  return out
-
-
-def make_batches(config, num: int, seed: int = 0) -> list[dict]:
-  rng = np.random.default_rng(seed)
-  shape = (config.train.global_batch, config.data.seq_len + 1)
-  out = []
-  for _ in range(num):
-    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
-    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
-  return out
-
-
-class Side:
+def make_side(config, batches, serialize_execution=None) -> common.Side:
   """One compiled step program on its own Controller, its state threaded from block to block."""
+  harness = Harness.build(config, serialize_execution=serialize_execution)
+  return common.Side(harness, batches)
 
-  def __init__(self, config, batches, serialize_execution=None):
-    config_lib.validate(config)
-    self.config, self.batches, self.i = config, batches, 0
-    self.cluster = plan_lib.make_cluster(config)
-    plan = plan_lib.build(config, self.cluster)
-    tx, schedule = optim.build(config.optim, config.train.num_steps)
-    self.serialize = serialize_execution
-    self.controller = self._controller()
-    t = time.perf_counter()
-    self.step_program = build_step_program(config, plan, self.controller, tx, schedule)
-    self.compile_s = time.perf_counter() - t
-    self.state = self.step_program.init()
 
-  def _controller(self, trace=None):
-    return Controller(
-      self.cluster,
-      max_inflight=self.config.backend.max_inflight_steps,
-      trace=trace,
-      serialize_execution=self.serialize,
-    )
-
-  def run(self, n: int, program=None, controller=None) -> float:
-    """Seconds per step over `n` steps, from the first dispatch to the last step's outputs.
-
-    `program`: always this one (default: `program_for(step)`, as pwtrain.train does).
-    """
-    controller = controller or self.controller
-    sp = self.step_program
-    start = time.perf_counter()
-    for _ in range(n):
-      batch = self.batches[self.i % len(self.batches)]
-      out = controller.run(program or sp.program_for(self.i), {**self.state, **sp.feed(batch)})
-      self.i += 1
-      self.state = {k: out[k] for k in sp.state_keys}
-    jax.block_until_ready([f.result() for f in out.values()])
-    elapsed = time.perf_counter() - start
-    controller.wait()
-    self.state = {k: v.result() for k, v in self.state.items()}
-    return elapsed / n
-
-  def profile(self, program=None) -> dict:
-    """One step node by node in program order, blocking on each: {node: seconds}."""
-    sp = self.step_program
-    program = program or sp.program_for(self.i)
-    inputs = {**self.state, **sp.feed(self.batches[self.i % len(self.batches)])}
-    self.i += 1
-    values, times = {}, {}
-
-    def get(ref):
-      if isinstance(ref, str):
-        return inputs[ref]
-      value = values[ref[0]]
-      return value[ref[1]] if isinstance(value, tuple) else value
-
-    for node in program.nodes:
-      t = time.perf_counter()
-      if isinstance(node, Node):
-        out = node.executable.compiled(*[get(r) for r in node.args])
-      else:
-        assert isinstance(node, Transfer)
-        out = jax.device_put(get(node.src), node.sharding)
-      jax.block_until_ready(out)
-      times[node.name] = time.perf_counter() - t
-      values[node.name] = out
-    self.state = {k: get(program.outputs[k]) for k in sp.state_keys}
-    return times
-
-  def traced_step(self, warmup: int = 1) -> tuple[list, float]:
-    """Runs `warmup` + 1 steps on a fresh traced Controller; the last step's events, its ms."""
-    trace = Trace()
-    controller = self._controller(trace)
-    try:
-      self.run(warmup, controller=controller)
-      ms = self.run(1, controller=controller) * 1e3
-    finally:
-      controller.close()
-    return [e for e in trace.events if e.step == warmup], ms
-
-  def close(self):
-    self.controller.close()
+def traced_step(side: common.Side, warmup: int = 1, serialize_execution=None) -> tuple[list, float]:
+  """Runs `warmup` + 1 steps of `side` on a fresh traced Controller; the last step's events and
+  its ms."""
+  trace, harness = Trace(), side.harness
+  controller = Controller(
+    harness.cluster,
+    max_inflight=harness.config.backend.max_inflight_steps,
+    trace=trace,
+    serialize_execution=serialize_execution,
+  )
+  side.harness = harness.with_controller(controller)
+  try:
+    side.run(warmup)
+    ms = side.run(1) * 1e3
+  finally:
+    side.harness = harness
+    controller.close()
+  return [e for e in trace.events if e.step == warmup], ms
 
 
 def overlap(events: list, serialized: bool) -> dict:
@@ -304,21 +196,21 @@ def state_waits_on(program) -> list:
   return sorted({m[1] for n in seen if (m := re.fullmatch(r"\d+>\d+:([a-z]+)\d+", n))})
 
 
-def throughput(args, common, variants, cache_note) -> dict:
-  single_cfg = load_config(args.config, {**common, **SINGLE})
-  batches = make_batches(single_cfg, 4)
-  sides = {"single": Side(single_cfg, batches)}
-  print(f"compiled single in {sides['single'].compile_s:.1f}s", flush=True)
+def throughput(args, model, variants, cache_note) -> dict:
+  single_cfg = common.load_config(args.config, {**model, **SINGLE})
+  batches = common.random_batches(single_cfg, 4)
+  sides = {"single": make_side(single_cfg, batches)}
+  print(f"compiled single in {sides['single'].harness.compile_s:.1f}s", flush=True)
   for name in variants:
-    config = load_config(args.config, {**common, **PODS, **VARIANTS[name]})
-    sides[name] = Side(config, batches)
-    print(f"compiled {name} in {sides[name].compile_s:.1f}s{cache_note}", flush=True)
+    config = common.load_config(args.config, {**model, **PODS, **VARIANTS[name]})
+    sides[name] = make_side(config, batches)
+    print(f"compiled {name} in {sides[name].harness.compile_s:.1f}s{cache_note}", flush=True)
   # Timed blocks: (label, side, fixed program or None).
   blocks = []
   for name, side in sides.items():
     if name == "diloco":
       blocks.append(("diloco_inner", side, side.step_program.program))
-      blocks.append(("diloco_outer", side, side.step_program.outer_program))
+      blocks.append(("diloco_outer", side, side.step_program.programs["outer"]))
     else:
       blocks.append((name, side, None))
   for _, side, program in blocks:  # warm up every executable
@@ -335,12 +227,12 @@ def throughput(args, common, variants, cache_note) -> dict:
     row = _row(label, med[label], single, times[label], times["single"], side)
     # Where the step's time goes: each node run alone (least of two profiled steps).
     runs = [side.profile(program) for _ in range(2)]
-    row["profile_ms"] = {k: min(r[k] for r in runs) * 1e3 for k in runs[0]}
+    row["profile_ms"] = {k: min(r[k].seconds for r in runs) * 1e3 for k in runs[0]}
     row["kinds_ms"] = kinds(row["profile_ms"])
     row["state_waits_on"] = state_waits_on(program or side.step_program.program)
     rows.append(row)
   if "diloco" in sides:
-    h = sides["diloco"].config.exchange.inner_steps
+    h = sides["diloco"].harness.config.exchange.inner_steps
     amort = ((h - 1) * med["diloco_inner"] + med["diloco_outer"]) / h
     rows.append(
       {
@@ -393,7 +285,7 @@ def _row(label, med, single, blocks, single_blocks, side) -> dict:
     "ratio": single / med,
     "paired_ratio": paired,
     "exchange_mb": exchange / 1e6,
-    "compile_s": side.compile_s,
+    "compile_s": side.harness.compile_s,
     "blocks_ms": [b * 1e3 for b in blocks],
   }
 
@@ -432,22 +324,23 @@ def print_throughput(rows):
   )
 
 
-def overlap_section(args, common, sides, batches) -> dict:
+def overlap_section(args, model, sides, batches) -> dict:
   out = {}
   for name in ("sync", "overlapped"):
     if name in sides:
       side = sides[name]
     else:
-      side = Side(load_config(args.config, {**common, **PODS, **VARIANTS[name]}), batches)
-    events, ms = side.traced_step()
+      config = common.load_config(args.config, {**model, **PODS, **VARIANTS[name]})
+      side = make_side(config, batches)
+    events, ms = traced_step(side)
     out[name] = {"step_ms": ms, **overlap(events, serialized=True)}
   if not args.no_concurrent:
     conc = {}
-    one = {**common, **PODS, "parallel.devices_per_island": 1, "train.global_batch": 8}
+    one = {**model, **PODS, "parallel.devices_per_island": 1, "train.global_batch": 8}
     for name in ("sync", "overlapped"):
-      config = load_config(args.config, {**one, **VARIANTS[name]})
+      config = common.load_config(args.config, {**one, **VARIANTS[name]})
       try:
-        conc[name] = Side(config, make_batches(config, 4), serialize_execution=False)
+        conc[name] = make_side(config, common.random_batches(config, 4), serialize_execution=False)
       except Exception as e:  # noqa: BLE001 - reported, the rest of the run goes on
         print(f"concurrent {name}: failed to build: {e!r}")
     if len(conc) == 2:
@@ -458,7 +351,7 @@ def overlap_section(args, common, sides, batches) -> dict:
         for name, side in conc.items():
           blocks[name].append(side.run(args.steps))
       for name, side in conc.items():
-        events, ms = side.traced_step()
+        events, ms = traced_step(side, serialize_execution=False)
         out[f"{name}_concurrent_1dev"] = {
           "step_ms": statistics.median(blocks[name]) * 1e3,
           "traced_step_ms": ms,
@@ -496,8 +389,8 @@ def loss_section(args, workdir: str) -> list:
   rows = []
   data_dir = os.path.join(workdir, "tfds")
   for mode in ("sync", "stale", "diloco"):
-    config = load_config(
-      str(REPO / "configs" / "palm_tiny.py"),
+    config = common.load_config(
+      "palm_tiny",
       {
         **PODS,
         "exchange.mode": mode,
@@ -553,21 +446,25 @@ def main(argv=None):
   bad = set(variants) - set(VARIANTS)
   if bad:
     raise SystemExit(f"--modes: unknown {sorted(bad)}; valid: {', '.join(VARIANTS)}")
-  load_start = os.getloadavg()
-  cache = args.compile_cache or tempfile.mkdtemp(prefix="bench_pods_cache_")
+  load = common.Load()
   # Pieces shared by several sides (the pods' FB, init, zeros...) compile once.
-  jax.config.update("jax_compilation_cache_dir", cache)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-  common = {**MODEL, **parse_sets(args.set)}
+  with common.compile_cache(args.compile_cache, "bench_pods_cache_"):
+    result = _main(args, sections, variants)
+  result.update(load.report())
+  common.write_json(args.out, result)
+  return result
+
+
+def _main(args, sections, variants) -> dict:
+  model = {**MODEL, **common.parse_sets(args.set)}
   workdir = tempfile.mkdtemp(prefix="bench_pods_")
   t_start = time.perf_counter()
   platform_name = jax.devices()[0].platform
   serialized = platform_name == "cpu"
   print(
     f"{len(jax.devices())} {platform_name} devices on {os.cpu_count()} cores; model "
-    f"d_model={common['model.d_model']} layers={common['model.num_layers']} seq="
-    f"{common['data.seq_len']} global_batch={common['train.global_batch']}; "
+    f"d_model={model['model.d_model']} layers={model['model.num_layers']} seq="
+    f"{model['data.seq_len']} global_batch={model['train.global_batch']}; "
     f"{args.steps} steps/block x {args.repeats} rounds"
   )
   if serialized:
@@ -578,12 +475,8 @@ def main(argv=None):
     )
   result = {
     "argv": sys.argv[1:],
-    "model": common,
-    "devices": len(jax.devices()),
-    "platform": platform_name,
-    "cpu_count": os.cpu_count(),
-    "host": platform.node(),
-    "jax": jax.__version__,
+    "model": model,
+    **common.machine(),
     "steps_per_block": args.steps,
     "repeats": args.repeats,
     "serialized_execution": serialized,
@@ -592,7 +485,7 @@ def main(argv=None):
   try:
     if "throughput" in sections:
       print("\n== 1. throughput: 2 pods x 4 devices vs 1 island x 8 ==", flush=True)
-      tp = throughput(args, common, variants, "")
+      tp = throughput(args, model, variants, "")
       sides, batches = tp["sides"], tp["batches"]
       result["throughput"] = tp["rows"]
       print(f"[{time.perf_counter() - t_start:.0f}s]")
@@ -600,8 +493,8 @@ def main(argv=None):
     if "overlap" in sections:
       print("\n== 2. exchange overlap (traced step) ==", flush=True)
       if batches is None:
-        batches = make_batches(load_config(args.config, {**common, **SINGLE}), 4)
-      result["overlap"] = overlap_section(args, common, sides, batches)
+        batches = common.random_batches(common.load_config(args.config, {**model, **SINGLE}), 4)
+      result["overlap"] = overlap_section(args, model, sides, batches)
       print(f"[{time.perf_counter() - t_start:.0f}s]")
       print_overlap(result["overlap"])
     for side in sides.values():
@@ -613,15 +506,7 @@ def main(argv=None):
       print_loss(result["loss"], args)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
-    if args.compile_cache is None:
-      shutil.rmtree(cache, ignore_errors=True)
-  load = os.getloadavg()
-  if max(load[0], load_start[0]) > (os.cpu_count() or 1):
-    print(f"warning: load average {load[0]:.1f} > {os.cpu_count()} cores: other processes ran")
-  result.update(loadavg_start=load_start, loadavg_end=load, total_s=time.perf_counter() - t_start)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f}s)")
+  result["total_s"] = time.perf_counter() - t_start
   return result
 
 

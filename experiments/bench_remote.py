@@ -24,72 +24,38 @@ Run (8 simulated CPU devices for the embedded side; about 2 minutes on 2 cores):
    held by `save` (hand_off_ms) and until the step is committed (commit_ms).
 """
 
-import os
+import common
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.force_host_devices(8)
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from conftest import random_batches, tiny_test_config  # noqa: E402
-
-from pwtrain import optim  # noqa: E402
-from pwtrain.backend import Cluster, Controller  # noqa: E402
+from pwtrain.backend import Cluster  # noqa: E402
 from pwtrain.backend.remote import arrays, launcher, saves  # noqa: E402
 from pwtrain.backend.remote import protocol_pb2 as pb  # noqa: E402
 from pwtrain.backend.remote.dispatch import fetch_value  # noqa: E402
 from pwtrain.checkpoint import Checkpointer  # noqa: E402
-from pwtrain.parallel import build_step_program  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain.harness import Harness  # noqa: E402
 
-
-def layout_config(layout):
-  if layout == "pods":
-    return tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2})
-  return tiny_test_config(
-    **{"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2}
-  )
-
-
-class Side:
-  """A compiled step on a cluster, with its state, ready to time."""
-
-  def __init__(self, config, cluster):
-    self.cluster = cluster
-    self.controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps)
-    tx, schedule = optim.build(config.optim, config.train.num_steps)
-    self.program = build_step_program(
-      config, plan_lib.build(config, cluster), self.controller, tx, schedule
-    )
-    self.state = self.program.init()
-    self.step = 0
-
-  def block(self, batches) -> float:
-    start = time.perf_counter()
-    out = None
-    for batch in batches:
-      out = self.controller.run(
-        self.program.program_for(self.step), {**self.state, **self.program.feed(batch)}
-      )
-      self.state = {k: out[k] for k in self.program.state_keys}
-      self.step += 1
-    jax.block_until_ready(out["metrics"].result())
-    return (time.perf_counter() - start) / len(batches)
-
-  def close(self):
-    self.controller.wait()
-    self.controller.close()
+TEST_MODEL = {  # the tests' model (tests/conftest.py TINY)
+  "model.num_layers": 2,
+  "model.d_model": 64,
+  "model.num_heads": 8,
+  "model.head_dim": 8,
+  "model.d_ff": 128,
+  "data.seq_len": 32,
+  "train.global_batch": 16,
+}
+LAYOUTS = {
+  "pods": {"parallel.pods": 2, "parallel.islands": 2},
+  "pipeline": {"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2},
+}
 
 
 def transfer_throughput(cluster, mib, repeats):
@@ -135,7 +101,7 @@ def checkpoint_times(side, how, repeats) -> dict:
     ckpt = Checkpointer(directory, keep=2, every=1, part_writer=saves.PendingSave)
     for r in range(repeats):
       start = time.perf_counter()
-      ckpt.save(r + 1, side.program.to_checkpoint(state()), {"repeat": r})
+      ckpt.save(r + 1, side.step_program.to_checkpoint(state()), {"repeat": r})
       hand_off.append(time.perf_counter() - start)
       ckpt.wait()
       commit.append(time.perf_counter() - start)
@@ -155,20 +121,21 @@ def main():
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 
-  config = layout_config(args.layout)
-  batches = random_batches(config, args.steps)
+  config = common.load_config("palm_tiny", {**TEST_MODEL, **LAYOUTS[args.layout]})
+  batches = common.random_batches(config, args.steps)
   results = {"layout": args.layout, "steps_per_block": args.steps}
   with launcher.launch([2, 2]) as workers:
-    embedded = Side(config, plan_lib.make_cluster(config, devices=jax.devices()[:4]))
+    # Timed until the metrics are on the host: waiting for the remote state would fetch it.
+    embedded = common.Side(Harness.build(config, jax.devices()[:4]), batches, time_state=False)
     cluster = Cluster.connect(workers.addresses, workers.token, devices=jax.devices()[:2])
-    remote_side = Side(config, cluster)
+    remote_side = common.Side(Harness.build(config, cluster=cluster), batches, time_state=False)
     sides = {"embedded": embedded, "remote": remote_side}
     for side in sides.values():
-      side.block(batches[:2])  # warm up
+      side.run(2)  # warm up
     blocks = {name: [] for name in sides}
     for _ in range(args.repeats):
       for name, side in sides.items():
-        blocks[name].append(side.block(batches))
+        blocks[name].append(side.run(len(batches)))
     for name in sides:
       results[f"{name}_ms_per_step"] = 1e3 * statistics.median(blocks[name])
     for name, side, how in (
@@ -190,8 +157,7 @@ def main():
   for key, value in results.items():
     print(f"{key:>40}: {value:.2f}" if isinstance(value, float) else f"{key:>40}: {value}")
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+    common.write_json(args.out, results)
 
 
 if __name__ == "__main__":

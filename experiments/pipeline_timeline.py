@@ -39,23 +39,16 @@ launch stamp of any island (or its own dispatch, if later) to its own launch sta
 """
 
 import argparse
-import ast
 import collections
-import importlib.util
-import inspect
 import json
 import os
 import pathlib
 import re
 import statistics
 
-os.environ["XLA_FLAGS"] = (
-  re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import common
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+common.force_host_devices(8)
 
 # kind -> (face colour, label); transfers get thin bars.
 STYLE = {
@@ -78,8 +71,7 @@ PREFIX = re.compile(r"^(?:\d+>)?(?:\d+:)?")  # pod prefix: "1:" or "0>1:" (from 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "palm_tiny_pipeline.py"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  common.add_config_args(p, default="palm_tiny_pipeline")
   p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
   p.add_argument("--microbatches", type=int, default=None)
   p.add_argument("--steps", type=int, default=4, help="training steps to record")
@@ -100,79 +92,26 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def load_config(path: str, overrides: list[str]):
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.unlock()
-  for item in overrides:
-    key, sep, text = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set {item!r} must be KEY=VALUE")
-    *sections, name = key.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    old = node[name]
-    if isinstance(old, bool):
-      node[name] = text.lower() in ("1", "true", "yes")
-    elif isinstance(old, (int, float, str)):
-      node[name] = type(old)(text)
-    else:
-      try:
-        node[name] = ast.literal_eval(text)
-      except (ValueError, SyntaxError):
-        node[name] = text
-  return config
-
-
-def random_batches(config, num: int, seed: int = 0) -> list[dict]:
-  import numpy as np
-
-  rng = np.random.default_rng(seed)
-  shape = (config.train.global_batch, config.data.seq_len + 1)
-  out = []
-  for _ in range(num):
-    tokens = rng.integers(1, config.model.vocab_size, size=shape).astype(np.int32)
-    out.append({"inputs": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy()})
-  return out
-
-
 def record(config, num_steps: int, path: str, concurrent: bool = False):
   """Runs `num_steps` steps through a traced Controller; writes the Chrome trace and, beside it,
   each transfer's source node (`<path>.sources.json`). Returns (trace dict, sources)."""
   import jax
 
-  from pwtrain import config as config_lib
-  from pwtrain import optim
-  from pwtrain.backend import Controller, Trace, Transfer
-  from pwtrain.parallel import build_step_program
-  from pwtrain.parallel import plan as plan_lib
+  from pwtrain.backend import Trace, Transfer
+  from pwtrain.harness import Harness
 
-  config_lib.validate(config)
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
   trace = Trace()
-  max_inflight = config.backend.max_inflight_steps
-  kwargs = {"serialize_execution": False} if concurrent else {}
-  if concurrent and "serialize_execution" not in inspect.signature(Controller).parameters:
-    raise ValueError("--concurrent: this Controller has no serialize_execution option")
-  with Controller(cluster, max_inflight=max_inflight, trace=trace, **kwargs) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    for batch in random_batches(config, num_steps):
-      out = controller.run(program.program, {**state, **program.feed(batch)})
-      state = {k: out[k] for k in program.state_keys}
-    metrics = jax.device_get(out["metrics"].result())
-    controller.wait()
-    jax.block_until_ready([v.result() for v in state.values()])
+  serialize = False if concurrent else None
+  with Harness.build(config, trace=trace, serialize_execution=serialize) as harness:
+    side = common.Side(harness, common.random_batches(config, num_steps))
+    side.run(num_steps)
+    metrics = jax.device_get(side.last_metrics.result())
+    program = harness.step_program.program
   # The completion watchers stamp `done` asynchronously; close() has joined them.
   trace.write(path)
   sources = {
     n.name: n.src[0] if isinstance(n.src, tuple) else None
-    for n in program.program.nodes
+    for n in program.nodes
     if isinstance(n, Transfer)
   }
   with open(sources_path(path), "w") as f:
@@ -458,12 +397,12 @@ def main(argv=None):
         sources = json.load(f)
     title = f"{args.trace}; "
   else:
-    config = load_config(args.config, args.set)
+    overrides = common.parse_sets(args.set)
     if args.schedule:
-      config.parallel.schedule = args.schedule
+      overrides["parallel.schedule"] = args.schedule
     if args.microbatches:
-      config.train.num_microbatches = args.microbatches
-    config.lock()
+      overrides["train.num_microbatches"] = args.microbatches
+    config = common.load_config(args.config, overrides)
     path = os.path.join(args.out_dir, "trace.json")
     trace, sources = record(config, args.steps, path, args.concurrent)
     title = (

@@ -1,6 +1,7 @@
 """Config checks that need no devices: each error names the key, the value and what is valid."""
 
 from pwtrain import optim
+from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
 from pwtrain.parallel.pipeline.schedule import SCHEDULES
 
@@ -97,6 +98,9 @@ def validate(config) -> None:
   for key in ("dtype", "param_dtype"):
     if m[key] not in DTYPES:
       raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(DTYPES)}")
+  for key, valid in (("remat", remat.REMAT), ("attention", layers.ATTENTION)):
+    if m[key] not in valid:
+      raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(valid)}")
   if config.optim.name not in optim.OPTIMIZERS:
     raise ValueError(
       f"optim.name={config.optim.name!r} is not an optimizer; valid: {', '.join(optim.OPTIMIZERS)}"
@@ -170,18 +174,50 @@ def validate_backend(config) -> None:
     raise ValueError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
 
 
+def load(path, overrides: dict | None = None):
+  """The config that `path`'s `get_config(arg)` returns, with `overrides` applied.
+
+  `path` is a config file, optionally followed by `:arg` as with `--config=path:arg` (config_flags):
+  `arg` (a string) is passed to `get_config`, else None. `overrides` maps dotted keys to values,
+  e.g. {"parallel.data": 8, "seed": 1}; each key must already exist in the config (a ValueError
+  names the first that does not) and is set as `--config.<key>=<value>` would set it. The result is
+  locked or not as `get_config` left it.
+  """
+  import importlib.util
+  import pathlib
+
+  file, _, arg = str(path).partition(":")
+  file = pathlib.Path(file).expanduser().resolve()
+  if not file.is_file():
+    raise ValueError(f"config file {str(file)!r} does not exist")
+  spec = importlib.util.spec_from_file_location(f"pwtrain_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg or None)
+  for key, value in (overrides or {}).items():
+    *parents, name = key.split(".")
+    node = config
+    for parent in parents:
+      if parent not in node or not hasattr(node[parent], "keys"):
+        raise ValueError(f"config override {key!r}: {file.name} has no section {parent!r}")
+      node = node[parent]
+    if name not in node:
+      raise ValueError(f"config override {key!r}: {file.name} has no key {key!r}")
+    try:
+      node[name] = value
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"config override {key}={value!r}: {e}") from e
+  return config
+
+
 def base_config(config_file: str, name: str, arg=None):
   """The config `name` from the same directory as `config_file`, unlocked, to start from.
 
   Lets `configs/palm_8b.py` begin from `configs/palm_tiny.py` however the file was loaded.
   """
-  import importlib.util
   import pathlib
 
   path = pathlib.Path(config_file).resolve().with_name(f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"pwtrain_config_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
+  config = load(path if arg is None else f"{path}:{arg}")
   config.unlock()
   return config

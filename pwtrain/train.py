@@ -5,15 +5,14 @@ import logging
 import os
 
 from pwtrain import config as config_lib
-from pwtrain import guard, optim
-from pwtrain.backend import Controller, Trace
+from pwtrain import guard
+from pwtrain.backend import Trace
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_train_batches
+from pwtrain.harness import Harness
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
-from pwtrain.parallel import build_step_program
-from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
 
 
@@ -35,22 +34,26 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
 
 
 def _run(config, workdir: str, show_progress: bool) -> RunResult:
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
   workdir = _prepare_workdir(workdir)
   tokenizer, batches = build_train_batches(config, workdir)
-
   trace = Trace() if config.backend.trace else None
-  controller = Controller(cluster, max_inflight=config.backend.max_inflight_steps, trace=trace)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
-  step_program = build_step_program(config, plan, controller, tx, schedule)
+  try:
+    with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
+      return _train(config, harness, batches, workdir, show_progress)
+  finally:
+    if trace is not None:
+      trace.write(os.path.join(workdir, "trace.json"))
 
+
+def _train(config, harness: Harness, batches, workdir: str, show_progress: bool) -> RunResult:
+  step_program, plan = harness.step_program, harness.plan
+  remote = harness.cluster.remote
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
-    part_writer=_part_writer() if cluster.remote else None,
+    part_writer=_part_writer() if remote else None,
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
   num_steps = config.train.num_steps
@@ -71,18 +74,16 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
   try:
     with StopRequest() as stop:
       while step < num_steps:
-        inputs = {**state, **step_program.feed(next(batches))}
-        out = controller.run(step_program.program_for(step), inputs)
-        state, step = {k: out[k] for k in step_program.state_keys}, step + 1
-        logger.record(step, out["metrics"])
+        out = harness.step(state, next(batches), step)
+        state, step = out.state, step + 1
+        logger.record(step, out.metrics)
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
-          controller.wait()  # the abandoned steps still in flight
+          harness.controller.wait()  # the abandoned steps still in flight
           state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
           continue
         if ckpt.should_save(step, num_steps) or stop.requested:
-          saveable = _saveable(state, cluster.remote)
-          ckpt.save(step, step_program.to_checkpoint(saveable), batches.get_state())
+          ckpt.save(step, step_program.to_checkpoint(_saveable(state, remote)), batches.get_state())
         if stop.requested:
           logging.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -90,14 +91,9 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
   finally:
     logger.close()
     try:
-      ckpt.wait()  # a failed save is raised here, after everything below is closed
+      ckpt.wait()  # a failed save is raised here, once this and then the harness are closed
     finally:
       ckpt.close()
-      controller.wait()
-      controller.close()
-      cluster.close()  # remote: disconnect from the workers (and stop watching them)
-      if trace is not None:
-        trace.write(os.path.join(workdir, "trace.json"))
   return RunResult(logger.history, state, start, step)
 
 

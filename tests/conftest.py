@@ -15,20 +15,35 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="pwtr
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# Parity tolerance (test_parity's docstring): every layout is fp32 and differs from the 1-device
+# run only in the order of reductions across shards, ~1e-6 of each tensor's largest entry.
+TOL = 1e-5
+# SGD with momentum: its update is linear in the gradient, so parameters and optimizer state can
+# be compared across layouts after a few steps (Adafactor's cannot, see test_parity).
+SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 1}
+TINY = {  # an even smaller model than palm_tiny, for fast compiles
+  "model.num_layers": 2,
+  "model.d_model": 64,
+  "model.num_heads": 8,
+  "model.head_dim": 8,
+  "model.d_ff": 128,
+  "data.seq_len": 32,
+  "train.global_batch": 16,
+}
 
-def load_config(name="palm_tiny", arg=None):
-  """Loads configs/<name>.py's get_config(arg), as `--config=configs/<name>.py` would."""
-  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+
+def load_config(name="palm_tiny", overrides=None):
+  """configs/<name>.py's get_config(), as `--config=configs/<name>.py` would load it, with
+  `overrides` {"section.key": value} applied (pwtrain.config.load)."""
+  from pwtrain import config as config_lib
+
+  return config_lib.load(REPO / "configs" / f"{name}.py", overrides)
 
 
 @pytest.fixture
@@ -37,19 +52,36 @@ def tiny_config():
 
 
 def tiny_test_config(**overrides):
-  """An even smaller model than palm_tiny, for fast compiles; overrides are 'section.key'."""
-  c = load_config("palm_tiny")
-  c.model.num_layers = 2
-  c.model.d_model = 64
-  c.model.num_heads = 8
-  c.model.head_dim = 8
-  c.model.d_ff = 128
-  c.data.seq_len = 32
-  c.train.global_batch = 16
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  return c
+  """palm_tiny shrunk to TINY, for fast compiles; overrides are {"section.key": value}."""
+  return load_config("palm_tiny", {**TINY, **overrides})
+
+
+def small_config(**overrides):
+  """tiny_test_config for train.run: 12 steps of the built-in corpus (40 files), logged every 2."""
+  return tiny_test_config(
+    **{"data.max_files": 40, "train.log_every": 2, "train.num_steps": 12, **overrides}
+  )
+
+
+def assert_close(actual, expected, what, tol=TOL):
+  """max|actual - expected| <= tol * max|expected|, in float64."""
+  import numpy as np
+
+  a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert a.shape == e.shape, what
+  err, scale = np.max(np.abs(a - e), initial=0.0), np.max(np.abs(e), initial=0.0)
+  assert err <= tol * max(scale, 1e-30), f"{what}: max|diff|={err:.3g}, max|expected|={scale:.3g}"
+
+
+def assert_trees_close(actual, expected, what, tol=TOL):
+  """assert_close leaf by leaf; the two trees must have the same structure."""
+  import jax
+
+  flat_a, tree_a = jax.tree.flatten_with_path(actual)
+  flat_e, tree_e = jax.tree.flatten_with_path(expected)
+  assert tree_a == tree_e, what
+  for (path, a), (_, e) in zip(flat_a, flat_e, strict=True):
+    assert_close(a, e, f"{what}{jax.tree_util.keystr(path)}", tol)
 
 
 def random_batches(config, num, seed=0):
@@ -72,25 +104,17 @@ def run_program(config, batches, devices=None):
   """
   import jax
 
-  from pwtrain import optim
-  from pwtrain.backend import Controller
-  from pwtrain.parallel import build_step_program
-  from pwtrain.parallel import plan as plan_lib
+  from pwtrain.harness import Harness
 
-  cluster = plan_lib.make_cluster(config, devices=devices)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
-  with Controller(cluster) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    metrics = []
+  with Harness.build(config, devices) as harness:
+    state, metrics = harness.init(), []
     for i, batch in enumerate(batches):
-      out = controller.run(program.program_for(i), {**state, **program.feed(batch)})
-      state = {k: out[k] for k in program.state_keys}
-      metrics.append(out["metrics"])
+      out = harness.step(state, batch, i)
+      state = out.state
+      metrics.append(out.metrics)
     metrics = jax.device_get([m.result() for m in metrics])
     state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
-  return program, metrics, jax.device_get(state)
+  return harness.step_program, metrics, jax.device_get(state)
 
 
 def run_steps(config, batches, devices=None):

@@ -1,34 +1,22 @@
 """Tests of pwtrain.data: corpus build, tokenizers, packing, determinism and exact resume."""
 
-import importlib.util
 import json
 import os
 import pathlib
 
 import numpy as np
 import pytest
+from conftest import load_config
 
 from pwtrain.data import build_tokenizer, build_train_batches, corpus
 from pwtrain.data.loader import TrainBatches
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, sentencepiece_path
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
 
 def make_config(**overrides):
-  """configs/palm_tiny.py shrunk for tests; keys as 'data.seq_len' (the config is locked)."""
-  spec = importlib.util.spec_from_file_location("palm_tiny", REPO / "configs" / "palm_tiny.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  """configs/palm_tiny.py shrunk for data tests; keys as 'data.seq_len'."""
   settings = {"data.max_files": 30, "data.seq_len": 32, "train.global_batch": 4, **overrides}
-  for dotted, value in settings.items():
-    *parents, name = dotted.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[name] = value
-  return config
+  return load_config("palm_tiny", settings)
 
 
 @pytest.fixture(scope="module")

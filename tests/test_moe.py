@@ -12,9 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import grads_at_init, load_config, random_batches, run_steps, tiny_test_config
+from conftest import (
+  SGD,
+  assert_close,
+  assert_trees_close,
+  grads_at_init,
+  load_config,
+  random_batches,
+  run_steps,
+  tiny_test_config,
+)
 from flax import nnx
-from test_parity import SGD, assert_close, assert_trees_close
 
 from pwtrain import config as config_lib
 from pwtrain import train

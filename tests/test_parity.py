@@ -5,7 +5,7 @@ and, after two optimizer steps, the parameters and optimizer state must match th
 
 Tolerance. Everything is fp32 and the layouts differ only in the order of reductions across
 shards, which perturbs each tensor by ~1e-6 of its largest entry; tensors are compared norm-wise,
-max|actual - expected| <= TOL * max|expected|, with TOL fixed here once for all layouts.
+max|actual - expected| <= TOL * max|expected|, with TOL fixed once for all layouts (conftest).
 
 Optimizer. Adafactor (like Adam) divides each gradient entry by its own RMS, so an entry whose
 gradient is ~0 gets an O(lr) update whose sign and size follow rounding noise: its updated
@@ -16,27 +16,18 @@ the gradients themselves, which is what a layout computes, are compared directly
 """
 
 import jax
-import numpy as np
 import pytest
-from conftest import grads_at_init, random_batches, run_steps, tiny_test_config
+from conftest import (
+  SGD,
+  assert_close,
+  assert_trees_close,
+  grads_at_init,
+  random_batches,
+  run_steps,
+  tiny_test_config,
+)
 
-TOL = 1e-5
 NUM_STEPS = 2
-
-
-def assert_close(actual, expected, what):
-  a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  assert a.shape == e.shape, what
-  err, scale = np.max(np.abs(a - e), initial=0.0), np.max(np.abs(e), initial=0.0)
-  assert err <= TOL * max(scale, 1e-30), f"{what}: max|diff|={err:.3g}, max|expected|={scale:.3g}"
-
-
-def assert_trees_close(actual, expected, what):
-  flat_a, tree_a = jax.tree.flatten_with_path(actual)
-  flat_e, tree_e = jax.tree.flatten_with_path(expected)
-  assert tree_a == tree_e, what
-  for (path, a), (_, e) in zip(flat_a, flat_e, strict=True):
-    assert_close(a, e, f"{what}{jax.tree_util.keystr(path)}")
 
 
 LAYOUTS = {
@@ -47,9 +38,6 @@ LAYOUTS = {
   "dp4_tp2_micro2": {"parallel.data": 4, "parallel.tensor": 2, "train.num_microbatches": 2},
   "single_micro4": {"parallel.data": 1, "train.num_microbatches": 4},
 }
-
-
-SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 1}
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,18 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import random_batches, run_steps, tiny_test_config
-from test_parity import SGD, assert_close, assert_trees_close
+from conftest import (
+  SGD,
+  assert_close,
+  assert_trees_close,
+  random_batches,
+  run_steps,
+  small_config,
+  tiny_test_config,
+)
 
-from pwtrain import optim
-from pwtrain.backend import Controller, Trace
-from pwtrain.parallel import build_step_program
+from pwtrain.backend import Trace
+from pwtrain.harness import Harness
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.pipeline import island_order, peak_live_inputs
 from pwtrain.parallel.stages import Stage, balanced_boundaries, make_stages
@@ -118,24 +124,19 @@ def test_bad_pipeline_configs(overrides, message):
 def test_whole_step_is_dispatched_before_it_runs():
   """Parallel asynchronous dispatch: every node of a 4-stage step is enqueued in a small fraction
   of the step's run time, and the trace shows the islands working on the step concurrently."""
-  config = tiny_test_config(**pipe(4, "1f1b", 4, **{"model.d_model": 256, "model.d_ff": 1024}))
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, 10)
+  wide = {"model.d_model": 256, "model.d_ff": 1024, "backend.max_inflight_steps": 4}
+  config = tiny_test_config(**pipe(4, "1f1b", 4, **wide))
   trace = Trace()
   batch = random_batches(config, 1)[0]
-  with Controller(cluster, max_inflight=4, trace=trace) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    out = controller.run(program.program, {**state, **program.feed(batch)})  # warm up
-    jax.block_until_ready(out["metrics"].result())
-    state = {k: out[k] for k in program.state_keys}
+  with Harness.build(config, trace=trace) as harness:
+    program = harness.step_program
+    out = harness.step(harness.init(), batch, 0)  # warm up
+    jax.block_until_ready(out.metrics.result())
     t0 = time.perf_counter()
-    out = controller.run(program.program, {**state, **program.feed(batch)})
+    out = harness.step(out.state, batch, 1)
     dispatch = time.perf_counter() - t0
-    jax.block_until_ready(out["metrics"].result())
+    jax.block_until_ready(out.metrics.result())
     total = time.perf_counter() - t0
-    controller.wait()
   assert dispatch < total / 5, (dispatch, total)
   step1 = [e for e in trace.events if e.step == 2]
   assert len(step1) == len(program.program.nodes)
@@ -151,11 +152,8 @@ def test_activation_memory_1f1b_below_gpipe():
   config = tiny_test_config(
     **pipe(4, "1f1b", 8, **{"parallel.data": 1, "parallel.devices_per_island": 1})
   )
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, 10)
-  with Controller(cluster) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
+  with Harness.build(config) as harness:
+    program = harness.step_program
     out_bytes = program.executables[("F", 0, 1)].memory_analysis().output_size_in_bytes
   assert out_bytes == 2 * 32 * 64 * 4  # one microbatch's activation [2, 32, 64] fp32
   stages = program.stages
@@ -167,8 +165,6 @@ def test_activation_memory_1f1b_below_gpipe():
 
 
 def run(workdir, **overrides):
-  from test_train import small_config
-
   from pwtrain import train
 
   return train.run(small_config(**overrides), str(workdir), show_progress=False)

@@ -8,13 +8,18 @@ against its own error bound.
 import jax
 import numpy as np
 import pytest
-from conftest import random_batches, run_program, run_steps, tiny_test_config
-from test_parity import SGD, assert_close, assert_trees_close
+from conftest import (
+  SGD,
+  assert_close,
+  assert_trees_close,
+  random_batches,
+  run_program,
+  run_steps,
+  small_config,
+  tiny_test_config,
+)
 
-from pwtrain import optim
-from pwtrain.backend import Controller
-from pwtrain.parallel import build_step_program
-from pwtrain.parallel import plan as plan_lib
+from pwtrain.harness import Harness
 from pwtrain.parallel.exchange import compression as codec
 
 NUM_STEPS = 2
@@ -63,11 +68,8 @@ def test_pods_match_one_island(reference, layout):
 def test_overlapped_sends_each_bucket_before_the_backward_ends():
   """Each bucket's gradients leave the pod before the backward of the buckets below it."""
   config = tiny_test_config(**SGD, **PODS, **LAYOUTS["overlapped_4buckets"])
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, 10)
-  with Controller(cluster) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
+  with Harness.build(config) as harness:
+    program = harness.step_program
   names = [n.name for n in program.program.nodes]
   # Bucket 3 (the top layers and head) is sent to pod 1 before pod 0 runs bucket 0's backward.
   assert names.index("0>1:g3") < names.index("0:B0.0")
@@ -104,8 +106,6 @@ def test_compressed_exchange_keeps_pods_identical(reference, compression):
 
 def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
   import json
-
-  from test_train import small_config
 
   from pwtrain import train
 
@@ -190,8 +190,6 @@ def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
 
 
 def test_diloco_pods_diverge_between_outer_steps_and_resume_exactly(tmp_path):
-  from test_train import small_config
-
   from pwtrain import train
 
   diloco = {
@@ -231,8 +229,6 @@ def test_error_feedback_loses_nothing_over_steps():
 
 
 def test_pods_with_error_feedback_stay_identical_and_resume(tmp_path):
-  from test_train import small_config
-
   from pwtrain import train
 
   ef = {

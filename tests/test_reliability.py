@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,15 +20,9 @@ from pwtrain.checkpoint import Checkpointer
 
 
 def small_config(**overrides):
-  return tiny_test_config(
-    **{
-      "data.max_files": 40,
-      "train.log_every": 2,
-      "train.num_steps": 12,
-      "train.checkpoint_every": 2,
-      "train.rollback_after": 2,
-      **overrides,
-    }
+  """conftest's small run, checkpointed every 2 steps, rolled back after 2 non-finite ones."""
+  return conftest.small_config(
+    **{"train.checkpoint_every": 2, "train.rollback_after": 2, **overrides}
   )
 
 
@@ -312,26 +307,19 @@ def test_a_nonfinite_step_changes_no_stage_or_pod(layout):
   state (all decide from the same global loss), and the next clean step trains again."""
   from conftest import random_batches
 
-  from pwtrain import optim
-  from pwtrain.backend import Controller
-  from pwtrain.parallel import build_step_program
-  from pwtrain.parallel import plan as plan_lib
+  from pwtrain.harness import Harness
 
   config = tiny_test_config(**SKIP_LAYOUTS[layout])
   bad, good = random_batches(config, 2)
   bad["inputs"][0, 0] = config.model.vocab_size
-  cluster = plan_lib.make_cluster(config)
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
-  with Controller(cluster) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    host = [jax.device_get({k: v for k, v in state.items()})]
+  with Harness.build(config) as harness:
+    program, state = harness.step_program, harness.init()
+    host = [jax.device_get(state)]
     skipped = []
     for i, batch in enumerate((bad, good)):
-      out = controller.run(program.program_for(i), {**state, **program.feed(batch)})
-      state = {k: out[k].result() for k in program.state_keys}
-      skipped.append(float(out["metrics"].result()["skipped"]))
+      out = harness.step(state, batch, i)
+      state = {k: v.result() for k, v in out.state.items()}
+      skipped.append(float(out.metrics.result()["skipped"]))
       host.append(jax.device_get(state))
   assert skipped == [1.0, 0.0]
   for key in program.state_keys:  # one per cell (pod, stage); "state" for one island

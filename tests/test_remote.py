@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import conftest
 import grpc
 import jax
 import ml_dtypes
@@ -15,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import random_batches, run_program, tiny_test_config
 
-from pwtrain import optim, train
-from pwtrain.backend import Controller, Trace
+from pwtrain import train
+from pwtrain.backend import Trace
 from pwtrain.backend.program import Node
 from pwtrain.backend.remote import arrays, auth, launcher, saves
 from pwtrain.backend.remote import protocol_pb2 as pb
@@ -24,8 +25,7 @@ from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
 from pwtrain.backend.remote.client import WorkerClient
 from pwtrain.checkpoint import Checkpointer
-from pwtrain.parallel import build_step_program
-from pwtrain.parallel import plan as plan_lib
+from pwtrain.harness import Harness
 
 
 @pytest.fixture(scope="module")
@@ -254,18 +254,13 @@ def test_remote_trace_has_the_workers_run_times(workers):
   worker, on the controller's clock; an island runs its executes one after another, each after
   the controller dispatched it."""
   config = remote(tiny_test_config(**{"parallel.stages": 2, "parallel.islands": 2}), workers)
-  cluster = plan_lib.make_cluster(config, devices=jax.devices()[:2])
-  plan = plan_lib.build(config, cluster)
-  tx, schedule = optim.build(config.optim, config.train.num_steps)
   trace = Trace()
-  with Controller(cluster, trace=trace) as controller:
-    program = build_step_program(config, plan, controller, tx, schedule)
-    state = program.init()
-    for batch in random_batches(config, 2):
-      out = controller.run(program.program, {**state, **program.feed(batch)})
-      state = {k: out[k] for k in program.state_keys}
-    out["metrics"].result()
-  cluster.close()
+  with Harness.build(config, jax.devices()[:2], trace=trace) as harness:
+    program, state = harness.step_program, harness.init()
+    for i, batch in enumerate(random_batches(config, 2)):
+      out = harness.step(state, batch, i)
+      state = out.state
+    out.metrics.result()
   executes = {n.name for n in program.program.nodes if isinstance(n, Node)}
   events = [e for e in trace.events if e.step == 1]
   assert len(events) == len(program.program.nodes)
@@ -286,11 +281,9 @@ def test_remote_trace_has_the_workers_run_times(workers):
 
 
 def small_config(**overrides):
-  return tiny_test_config(
+  """conftest's small run as a 2-stage pipeline on 2 islands of 2 devices, checkpointed every 4."""
+  return conftest.small_config(
     **{
-      "data.max_files": 40,
-      "train.log_every": 2,
-      "train.num_steps": 12,
       "train.checkpoint_every": 4,
       "parallel.stages": 2,
       "parallel.islands": 2,

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, tiny_test_config
+from conftest import REPO, small_config
 
 from pwtrain import train
 
@@ -23,12 +23,6 @@ SMALL = [
   "--config.data.max_files=40",
   "--config.train.log_every=2",
 ]
-
-
-def small_config(**overrides):
-  return tiny_test_config(
-    **{"data.max_files": 40, "train.log_every": 2, "train.num_steps": 12, **overrides}
-  )
 
 
 def read_losses(workdir):

@@ -1,0 +1,154 @@
+"""`Harness`: from a config to a ready train step, the one way train.py, the tests and the
+benchmarks build and drive one.
+
+  cluster     parallel/plan.make_cluster: the local devices carved into islands, or the workers
+  plan        parallel/plan.build: the layout (meshes, cells, stages, exchange)
+  controller  backend.Controller with the config's run-ahead bound (backend.max_inflight_steps)
+  program     parallel.build_step_program: the compiled StepProgram (parallel/program.py)
+
+then `init()` for a fresh train state and `step(state, batch, i)` to dispatch step i. A caller
+may bring its own cluster (remote workers it attached itself), resource manager (islands shared
+with other clients) or controller (shared with other clients); the harness closes only what it
+created.
+"""
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+from pwtrain import optim
+from pwtrain.backend import Cluster, Controller, Program, ResourceManager, Trace
+from pwtrain.parallel import build_step_program
+from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel.plan import Plan
+from pwtrain.parallel.program import StepProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+  """What `Harness.step` dispatched: futures, none of them waited on."""
+
+  state: dict[str, concurrent.futures.Future]  # the next train state, under `state_keys`
+  metrics: concurrent.futures.Future  # the step's metrics dict (loss, grad_norm, lr, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Harness:
+  """A compiled step for `config` on its cluster and controller. Build with `Harness.build`."""
+
+  config: Any
+  cluster: Cluster
+  plan: Plan
+  controller: Controller
+  step_program: StepProgram
+  tx: Any  # the optax optimizer the step applies (optim.build)
+  schedule: Any  # its learning-rate schedule: step -> lr
+  compile_s: float  # seconds build_step_program took (compiling every piece)
+  owns_cluster: bool = dataclasses.field(default=True, repr=False)
+  owns_controller: bool = dataclasses.field(default=True, repr=False)
+
+  @classmethod
+  def build(
+    cls,
+    config,
+    devices=None,
+    *,
+    cluster: Cluster | None = None,
+    resources: ResourceManager | None = None,
+    controller: Controller | None = None,
+    trace: Trace | None = None,
+    serialize_execution: bool | None = None,
+  ) -> "Harness":
+    """Lays `config` out and compiles its step. Checking the config is the caller's
+    (config.validate; train.run checks it before remote workers are launched and listed in it).
+
+    The cluster is `plan_lib.make_cluster(config, devices)` (devices: default all local ones)
+    unless `cluster` is given; the plan's islands are allocated from `resources` (default: a
+    fresh manager for the cluster). The controller is a new `Controller(cluster,
+    max_inflight=backend.max_inflight_steps, trace=trace, serialize_execution=...)` unless
+    `controller` is given (then `trace` and `serialize_execution` must be left unset).
+    """
+    if cluster is not None and devices is not None:
+      raise ValueError("Harness.build: give `devices` or a `cluster`, not both")
+    if controller is not None and (trace is not None or serialize_execution is not None):
+      raise ValueError("Harness.build: `trace`/`serialize_execution` are for a new controller")
+    owns_cluster = cluster is None
+    if owns_cluster:
+      cluster = plan_lib.make_cluster(config, devices)
+    owns_controller = controller is None
+    try:
+      plan = plan_lib.build(config, cluster, resources)
+      if owns_controller:
+        controller = Controller(
+          cluster,
+          max_inflight=config.backend.max_inflight_steps,
+          trace=trace,
+          serialize_execution=serialize_execution,
+        )
+      tx, schedule = optim.build(config.optim, config.train.num_steps)
+      start = time.perf_counter()
+      step_program = build_step_program(config, plan, controller, tx, schedule)
+      compile_s = time.perf_counter() - start
+    except BaseException:
+      _close(controller if owns_controller else None, cluster if owns_cluster else None)
+      raise
+    return cls(
+      config,
+      cluster,
+      plan,
+      controller,
+      step_program,
+      tx,
+      schedule,
+      compile_s,
+      owns_cluster=owns_cluster,
+      owns_controller=owns_controller,
+    )
+
+  def init(self) -> dict:
+    """A fresh train state (seeded by config.seed), computed on the islands: {state key: value}."""
+    return self.step_program.init()
+
+  def step(self, state: dict, batch: dict, step: int, *, program: Program | None = None):
+    """Dispatches step `step` (0-based) on `state` (as `init` or a previous step returned it)
+    and a host batch {"inputs", "targets"}; returns its `StepOutputs` at once.
+
+    The program is `step_program.program_for(step)` unless `program` is given (a benchmark
+    timing one of a layout's programs alone). Blocks only for the controller's run-ahead bound.
+    """
+    sp = self.step_program
+    program = program or sp.program_for(step)
+    out = self.controller.run(program, {**state, **sp.feed(batch)})
+    return StepOutputs({k: out[k] for k in sp.state_keys}, out["metrics"])
+
+  def with_controller(self, controller: Controller) -> "Harness":
+    """This compiled step dispatched by `controller` (e.g. one with a Trace), on the same
+    cluster; closing the result closes nothing."""
+    return dataclasses.replace(
+      self, controller=controller, owns_cluster=False, owns_controller=False
+    )
+
+  def close(self) -> None:
+    """Waits for every dispatched step, then closes the controller and the cluster (remote:
+    disconnects from the workers), each only if this harness created it."""
+    _close(
+      self.controller if self.owns_controller else None,
+      self.cluster if self.owns_cluster else None,
+    )
+
+  def __enter__(self) -> "Harness":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _close(controller: Controller | None, cluster: Cluster | None) -> None:
+  try:
+    if controller is not None:
+      controller.wait()
+      controller.close()
+  finally:
+    if cluster is not None:
+      cluster.close()
