@@ -77,6 +77,8 @@ def get_config(arg=None):
   c.train.rollback_after = 3  # 0: never roll back
   c.train.rollback_skip_batches = 0
   c.train.max_rollbacks = 3  # then stop with an error; the checkpoints stay intact
+  # (start, stop): a jax.profiler trace of steps start+1..stop in <workdir>/profile; (): none.
+  c.train.profile_steps = ()
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"

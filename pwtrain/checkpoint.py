@@ -34,6 +34,8 @@ from pwtrain.integrity import (
   saved_leaves,
 )
 
+log = logging.getLogger(__name__)
+
 # Leaves this process holds; anything else is a reference to an island worker's array.
 _LOCAL = (jax.Array, np.ndarray, np.generic, int, float)
 
@@ -78,7 +80,7 @@ class Checkpointer:
     # Parts of remote saves that were never committed (a crash between the phases) are garbage.
     self.pending_root = f"{self.directory}.pending"
     if os.path.isdir(self.pending_root):
-      logging.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
+      log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
       shutil.rmtree(self.pending_root)
     self._commit: threading.Thread | None = None
     self._commit_error: BaseException | None = None
@@ -130,7 +132,7 @@ class Checkpointer:
           ),
         )
       except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by _join_commit
-        logging.error("checkpoint %d not committed: %s", step, e)
+        log.error("checkpoint %d not committed: %s", step, e)
         self._commit_error = e
       finally:
         shutil.rmtree(pending, ignore_errors=True)  # parts not moved into a committed step
@@ -201,7 +203,7 @@ class Checkpointer:
         state, data = self.restore(step, abstract_state)
       except CorruptCheckpoint as e:
         moved = self.quarantine(step)
-        logging.error("checkpoint %s is damaged (%s); moved to %s", step, e, moved)
+        log.error("checkpoint %s is damaged (%s); moved to %s", step, e, moved)
         continue
       return step, state, data
     return None

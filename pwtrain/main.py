@@ -3,6 +3,7 @@
 Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`.
 """
 
+import logging as std_logging
 import os
 
 # On a CPU-only machine, simulate 8 devices so that islands, meshes and pipelines have devices
@@ -32,7 +33,10 @@ _DRY_RUN = flags.DEFINE_bool(
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
+    # Libraries stay quiet below WARNING (Orbax logs every save step at INFO); pwtrain's own
+    # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   if _DRY_RUN.value:
     print(dryrun.report(_CONFIG.value))
     return

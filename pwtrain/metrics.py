@@ -2,6 +2,11 @@
 
 Metrics arrive as futures of device arrays. They are fetched only every `log_every` steps, in
 one batch, so logging never makes the controller wait for each step's results.
+
+The workdir's logs hold one row per step of the run's one trajectory: when a run resumes from
+step N, or rolls back to it, the rows of steps after N (steps that will run again) are moved from
+metrics.jsonl to metrics.rolled_back.jsonl (kept, not deleted), and TensorBoard is told to purge
+its events of those steps (`purge_step`).
 """
 
 import json
@@ -50,11 +55,14 @@ class MetricsLogger:
     self.exchange_bytes = exchange_bytes_per_step
     self.log_every = log_every
     self.tokens_per_step = tokens_per_step
+    self.num_steps = num_steps
+    self.tokens_per_s: float | None = None  # of the last log interval
     self.flops_per_token = flops_per_token
     self.peak = peak_flops_per_device * num_devices if peak_flops_per_device else None
     self._pending: list[tuple[int, object]] = []
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb_dir = os.path.join(workdir, "tensorboard")
+    self._jsonl, self._tb = self._open_from(start_step)
     self._bar = tqdm.tqdm(
       total=num_steps,
       initial=start_step,
@@ -90,6 +98,7 @@ class MetricsLogger:
       for k, x in row.items():
         if k != "step":
           self._tb.add_scalar(f"train/{k}", x, step)
+    self.tokens_per_s = tokens_per_s
     speed = {"tokens_per_s": tokens_per_s, "steps_per_s": done / elapsed}
     speed["model_tflops_per_s"] = tokens_per_s * self.flops_per_token / 1e12
     if self.exchange_bytes:
@@ -105,9 +114,17 @@ class MetricsLogger:
     self._bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
     self._bar.update(done)
 
+  def _open_from(self, step: int):
+    """Opens the logs to continue after `step`: later rows set aside, later events purged."""
+    set_aside_after(self.path, step)
+    return open(self.path, "a"), SummaryWriter(self._tb_dir, purge_step=step + 1)
+
   def rewind(self, step: int, **event) -> None:
     """After a rollback to `step`: log the event; rates and the bar restart from there."""
     self.flush()
+    self._jsonl.close()
+    self._tb.close()
+    self._jsonl, self._tb = self._open_from(step)
     self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
     self._jsonl.flush()
     self._last_time, self._last_step = time.perf_counter(), step
@@ -119,3 +136,27 @@ class MetricsLogger:
     self._bar.close()
     self._jsonl.close()
     self._tb.close()
+
+
+def set_aside_after(path: str, step: int) -> None:
+  """Moves the rows of `path` (JSONL, each with a "step") whose step is after `step` to
+  `<path minus .jsonl>.rolled_back.jsonl`, appending; the rows at or before it stay, in order."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = f.readlines()
+  keep, later = [], []
+  for line in rows:
+    try:
+      after = json.loads(line)["step"] > step
+    except (ValueError, KeyError, TypeError):
+      after = False  # not a row of ours (a torn last line): leave it where it is
+    (later if after else keep).append(line)
+  if not later:
+    return
+  with open(path.removesuffix(".jsonl") + ".rolled_back.jsonl", "a") as f:
+    f.writelines(later)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)

@@ -6,6 +6,7 @@ import os
 
 from pwtrain import config as config_lib
 from pwtrain import guard
+from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_train_batches
@@ -13,7 +14,11 @@ from pwtrain.harness import Harness
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
+from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
+from pwtrain.profiling import StepProfiler
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -27,22 +32,27 @@ class RunResult:
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
   if config.backend.mode == "remote":  # island workers, launched and restarted by the supervisor
+    import jax
+
     from pwtrain.backend.remote import supervisor
 
-    return supervisor.run_remote(config, workdir, lambda c, w: _run(c, w, show_progress))
+    sizes = plan_lib.island_sizes(config, jax.device_count())  # for launched workers
+    run_once = lambda c, w: _run(c, w, show_progress)
+    return supervisor.run_remote(config, workdir, run_once, island_sizes=sizes)
   return _run(config, workdir, show_progress)
 
 
 def _run(config, workdir: str, show_progress: bool) -> RunResult:
-  workdir = _prepare_workdir(workdir)
-  tokenizer, batches = build_train_batches(config, workdir)
-  trace = Trace() if config.backend.trace else None
-  try:
-    with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
-      return _train(config, harness, batches, workdir, show_progress)
-  finally:
-    if trace is not None:
-      trace.write(os.path.join(workdir, "trace.json"))
+  workdir = workdir_lib.prepare(workdir)
+  with workdir_lib.WorkdirLock(workdir):  # one run per workdir
+    tokenizer, batches = build_train_batches(config, workdir)
+    trace = Trace() if config.backend.trace else None
+    try:
+      with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
+        return _train(config, harness, batches, workdir, show_progress)
+    finally:
+      if trace is not None:
+        trace.write(os.path.join(workdir, "trace.json"))
 
 
 def _train(config, harness: Harness, batches, workdir: str, show_progress: bool) -> RunResult:
@@ -56,6 +66,7 @@ def _train(config, harness: Harness, batches, workdir: str, show_progress: bool)
     part_writer=_part_writer() if remote else None,
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
+  workdir_lib.save_config(workdir, config)  # what this start of the run used
   num_steps = config.train.num_steps
   logger = MetricsLogger(
     workdir,
@@ -70,13 +81,16 @@ def _train(config, harness: Harness, batches, workdir: str, show_progress: bool)
     show_progress=show_progress,
   )
   monitor = guard.SpikeMonitor(config.train.rollback_after, config.train.max_rollbacks)
+  profiler = StepProfiler(workdir, config.train.profile_steps)
   step = start
   try:
     with StopRequest() as stop:
       while step < num_steps:
+        profiler.before_step(step)
         out = harness.step(state, next(batches), step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
+        profiler.after_step(step, out.metrics.result)
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
           harness.controller.wait()  # the abandoned steps still in flight
@@ -85,27 +99,30 @@ def _train(config, harness: Harness, batches, workdir: str, show_progress: bool)
         if ckpt.should_save(step, num_steps) or stop.requested:
           ckpt.save(step, step_program.to_checkpoint(_saveable(state, remote)), batches.get_state())
         if stop.requested:
-          logging.warning("stop requested: checkpointed step %d and stopping", step)
+          log.warning("stop requested: checkpointed step %d and stopping", step)
           break
     state = step_program.to_checkpoint(_results(state))
   finally:
+    profiler.close()
     logger.close()
     try:
       ckpt.wait()  # a failed save is raised here, once this and then the harness are closed
     finally:
       ckpt.close()
+  _summary(logger, start, step, ckpt)
   return RunResult(logger.history, state, start, step)
 
 
-def _prepare_workdir(workdir: str) -> str:
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"--workdir={workdir!r} cannot be created: {e}") from e
-  if not os.access(workdir, os.W_OK):
-    raise ValueError(f"--workdir={workdir!r} is not writable")
-  return workdir
+def _summary(logger: MetricsLogger, start: int, step: int, ckpt: Checkpointer) -> None:
+  """One closing line: what ran, where it ended, and how fast."""
+  last = next((r for r in reversed(logger.history) if "loss" in r), None)
+  loss = f"last loss {last['loss']:.4f}" if last else "no step run"
+  speed = f", {logger.tokens_per_s:,.0f} tokens/s" if logger.tokens_per_s else ""
+  latest = ckpt.latest_step()
+  where = f"latest checkpoint: step {latest} in {ckpt.directory}" if latest else "no checkpoint"
+  log.info(
+    "trained steps %d-%d of %d: %s%s; %s", start + 1, step, logger.num_steps, loss, speed, where
+  )
 
 
 def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
@@ -125,10 +142,10 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
       f"written by another model?): {e}. Nothing was changed; use another --workdir."
     ) from e
   if data_state is None:
-    logging.error("no readable checkpoint left in %s: starting from step 0", ckpt.directory)
+    log.error("no readable checkpoint left in %s: starting from step 0", ckpt.directory)
     return state, 0
   batches.set_state(data_state)
-  logging.info("resumed from step %d", step)
+  log.info("resumed from step %d", step)
   return state, step
 
 
@@ -155,7 +172,7 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   for _ in range(config.train.rollback_skip_batches):
     next(batches)
   skipped = step - target + config.train.rollback_skip_batches
-  logging.warning(
+  log.warning(
     "%d consecutive non-finite steps from step %d: rolled back to step %d, skipping %d batches",
     config.train.rollback_after,
     first_bad,

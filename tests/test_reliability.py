@@ -79,8 +79,16 @@ def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path
   patch_batches(monkeypatch, poison={5, 6})
   result = train.run(small_config(), str(tmp_path / "spiky"), show_progress=False)
   steps = [(r["step"], r["skipped"]) for r in rows(tmp_path / "spiky") if "skipped" in r]
-  assert [s for s, _ in steps] == [*range(1, 9), *range(5, 13)]
-  assert [s for s, skipped in steps if skipped] == [6, 7]
+  # One row per step of the trajectory kept; the abandoned steps 5-8 are set aside, not lost.
+  assert [s for s, _ in steps] == [*range(1, 13)]
+  with open(tmp_path / "spiky" / "metrics.rolled_back.jsonl") as f:
+    abandoned = [json.loads(line) for line in f]
+  assert [(r["step"], r["skipped"]) for r in abandoned if "skipped" in r] == [
+    (5, 0.0),
+    (6, 1.0),
+    (7, 1.0),
+    (8, 0.0),
+  ]
   assert [r for r in rows(tmp_path / "spiky") if "rollback_from" in r] == [
     {"step": 4, "rollback_from": 8, "first_bad_step": 6, "batches_skipped": 4}
   ]

@@ -6,6 +6,7 @@ Interface: `vocab_size`, `pad_id`, `eos_id`, `encode(str | bytes) -> int32[n]`, 
 """
 
 import io
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -13,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import sentencepiece as spm
-from absl import logging
 
 from pwtrain.data import corpus
 
@@ -127,7 +127,9 @@ def build_tokenizer(
     if not os.path.exists(path):
       if source is None:
         source = corpus.open_source(data_cfg, workdir)
-      logging.info("Training SentencePiece (vocab %d) -> %s", data_cfg.sp_vocab_size, path)
+      logging.getLogger(__name__).info(
+        "Training SentencePiece (vocab %d) -> %s", data_cfg.sp_vocab_size, path
+      )
       lines = _training_lines(source, data_cfg.text_key)
       train_sentencepiece(lines, data_cfg.sp_vocab_size, path)
     return SentencePieceTokenizer(path)

@@ -11,6 +11,8 @@ from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
 
+log = logging.getLogger(__name__)
+
 
 class WorkerLost(RuntimeError):
   """A worker died or stopped answering."""
@@ -162,7 +164,7 @@ class Monitor:
 
   def declare(self, client: WorkerClient, why: str) -> None:
     reason = f"worker {client.address} (island {client.island}) is lost: {why}"
-    logging.error("%s", reason)
+    log.error("%s", reason)
     for c in self.clients:
       c.declare_lost(reason)
 

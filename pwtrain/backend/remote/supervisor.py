@@ -15,23 +15,25 @@ import time
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.backend.remote.client import WorkerLost
 
+log = logging.getLogger(__name__)
 
-def run_remote(config, workdir: str, run_once):
-  """`run_once(config, workdir)` with workers launched/restarted as the config says."""
+
+def run_remote(config, workdir: str, run_once, island_sizes: list[int]):
+  """`run_once(config, workdir)` with workers launched/restarted as the config says;
+  `island_sizes` are the devices of each island (the plan's), for workers it launches."""
   config = copy.deepcopy(config)  # backend.workers is filled in for launched workers
   workers = None
   if config.backend.launch_workers:
-    import jax
-
-    n = config.parallel.islands
-    per = config.parallel.devices_per_island or len(jax.devices()) // n
     token = os.environ.get(config.backend.token_env) or None
-    workers = launcher.launch([per] * n, token=token)
+    workers = launcher.launch(list(island_sizes), token=token)
     os.environ[config.backend.token_env] = workers.token  # where make_cluster reads it
     config.backend.token_file = ""
     config.backend.workers = tuple(workers.addresses)
-    logging.info(
-      "launched %d island workers: %s (logs in %s)", n, workers.addresses, workers.log_dir
+    log.info(
+      "launched %d island workers: %s (logs in %s)",
+      len(island_sizes),
+      workers.addresses,
+      workers.log_dir,
     )
   restarts = 0
   try:
@@ -42,7 +44,7 @@ def run_remote(config, workdir: str, run_once):
         if restarts >= config.fault.max_restarts:
           raise
         restarts += 1
-        logging.error(
+        log.error(
           "%s; restart %d of %d: resuming from the last checkpoint",
           e,
           restarts,
