@@ -57,9 +57,13 @@ class Checkpointer:
     every: int,
     async_save: bool = True,
     part_writer=None,
+    read_only: bool = False,
   ):
+    """`read_only`: a reader beside a possibly running job (sampling): it neither removes
+    uncommitted parts nor moves damaged checkpoints aside (it skips them), and cannot save."""
     self.directory = os.path.abspath(directory)
     self.every = every
+    self.read_only = read_only
     self._part_writer = part_writer
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -74,12 +78,13 @@ class Checkpointer:
         max_to_keep=keep,
         save_interval_steps=1,  # the trainer decides when; see should_save
         enable_async_checkpointing=async_save,
-        create=True,
+        create=not read_only,
+        read_only=read_only,
       ),
     )
     # Parts of remote saves that were never committed (a crash between the phases) are garbage.
     self.pending_root = f"{self.directory}.pending"
-    if os.path.isdir(self.pending_root):
+    if os.path.isdir(self.pending_root) and not read_only:
       log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
       shutil.rmtree(self.pending_root)
     self._commit: threading.Thread | None = None
@@ -98,6 +103,8 @@ class Checkpointer:
     """Saves asynchronously. A state of references (leaves held by island workers) is written
     by the workers through `part_writer` and committed in two phases; a failure of a previous
     save is raised here or by `wait`."""
+    if self.read_only:
+      raise RuntimeError(f"{self.directory} was opened read-only: no saves")
     if not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state)):  # worker references
       self._save_parts(step, state, data_state)
       return
@@ -202,6 +209,9 @@ class Checkpointer:
       try:
         state, data = self.restore(step, abstract_state)
       except CorruptCheckpoint as e:
+        if self.read_only:
+          log.error("checkpoint %s is damaged (%s); skipped", step, e)
+          continue
         moved = self.quarantine(step)
         log.error("checkpoint %s is damaged (%s); moved to %s", step, e, moved)
         continue

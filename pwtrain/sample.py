@@ -115,7 +115,9 @@ def restore_params(config, workdir: str, mesh):
   abstract = spmd.with_shardings(whole, spmd.state_shardings(fns, mesh, whole))
   if exchange.per_pod_state:
     abstract = {"pods": [abstract] * config.parallel.pods}
-  ckpt = Checkpointer(directory, keep=config.train.keep_checkpoints, every=1, async_save=False)
+  ckpt = Checkpointer(
+    directory, keep=config.train.keep_checkpoints, every=1, async_save=False, read_only=True
+  )
   try:
     found = ckpt.restore_latest(abstract)
   except IncompatibleCheckpoint as e:

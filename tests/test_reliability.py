@@ -183,6 +183,23 @@ DAMAGE = {
 }
 
 
+def test_a_read_only_reader_moves_and_deletes_nothing(tmp_path, caplog):
+  """pwtrain.sample reads beside a running job: it skips a damaged checkpoint without moving it
+  and leaves uncommitted parts of a save in progress alone."""
+  directory = str(tmp_path / "checkpoints")
+  _two_checkpoints(directory)
+  DAMAGE["flipped bytes"](os.path.join(directory, "2"))
+  pending = os.path.join(f"{directory}.pending", "3-inflight")
+  os.makedirs(pending)
+  reader = Checkpointer(directory, keep=3, every=1, read_only=True)
+  step, _, _ = reader.restore_latest(_abstract())
+  assert step == 1 and "checkpoint 2 is damaged" in caplog.text
+  assert sorted(os.listdir(directory)) == ["1", "2"] and os.path.isdir(pending)
+  with pytest.raises(RuntimeError, match="read-only"):
+    reader.save(3, _state(3), {"pos": 3})
+  reader.close()
+
+
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(
   damage, tmp_path, caplog
