@@ -1,5 +1,6 @@
 """Tests of pwtrain.data: corpus build, tokenizers, packing, determinism and exact resume."""
 
+import glob
 import json
 import os
 import pathlib
@@ -266,3 +267,22 @@ def test_unwritable_data_dir(tmp_path):
   config = make_config(**{"data.data_dir": str(blocker / "tfds")})
   with pytest.raises(ValueError, match="data.data_dir=.* is not writable"):
     build_train_batches(config, str(tmp_path))
+
+
+def test_a_damaged_dataset_file_is_one_clear_error(tmp_path):
+  (tmp_path / "src").mkdir()
+  for i in range(3):
+    (tmp_path / "src" / f"m{i}.py").write_text("x = 1\n" * 2000)
+  config = make_config(**{"data.data_dir": str(tmp_path / "tfds")})
+  builder = corpus.prepare_pystdlib(config.data.data_dir, root=str(tmp_path / "src"))
+  (path,) = glob.glob(os.path.join(os.fspath(builder.data_dir), "*.array_record*"))
+  with open(path, "r+b") as f:
+    f.truncate(1000)
+  source = corpus.ReadableSource(builder.as_data_source("train"), builder, config.data)
+  with pytest.raises(
+    ValueError,
+    match=r"data.dataset='pystdlib': a file of .*-train\.\* is "
+    r"damaged \(ArrayRecord file should be at least 64KB big\); delete .* and "
+    r"run again to rebuild it",
+  ):
+    source[0]

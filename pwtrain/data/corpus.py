@@ -132,9 +132,37 @@ def open_source(data_cfg: Any, workdir: str) -> Sequence[dict[str, Any]]:
     builder = prepare_pystdlib(data_dir, data_cfg.max_files)
   else:
     builder = _prepared_builder(data_cfg.dataset, data_dir)
-  source = _data_source(builder, data_cfg)
+  source = ReadableSource(_data_source(builder, data_cfg), builder, data_cfg)
   check_source(source, data_cfg)
   return source
+
+
+class ReadableSource(Sequence):
+  """A data source whose read errors (a damaged array_record file raises RuntimeError from
+  deep inside the reader) become one ValueError naming the dataset's files and the fix."""
+
+  def __init__(self, source: Sequence, builder: tfds.core.DatasetBuilder, data_cfg: Any):
+    self.source = source
+    self.files = os.path.join(os.fspath(builder.data_dir), f"*-{data_cfg.split.split('[')[0]}.*")
+    if data_cfg.dataset == BUILTIN:
+      self.fix = f"delete {os.fspath(builder.data_dir)} and run again to rebuild it"
+    else:
+      self.fix = (
+        f"rebuild it: `tfds build {data_cfg.dataset} --data_dir=... --file_format=array_record`"
+      )
+    self.dataset = data_cfg.dataset
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index):
+    try:
+      return self.source[index]
+    except RuntimeError as e:
+      reason = str(e).splitlines()[0][:200]
+      raise ValueError(
+        f"data.dataset={self.dataset!r}: a file of {self.files} is damaged ({reason}); {self.fix}"
+      ) from None
 
 
 def data_dir_for(data_cfg: Any, workdir: str) -> str:
