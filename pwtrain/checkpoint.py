@@ -169,7 +169,7 @@ class Checkpointer:
       else:
         saved = saved_leaves(self._manager.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
-      raise CorruptCheckpoint(f"step {step}: metadata unreadable: {e}") from e
+      raise CorruptCheckpoint(f"step {step}: metadata unreadable: {_one_line(e)}") from e
     try:
       check_compatible(saved, abstract_state)
     except IncompatibleCheckpoint as e:
@@ -187,7 +187,7 @@ class Checkpointer:
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
-      raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {str(e)[:500]}") from e
+      raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {_one_line(e)}") from e
     if in_parts:
       state = jax.tree.unflatten(treedef, [restored.parts[n] for n in abstract])
     else:
@@ -241,3 +241,10 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _one_line(error: BaseException, limit: int = 200) -> str:
+  """An error's first line, shortened: library errors (TensorStore's) run to pages."""
+  lines = str(error).strip().splitlines() or [""]
+  first = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + "..."
+  return first + (" ..." if len(lines) > 1 else "")

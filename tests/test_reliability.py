@@ -215,6 +215,8 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(_state(1)), strict=True)
   )
   assert "checkpoint 2 is damaged" in caplog.text
+  (line,) = [r.getMessage() for r in caplog.records if "checkpoint 2 is damaged" in r.getMessage()]
+  assert "\n" not in line and len(line) < 400, line  # one line, not the library's pages
   assert ckpt.all_steps() == [1] and os.listdir(directory + ".corrupt") == ["2"]
   ckpt.save(2, _state(2), {"pos": 2})  # the step can be written again
   ckpt.wait()
