@@ -105,10 +105,9 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
   stage, num_stages = cell.stage, cell.num_stages
   cell.compile("init", lambda: to_stage(whole_init(), stage), {}, out_shardings=cell.shardings)
 
-  def zeros_fn(state):
-    return jax.tree.map(jnp.zeros_like, state["params"]), pieces_lib.zero_stats(
-      config.moe.num_experts
-    )
+  def zeros_fn(state):  # the step's running gradient sums and loss statistics
+    zero_grads = jax.tree.map(jnp.zeros_like, state["params"])
+    return zero_grads, pieces_lib.zero_stats(config.moe.num_experts)
 
   cell.compile(
     "zeros",
