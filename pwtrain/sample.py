@@ -21,7 +21,6 @@ prompt followed by its continuation (N does not count the EOS).
 """
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -34,12 +33,14 @@ from ml_collections import config_flags
 
 from pwtrain import optim
 from pwtrain import step as step_lib
+from pwtrain import workdir as workdir_lib
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_tokenizer
 from pwtrain.data.tokenizer import sentencepiece_path
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.models.sampling import Sampling, generate
 from pwtrain.parallel import exchange as exchange_lib
+from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel import spmd
 from pwtrain.parallel.pipeline.state import train_state
 from pwtrain.sharding import MESH_AXES
@@ -63,14 +64,13 @@ def load_config(config, workdir: str):
   ConfigDict; a ValueError naming the fix if there is neither."""
   if config is not None:
     return config
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path, saved = workdir_lib.saved_config(workdir)
+  if saved is None:
     raise ValueError(
       f"{path} does not exist: pass the run's config with --config=<file> (and the "
       "--config.<key>=<value> overrides it was trained with)"
     )
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(saved)
 
 
 def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
@@ -88,10 +88,11 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
 def sampling_mesh(config, devices=None):
   """A mesh over the first fsdp * expert * tensor local devices (data = 1)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = {axis: 1 if axis == "data" else int(config.parallel[axis]) for axis in MESH_AXES}
-  if any(size < 1 for size in shape.values()):  # -1: fill the devices, as training does
-    fixed = int(np.prod([s for s in shape.values() if s > 0]))
-    shape = {a: len(devices) // fixed if s < 1 else s for a, s in shape.items()}
+  parallel = {axis: 1 if axis == "data" else int(config.parallel[axis]) for axis in MESH_AXES}
+  fill = -1 in parallel.values()  # -1: fill the devices, as training does
+  shape = plan_lib.resolve_mesh_shape(
+    parallel, len(devices) if fill else int(np.prod(list(parallel.values())))
+  )
   needed = int(np.prod(list(shape.values())))
   if not 1 <= needed <= len(devices):
     raise ValueError(

@@ -81,6 +81,15 @@ def _now() -> str:
   return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def saved_config(workdir: str) -> tuple[str, dict | None]:
+  """(path of `<workdir>/config.json`, the config dict it holds, or None if there is none)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return path, None
+  with open(path) as f:
+    return path, json.load(f)
+
+
 def save_config(workdir: str, config) -> str:
   """Writes the resolved config as `<workdir>/config.json` (replacing the last run's): what
   this start of the run used, for `pwtrain.sample` and for the record."""
