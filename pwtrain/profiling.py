@@ -12,6 +12,8 @@ import os
 
 import jax
 
+log = logging.getLogger(__name__)
+
 
 class StepProfiler:
   def __init__(self, workdir: str, steps):
@@ -35,9 +37,7 @@ class StepProfiler:
     if self.active and step >= self.stop:
       wait()  # the traced steps' device work must be inside the trace
       self.close()
-      logging.getLogger("pwtrain").info(
-        "profile of steps %d-%d in %s", self.start + 1, self.stop, self.directory
-      )
+      log.info("profile of steps %d-%d in %s", self.start + 1, self.stop, self.directory)
 
   def close(self) -> None:
     if self.active:
