@@ -64,7 +64,7 @@ def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int) -> di
   }
 
 
-def loss_and_grads(fns: ModelFns, *, z_loss: float, pad_id: int = 0) -> Callable:
+def loss_and_grads(fns: ModelFns, *, z_loss: float) -> Callable:
   """(params, batch) -> (grads of the summed loss, {"loss_sum", "ce_sum", "z_sum", "tokens"}).
 
   An MoE model's summed loss adds its weighted aux losses, and its stats the MoE sums
@@ -75,7 +75,7 @@ def loss_and_grads(fns: ModelFns, *, z_loss: float, pad_id: int = 0) -> Callable
     inputs = batch["inputs"]
     rngs = moe_lib.jitter_rngs(fns.moe, inputs)
     logits, moe_stats = fns.module(params).forward(inputs, train=True, rngs=rngs)
-    total, stats = lm_loss(logits, batch["targets"], pad_id=pad_id, z_loss=z_loss)
+    total, stats = lm_loss(logits, batch["targets"], z_loss=z_loss)
     if moe_stats:
       total = total + moe_lib.weighted_aux(fns.moe, moe_stats)
     return total, {**stats, **moe_stats}

@@ -90,10 +90,10 @@ def test_rope_depends_only_on_relative_position():
 
 def test_loss_masks_padding_and_adds_z_loss():
   logits = jax.random.normal(jax.random.key(6), (2, 3, 7))
-  targets = jnp.array([[1, 2, 0], [3, 0, 0]])
-  total, stats = lm_loss(logits, targets, pad_id=0, z_loss=1e-4)
+  targets = jnp.array([[1, 0, -1], [3, -1, -1]])  # id 0 is a real target; -1 is none
+  total, stats = lm_loss(logits, targets, z_loss=1e-4)
   log_z = jax.nn.logsumexp(logits, axis=-1)
-  ce = log_z - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  ce = log_z - jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], -1)[..., 0]
   mask = np.array([[1, 1, 0], [1, 0, 0]], bool)
   np.testing.assert_allclose(stats["tokens"], 3)
   np.testing.assert_allclose(stats["ce_sum"], np.sum(np.asarray(ce)[mask]), rtol=1e-6)

@@ -21,6 +21,10 @@ from pwtrain.data import tokenizer as tokenizer_lib
 
 STATE_FORMAT = 1
 
+# The target of a window position no document filled: negative, which carries no loss
+# (models.lm_loss), so that no real token id has to be given up for padding.
+NO_TARGET = -1
+
 # Documents read ahead by the prefetch thread. A batch of the default config needs a fraction of
 # one stdlib file (or ~70 lm1b sentences), so a small buffer hides the read without competing
 # with the training step for the CPU.
@@ -44,7 +48,8 @@ class TrainBatches:
   """Endless iterator of {'inputs': int32[B, L], 'targets': int32[B, L]}, exactly resumable.
 
   B = train.global_batch and L = data.seq_len; `targets` is `inputs` shifted left by one within
-  each packed window of L + 1 tokens, with `pad_id` wherever the window has no token.
+  each packed window of L + 1 tokens, with `NO_TARGET` (-1: no loss) wherever the window has no
+  token.
   """
 
   def __init__(self, config: Any, tokenizer: Any, source: Sequence[dict[str, Any]]):
@@ -102,7 +107,7 @@ class TrainBatches:
     filled = batch["tokens_segment_ids"][:, 1:] != 0
     return {
       "inputs": np.ascontiguousarray(tokens[:, :-1]),
-      "targets": np.where(filled, tokens[:, 1:], np.int32(self.tokenizer.pad_id)),
+      "targets": np.where(filled, tokens[:, 1:], np.int32(NO_TARGET)),
     }
 
   def get_state(self) -> dict[str, Any]:

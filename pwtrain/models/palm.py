@@ -108,16 +108,19 @@ class PaLM(nnx.Module):
     return self.forward(x, train=False)[0]
 
 
-def lm_loss(logits, targets, *, pad_id: int = 0, z_loss: float = 1e-4):
+def lm_loss(logits, targets, *, z_loss: float = 1e-4):
   """Summed (not averaged) token losses, so microbatches and shards can be added up exactly.
 
-  Returns (sum of ce + z-loss over real tokens, {"ce_sum", "z_sum", "tokens"}). Targets equal to
-  pad_id carry no loss.
+  Returns (sum of ce + z-loss over real tokens, {"ce_sum", "z_sum", "tokens"}). A negative target
+  (a position no document filled) carries no loss, so every id of every tokenizer, 0 included,
+  can be a real target.
   """
   logits = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  weights = (targets != pad_id).astype(jnp.float32)
+  real = targets >= 0
+  safe = jnp.where(real, targets, 0)  # a valid index; its logit is weighted out
+  target_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+  weights = real.astype(jnp.float32)
   ce = (log_z - target_logit) * weights
   z = z_loss * jnp.square(log_z) * weights
   ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
