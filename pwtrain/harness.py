@@ -6,7 +6,8 @@ benchmarks build and drive one.
   controller  backend.Controller with the config's run-ahead bound (backend.max_inflight_steps)
   program     parallel.build_step_program: the compiled StepProgram (parallel/program.py)
 
-then `init()` for a fresh train state and `step(state, batch, i)` to dispatch step i. A caller
+then `init()` for a fresh train state, `step(state, batch, i)` to dispatch step i and
+`evaluate(state, batches)` for the summed eval losses of a state. A caller
 may bring its own cluster (remote workers it attached itself), resource manager (islands shared
 with other clients) or controller (shared with other clients); the harness closes only what it
 created.
@@ -15,9 +16,14 @@ created.
 import concurrent.futures
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
+import jax
+import numpy as np
+
 from pwtrain import optim
+from pwtrain import step as step_lib
 from pwtrain.backend import Cluster, Controller, Program, ResourceManager, Trace
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
@@ -121,6 +127,18 @@ class Harness:
     program = program or sp.program_for(step)
     out = self.controller.run(program, {**state, **sp.feed(batch)})
     return StepOutputs({k: out[k] for k in sp.state_keys}, out["metrics"])
+
+  def evaluate(self, state: dict, batches: Iterable[dict]) -> dict[str, float]:
+    """The summed {"ce_sum", "z_sum", "tokens"} (step.EVAL_KEYS) of the model in `state` over
+    host `batches`, from the forward-only program (compiled on first use); waits for them.
+
+    The state is read, not donated: a step dispatched afterwards may take it. Partial sums are
+    added on the host in float64, in program-output order.
+    """
+    sp = self.step_program
+    outs = [self.controller.run(sp.eval_program, {**state, **sp.feed(b)}) for b in batches]
+    parts = jax.device_get([f.result() for out in outs for f in out.values()])
+    return {k: float(sum(np.float64(part[k]) for part in parts)) for k in step_lib.EVAL_KEYS}
 
   def with_controller(self, controller: Controller) -> "Harness":
     """This compiled step dispatched by `controller` (e.g. one with a Trace), on the same

@@ -19,6 +19,7 @@ from pwtrain.models import moe as moe_lib
 from pwtrain.sharding import constrain
 
 STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
+EVAL_KEYS = ("ce_sum", "z_sum", "tokens")  # what an evaluation sums (no MoE aux losses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,20 @@ def loss_and_grads(fns: ModelFns, *, z_loss: float) -> Callable:
   return fn
 
 
+def eval_sums(fns: ModelFns, *, z_loss: float) -> Callable:
+  """(params, batch) -> {"ce_sum", "z_sum", "tokens"} of the model as used at inference: a
+  forward pass only, MoE layers at their eval capacity and without router jitter."""
+
+  def fn(params, batch):
+    logits, _ = fns.module(params).forward(batch["inputs"], train=False)
+    return lm_loss(logits, batch["targets"], z_loss=z_loss)[1]
+
+  return fn
+
+
 def accumulate(grad_fn: Callable, num_microbatches: int) -> Callable:
-  """Wraps a summed-loss grad_fn to run over microbatches in a scan, adding up the sums.
+  """Wraps a summed-loss grad_fn (or any function of (params, batch) whose outputs are sums) to
+  run over microbatches in a scan, adding up the sums.
 
   Microbatch m takes rows m, m+M, m+2M, ... so each device keeps its own rows (no resharding).
   """

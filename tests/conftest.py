@@ -93,7 +93,9 @@ def random_batches(config, num, seed=0):
     tokens = rng.integers(1, 258, size=(config.train.global_batch, config.data.seq_len + 1))
     tokens[:, -3:] = np.where(rng.random((tokens.shape[0], 3)) < 0.3, 0, tokens[:, -3:])  # pads
     tokens = tokens.astype(np.int32)
-    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    # Positions no document filled: as the loader marks them, a target of -1 (no loss).
+    targets = np.where(tokens[:, 1:] == 0, np.int32(-1), tokens[:, 1:])
+    out.append({"inputs": tokens[:, :-1], "targets": targets})
   return out
 
 

@@ -27,6 +27,13 @@ class StepProgram(Protocol):
     """The program that runs step `step` (0-based)."""
     ...
 
+  @property
+  def eval_program(self) -> Program:
+    """The forward-only program, compiled on first use: its inputs are the state values and
+    `feed(batch)`, as a step's (nothing is donated); its outputs "eval/<i>" are partial sums
+    {"ce_sum", "z_sum", "tokens"} (step.EVAL_KEYS) whose total is the batch's."""
+    ...
+
   def feed(self, batch: dict) -> dict:
     """A host batch {"inputs", "targets"} -> the program's batch inputs."""
     ...

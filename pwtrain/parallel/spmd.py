@@ -5,6 +5,8 @@ the state's out_shardings), and the step donates its input state.
 """
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -25,12 +27,17 @@ class SpmdProgram:
   abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings (restore target)
   init: object  # () -> {state key: state}, run on the controller
   executables: dict
+  build_eval: Callable[[], Program]  # compiles the forward-only program (see eval_program)
   state_keys: tuple = ("state",)
   exchange_bytes: int = 0  # bytes sent across pods per step (one island: none)
 
   def program_for(self, step: int) -> Program:
     del step
     return self.program
+
+  @functools.cached_property
+  def eval_program(self) -> Program:
+    return self.build_eval()
 
   def feed(self, batch: dict) -> dict:
     return {"batch": batch}
@@ -131,4 +138,27 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
   def init():
     return {"state": controller.run(init_program, {})["state"].result()}
 
-  return SpmdProgram(program, abstract_state, init, {"init": init_exe, "train_step": step_exe})
+  executables = {"init": init_exe, "train_step": step_exe}
+
+  def build_eval() -> Program:
+    sums = step_lib.accumulate(
+      step_lib.eval_sums(fns, z_loss=config.model.z_loss), config.train.num_microbatches
+    )
+    eval_exe = controller.compile(
+      "eval_step",
+      lambda state, batch: sums(state["params"], batch),
+      island.name,
+      (abstract_state, abstract_batch),
+      mesh=mesh,
+      out_shardings=replicated,
+    )
+    executables["eval_step"] = eval_exe
+    return Program(
+      nodes=(
+        Transfer("batch_in", "batch", island.name, batch_sharding),
+        Node("eval_step", eval_exe, ("state", ("batch_in", 0))),
+      ),
+      outputs={"eval/0": ("eval_step", 0)},
+    )
+
+  return SpmdProgram(program, abstract_state, init, executables, build_eval)

@@ -83,13 +83,22 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
   cell_abstract = {c: cell.state_abs for c, cell in cells.items()}
   stage_grads = [cells[(0, s)].grads_abs for s in range(plan.num_stages)]
+  executables = {key: piece.executable for key, piece in pieces.items()}
+
+  def build_eval() -> Program:
+    for cell in cells.values():
+      pieces_lib.compile_eval(cell, config.model.z_loss)
+    executables.update({key: piece.executable for key, piece in pieces.items()})
+    return ProgramBuilder(plan, pieces, config).eval_program()
+
   return PipelineProgram(
     programs=programs,
+    build_eval=build_eval,
     abstract_state=whole_abstract(
       whole, cell_abstract, stages, plan.num_pods, exchange.per_pod_state
     ),
     init=init,
-    executables={key: piece.executable for key, piece in pieces.items()},
+    executables=executables,
     stages=stages,
     num_pods=plan.num_pods,
     num_micro=config.train.num_microbatches,
@@ -246,6 +255,26 @@ class ProgramBuilder:
       outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (f"0:apply{last}", 1)},
       carried=tuple(state_key(c) for c in self.cells),
     )
+
+  def eval_program(self) -> Program:
+    """Evaluation: every pod runs each microbatch forward through its stages (EF), the last
+    stage's EL gives the microbatch's sums as output "eval/<p>.<m>". Each pod evaluates its own
+    parameters on its share of the batch: pod 0's, except between exchanges of modes whose pods
+    differ (stale, diloco)."""
+    last, outputs = self.num_stages - 1, {}
+    for p, s in self.cells:
+      cell, state, pre = (p, s), state_key((p, s)), f"{p}:"
+      for m in range(self.num_micro):
+        if s == 0:
+          x = self.move(cell, f"{pre}etok{m}", f"tokens/{p}.{m}", pieces_lib.TOKENS)
+        else:
+          x = self.move(cell, f"{pre}eact{s}.{m}", (f"{pre}EF{s - 1}.{m}", 0), pieces_lib.ACT)
+        if s < last:
+          self.node(cell, "EF", f".{m}", state=state, x=x)
+          continue
+        y = self.move(cell, f"{pre}etgt{m}", f"targets/{p}.{m}", pieces_lib.TOKENS)
+        outputs[f"eval/{p}.{m}"] = (self.node(cell, "EL", f".{m}", state=state, x=x, targets=y), 0)
+    return Program(nodes=interleave(list(self.per_cell.values())), outputs=outputs)
 
   def _backward(self) -> tuple[dict, dict]:
     """Every cell's microbatches in schedule order; returns each cell's summed gradients and

@@ -13,7 +13,9 @@ Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
   FB   on the last stage: forward, loss and backward in one piece
 and once per step: init, zeros (the running sums), emb (the shared embedding's gradient half),
 finish (tie the embedding halves; the squared norm), apply (the optimizer update), plus the
-exchange's own pieces (exchange/*.py).
+exchange's own pieces (exchange/*.py). Evaluation has its own two, compiled on first use:
+  EF   forward at inference (MoE at eval capacity, no jitter): input -> output activation
+  EL   on the last stage: forward and loss -> the microbatch's {"ce_sum", "z_sum", "tokens"}
 """
 
 import dataclasses
@@ -272,3 +274,22 @@ def compile_stage(cell: CellPieces, moe, z_loss: float) -> None:
     out_shardings=(cell.grads_sharding,) + (() if stage.first else (act_sharding,)),
     donate=("grads",),
   )
+
+
+def compile_eval(cell: CellPieces, z_loss: float) -> None:
+  """The cell's EF piece, or its EL on the last stage (see the module docstring)."""
+
+  def forward(state, x):
+    return cell.fns.module(state["params"]).forward(x, train=False)[0]
+
+  if cell.stage.last:
+
+    def el_fn(state, x, targets):
+      return lm_loss(forward(state, x), targets, z_loss=z_loss)[1]
+
+    stats = {k: v for k, v in cell.stats_abs.items() if k in step_lib.EVAL_KEYS}
+    inputs = {"state": cell.state_abs, "x": cell.x_abs, "targets": cell.tokens_abs}
+    cell.compile("EL", el_fn, inputs, out_shardings=cell.sharding_of(stats))
+    return
+  inputs = {"state": cell.state_abs, "x": cell.x_abs}
+  cell.compile("EF", forward, inputs, out_shardings=cell.act_abs.sharding)

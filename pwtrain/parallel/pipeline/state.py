@@ -7,6 +7,7 @@ leaves on the first), and `from_checkpoint` copies it wherever else it is used.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -26,6 +27,7 @@ class PipelineProgram:
   """The StepProgram (parallel/program.py) of stages and pods over islands."""
 
   programs: dict[str, Program]  # "step", and the exchange's other kinds (DiLoCo: "outer")
+  build_eval: Callable[[], Program]  # compiles the forward-only program (see eval_program)
   abstract_state: dict  # whole-model state (every pod's, when they differ): restore target
   init: Callable[[], dict]  # () -> {"state/<p>.<s>": cell state}
   executables: dict  # (kind, pod, stage) -> Executable
@@ -50,6 +52,10 @@ class PipelineProgram:
 
   def program_for(self, step: int) -> Program:
     return self.programs[self.exchange.program_kind(step)]
+
+  @functools.cached_property
+  def eval_program(self) -> Program:
+    return self.build_eval()
 
   def feed(self, batch: dict) -> dict:
     """Host batch -> per-pod, per-microbatch inputs.
