@@ -136,5 +136,11 @@ def get_config(arg=None):
   c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
   c.fault.heartbeat_s = 2.0  # health-check period; a worker silent for 3 periods is lost
 
+  c.metrics = ml_collections.ConfigDict()  # besides metrics.jsonl and TensorBoard (always on)
+  # Weights & Biases project ("": off). Needs `pip install 'pwtrain[wandb]'`; WANDB_MODE etc.
+  # as wandb reads them (e.g. WANDB_MODE=offline).
+  c.metrics.wandb_project = ""
+  c.metrics.wandb_entity = ""  # "": your default entity
+
   c.lock()
   return c
