@@ -14,9 +14,12 @@ for another model (its saved shapes differ from this config's) is an error inste
 falling back past it would silently train something else.
 """
 
+import contextlib
+import gc
 import logging
 import os
 import shutil
+import sys
 import threading
 import uuid
 
@@ -185,7 +188,8 @@ class Checkpointer:
     if has_integrity:
       items["integrity"] = ocp.args.JsonRestore()
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+      with _quiet_if_failed():
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {_one_line(e)}") from e
     if in_parts:
@@ -241,6 +245,35 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+@contextlib.contextmanager
+def _quiet_if_failed():
+  """Holds back what a failing read prints on its way down, and drops it if the read fails.
+
+  When one array of a damaged checkpoint cannot be read, Orbax abandons the reads of the others:
+  their coroutines die with "Event loop is closed" or their own TensorStore error, which Python
+  prints through sys.excepthook / sys.unraisablehook, pages of tracebacks around the one line
+  the caller reports. These are collected here (a garbage collection at the end lets the
+  abandoned coroutines finish dying inside); if the read failed they are logged at DEBUG only,
+  and if it succeeded they are passed on to the hooks as usual.
+  """
+  held = []
+  saved = sys.excepthook, sys.unraisablehook
+  sys.excepthook = lambda *exc: held.append((saved[0], exc))
+  sys.unraisablehook = lambda unraisable: held.append((saved[1], (unraisable,)))
+  failed = True
+  try:
+    yield
+    failed = False
+  finally:
+    gc.collect()
+    sys.excepthook, sys.unraisablehook = saved
+    for hook, args in held:
+      if failed:
+        log.debug("while reading a damaged checkpoint: %s", args)
+      else:
+        hook(*args)
 
 
 def _one_line(error: BaseException, limit: int = 200) -> str:

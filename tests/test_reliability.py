@@ -224,6 +224,28 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(
   ckpt.close()
 
 
+def test_a_damaged_checkpoint_prints_one_line_not_tracebacks(tmp_path):
+  """In a process of its own (pytest would catch what it prints): the reads Orbax abandons when
+  one array file is truncated must not print their tracebacks ("Event loop is closed")."""
+  script = f"""
+import logging, os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import test_reliability as t
+from pwtrain.checkpoint import Checkpointer
+logging.basicConfig(level=logging.WARNING)
+directory = {str(tmp_path / "checkpoints")!r}
+t._two_checkpoints(directory)
+t.DAMAGE["truncated array file"](os.path.join(directory, "2"))
+ckpt = Checkpointer(directory, keep=3, every=1)
+print("restored step", ckpt.restore_latest(t._abstract())[0])
+ckpt.close()
+"""
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and "restored step 1" in out.stdout, out.stderr[-2000:]
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and "checkpoint 2 is damaged" in lines[0], out.stderr[-3000:]
+
+
 def test_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
   directory = str(tmp_path / "checkpoints")
   _two_checkpoints(directory)
