@@ -1,5 +1,6 @@
 """The single controller: islands, compile-once, non-blocking dispatch, island order, trace."""
 
+import dataclasses
 import json
 import time
 
@@ -21,6 +22,36 @@ def test_cluster_carves_local_devices():
     Cluster.local([4, 8])
   with pytest.raises(ValueError, match="mesh .* has 2 devices but island 'island0' has 4"):
     Cluster.local([4, 4]).islands[0].mesh({"data": 2})
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceDevice:
+  """A stand-in for a TPU device of a multi-slice job (e.g. under Pathways' IFRT proxy): only
+  what carving islands reads."""
+
+  id: int
+  slice_index: int
+
+
+def test_islands_never_span_slices():
+  # Two slices of 4 devices, interleaved as a multi-slice job may list them.
+  devices = [SliceDevice(i, i % 2) for i in range(8)]
+  by_slice = lambda island: {d.slice_index for d in island.devices}
+  one_each = Cluster.local(2, devices=devices)
+  assert [by_slice(i) for i in one_each.islands] == [{0}, {1}]
+  assert [len(i.devices) for i in one_each.islands] == [4, 4]
+  split = Cluster.local(4, devices=devices)  # the config splits each slice in two
+  assert [by_slice(i) for i in split.islands] == [{0}, {0}, {1}, {1}]
+  assert len({d for i in split.islands for d in i.devices}) == 8
+  for islands in (1, [2, 2, 2]):  # one island over both slices; 3 islands over 2 slices
+    with pytest.raises(ValueError, match="an island must lie within one slice"):
+      Cluster.local(islands, devices=devices)
+
+
+def test_island_meshes_come_from_jax_make_mesh_with_auto_axes():
+  mesh = Cluster.local(2).islands[1].mesh({"data": 2, "tensor": 2})
+  assert mesh.devices.tolist() == [list(jax.devices()[4:6]), list(jax.devices()[6:8])]
+  assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
 
 
 def heavy(x):

@@ -1,12 +1,18 @@
-"""Islands: named groups of devices joined by a fast interconnect, one SPMD mesh each."""
+"""Islands: named groups of devices joined by a fast interconnect, one SPMD mesh each.
 
+Devices that report a `slice_index` (TPU slices, also under Pathways' IFRT proxy) are joined by
+ICI only within their slice, so an island never spans two slices: `Cluster.local` carves each
+slice into the same number of islands.
+"""
+
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +33,52 @@ class Island:
         f"mesh {dict(shape)} has {int(np.prod(sizes))} devices but island {self.name!r} "
         f"has {self.num_devices}"
       )
-    return Mesh(np.asarray(self.devices, dtype=object).reshape(sizes), tuple(shape))
+    return make_mesh(shape, self.devices)
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence) -> Mesh:
+  """A mesh of `devices` with named axis sizes `shape`, by `jax.make_mesh`: on TPUs and GPUs it
+  orders the devices to follow the physical interconnect. Axes are Auto (sharding propagates
+  from the inputs and the model's constraints), not jax.make_mesh's default Explicit."""
+  return jax.make_mesh(
+    tuple(shape.values()),
+    tuple(shape),
+    axis_types=(AxisType.Auto,) * len(shape),
+    devices=list(devices),
+  )
+
+
+def slices(devices: Sequence) -> list[list]:
+  """`devices` grouped by `slice_index`, in order of first appearance; devices without one
+  (CPU, GPU) form one group."""
+  groups: dict = collections.defaultdict(list)
+  for device in devices:
+    groups[getattr(device, "slice_index", None)].append(device)
+  return list(groups.values())
+
+
+def _carve_slices(groups: list[list], sizes: list[int]) -> tuple[Island, ...]:
+  """Equal islands, the same number from each slice, in slice order: island i lies in slice
+  i // (islands per slice)."""
+  size, per_slice = sizes[0], len(sizes) // len(groups)
+  slice_sizes = sorted({len(g) for g in groups})
+  if (
+    len(set(sizes)) > 1
+    or len(sizes) % len(groups)
+    or len(slice_sizes) > 1
+    or per_slice * size > slice_sizes[0]
+  ):
+    raise ValueError(
+      f"parallel.islands={len(sizes)} of {size} devices cannot be placed on {len(groups)} "
+      f"slices of {slice_sizes} devices: an island must lie within one slice, so use a "
+      f"multiple of {len(groups)} islands, each at most a slice (e.g. parallel.islands="
+      f"{len(groups)})"
+    )
+  return tuple(
+    Island(f"island{k * per_slice + i}", tuple(group[i * size : (i + 1) * size]))
+    for k, group in enumerate(groups)
+    for i in range(per_slice)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +102,9 @@ class Cluster:
       sizes = list(islands)
     if sum(sizes) > len(devices) or min(sizes, default=0) < 1:
       raise ValueError(f"islands of sizes {sizes} do not fit {len(devices)} local devices")
+    groups = slices(devices)
+    if len(groups) > 1:
+      return cls(_carve_slices(groups, sizes))
     out, start = [], 0
     for i, size in enumerate(sizes):
       out.append(Island(f"island{i}", tuple(devices[start : start + size])))
