@@ -53,6 +53,9 @@ def get_config(arg=None):
   c.data.dataset = "pystdlib"  # built-in corpus, or any prepared TFDS name (e.g. "lm1b")
   c.data.data_dir = ml_collections.config_dict.placeholder(str)  # None: <workdir>/tfds
   c.data.split = "train"
+  # The held-out split evaluation reads: the built-in corpus holds out ~5% of its files as
+  # "validation"; for a TFDS dataset name one of its splits (e.g. "test" for lm1b).
+  c.data.eval_split = "validation"
   c.data.text_key = "text"
   c.data.max_files = 400  # built-in corpus only: cap on source files read (0 = all)
   c.data.tokenizer = "byte"  # "byte" or "sentencepiece"
@@ -79,6 +82,8 @@ def get_config(arg=None):
   c.train.max_rollbacks = 3  # then stop with an error; the checkpoints stay intact
   # (start, stop): a jax.profiler trace of steps start+1..stop in <workdir>/profile; (): none.
   c.train.profile_steps = ()
+  c.train.eval_every = 100  # evaluate on data.eval_split every N steps and at the end (0: never)
+  c.train.eval_batches = 4  # batches of train.global_batch per evaluation
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"

@@ -132,7 +132,12 @@ def validate(config) -> None:
       f"train.num_microbatches={config.train.num_microbatches} does not divide "
       f"train.global_batch={config.train.global_batch}"
     )
-  for key in ("rollback_after", "rollback_skip_batches", "max_rollbacks"):
+  if config.train.eval_every and config.train.eval_batches < 1:
+    raise ValueError(
+      f"train.eval_batches={config.train.eval_batches!r} must be >= 1 while train.eval_every="
+      f"{config.train.eval_every} (set train.eval_every=0 to never evaluate)"
+    )
+  for key in ("rollback_after", "rollback_skip_batches", "max_rollbacks", "eval_every"):
     value = config.train[key]
     if not isinstance(value, int) or value < 0:
       raise ValueError(f"train.{key}={value!r} must be a non-negative integer")

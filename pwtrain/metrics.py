@@ -1,4 +1,5 @@
-"""Step metrics: a progress bar, TensorBoard events and a JSONL file in the workdir.
+"""Step metrics: a progress bar, TensorBoard events, a JSONL file in the workdir, and optionally
+Weights & Biases.
 
 Metrics arrive as futures of device arrays. They are fetched only every `log_every` steps, in
 one batch, so logging never makes the controller wait for each step's results.
@@ -7,11 +8,16 @@ The workdir's logs hold one row per step of the run's one trajectory: when a run
 step N, or rolls back to it, the rows of steps after N (steps that will run again) are moved from
 metrics.jsonl to metrics.rolled_back.jsonl (kept, not deleted), and TensorBoard is told to purge
 its events of those steps (`purge_step`).
+
+Evaluation rows ({"step", "eval_loss", "eval_perplexity", "eval_bits_per_byte", ...}) go to the
+same file, after the step's own rows, and to TensorBoard under eval/.
 """
 
 import json
+import math
 import os
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,6 +43,19 @@ def peak_flops(device) -> float | None:
   return None
 
 
+def eval_metrics(sums: dict, num_bytes: int) -> dict[str, float]:
+  """Eval loss (mean cross-entropy per real target, in nats; without the z-loss), perplexity
+  exp(loss), and bits per byte: the summed cross-entropy in bits over the UTF-8 bytes of text
+  the targets stand for (comparable across tokenizers)."""
+  tokens = max(sums["tokens"], 1.0)
+  loss = sums["ce_sum"] / tokens
+  out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+  if num_bytes:
+    out["eval_bits_per_byte"] = sums["ce_sum"] / math.log(2) / num_bytes
+  out["eval_tokens"] = sums["tokens"]
+  return out
+
+
 class MetricsLogger:
   def __init__(
     self,
@@ -51,7 +70,10 @@ class MetricsLogger:
     peak_flops_per_device: float | None,
     exchange_bytes_per_step: int = 0,
     show_progress: bool = True,
+    wandb_run: Any = None,
   ):
+    """`wandb_run`: a started W&B run (see `start_wandb`) that gets every row too, or None."""
+    self.wandb = wandb_run
     self.exchange_bytes = exchange_bytes_per_step
     self.log_every = log_every
     self.tokens_per_step = tokens_per_step
@@ -73,6 +95,7 @@ class MetricsLogger:
     self._last_time = time.perf_counter()
     self._last_step = start_step
     self.history: list[dict] = []
+    self.evals: list[dict] = []  # one row per evaluation: {"step", "eval_loss", ...}
 
   def record(self, step: int, metrics_future) -> None:
     """`step` is the step number after the update (1-based)."""
@@ -110,9 +133,41 @@ class MetricsLogger:
     self._jsonl.write(json.dumps({"step": steps[-1], **speed}) + "\n")
     self._jsonl.flush()
     self._tb.flush()
-    last = self.history[-1]
-    self._bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+    if self.wandb is not None:
+      for row in self.history[-len(steps) :]:
+        self._to_wandb(row, "train")
+      self._to_wandb({"step": steps[-1], **speed}, "perf")
     self._bar.update(done)
+    self._show()
+
+  def record_eval(self, step: int, values: dict[str, float]) -> None:
+    """Logs an evaluation of the state after step `step` (eval_metrics' dict)."""
+    self.flush()  # the step's own rows first
+    row = {"step": step, **values}
+    self.evals.append(row)
+    self._jsonl.write(json.dumps(row) + "\n")
+    self._jsonl.flush()
+    for k, x in values.items():
+      self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", x, step)
+    self._tb.flush()
+    if self.wandb is not None:
+      self._to_wandb(row, "eval")
+    self._show()
+
+  def _show(self) -> None:
+    postfix = {}
+    if self.history:
+      postfix["loss"] = f"{self.history[-1]['loss']:.4f}"
+    if self.evals:
+      postfix["eval_loss"] = f"{self.evals[-1]['eval_loss']:.4f}"
+    if self.tokens_per_s:
+      postfix["tok_s"] = f"{self.tokens_per_s:,.0f}"
+    self._bar.set_postfix(postfix, refresh=False)
+    self._bar.refresh()
+
+  def _to_wandb(self, row: dict, section: str) -> None:
+    values = {f"{section}/{k.removeprefix('eval_')}": v for k, v in row.items() if k != "step"}
+    self.wandb.log({"step": row["step"], **values})
 
   def _open_from(self, step: int):
     """Opens the logs to continue after `step`: later rows set aside, later events purged."""
@@ -127,6 +182,9 @@ class MetricsLogger:
     self._jsonl, self._tb = self._open_from(step)
     self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
     self._jsonl.flush()
+    self.evals = [row for row in self.evals if row["step"] <= step]
+    if self.wandb is not None:
+      self._to_wandb({"step": step, **event}, "events")
     self._last_time, self._last_step = time.perf_counter(), step
     self._bar.n = step
     self._bar.refresh()
@@ -136,6 +194,40 @@ class MetricsLogger:
     self._bar.close()
     self._jsonl.close()
     self._tb.close()
+    if self.wandb is not None:
+      self.wandb.finish()
+
+
+def start_wandb(project: str, entity: str, workdir: str, config: dict, start_step: int):
+  """A W&B run for this start of the training run, or None when `project` is empty.
+
+  wandb is an optional dependency (`pip install 'pwtrain[wandb]'`), imported only here. Each
+  start (fresh, resumed) is its own W&B run, named "<workdir name>@<start step>" and grouped
+  by the workdir's name, so a resume never writes over an earlier start's steps; every row
+  carries its "step", the x-axis of every chart (rows from before a rollback keep theirs).
+  Offline use, the API key and the server follow wandb's own environment (WANDB_MODE, ...).
+  """
+  if not project:
+    return None
+  try:
+    import wandb
+  except ImportError:
+    raise ValueError(
+      f"metrics.wandb_project={project!r} needs wandb, which is not installed: "
+      "pip install 'pwtrain[wandb]' (or set metrics.wandb_project='')"
+    ) from None
+  name = os.path.basename(os.path.normpath(workdir))
+  run = wandb.init(
+    project=project,
+    entity=entity or None,
+    dir=workdir,
+    group=name,
+    name=f"{name}@{start_step}",
+    config=config,
+  )
+  run.define_metric("step")
+  run.define_metric("*", step_metric="step")
+  return run
 
 
 def set_aside_after(path: str, step: int) -> None:

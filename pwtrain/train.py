@@ -6,10 +6,11 @@ import os
 
 from pwtrain import config as config_lib
 from pwtrain import guard
+from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace
 from pwtrain.checkpoint import Checkpointer
-from pwtrain.data import build_train_batches
+from pwtrain.data import build_eval_set, build_train_batches
 from pwtrain.harness import Harness
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
@@ -27,6 +28,7 @@ class RunResult:
   state: dict  # final whole-model train state (device arrays), as checkpointed
   start_step: int
   final_step: int
+  evals: list[dict] = dataclasses.field(default_factory=list)  # {"step", "eval_loss", ...}
 
 
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
@@ -46,16 +48,17 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
   workdir = workdir_lib.prepare(workdir)
   with workdir_lib.WorkdirLock(workdir):  # one run per workdir
     tokenizer, batches = build_train_batches(config, workdir)
+    eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
     trace = Trace() if config.backend.trace else None
     try:
       with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
-        return _train(config, harness, batches, workdir, show_progress)
+        return _train(config, harness, batches, eval_set, workdir, show_progress)
     finally:
       if trace is not None:
         trace.write(os.path.join(workdir, "trace.json"))
 
 
-def _train(config, harness: Harness, batches, workdir: str, show_progress: bool) -> RunResult:
+def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool) -> RunResult:
   step_program, plan = harness.step_program, harness.plan
   remote = harness.cluster.remote
   ckpt = Checkpointer(
@@ -79,6 +82,13 @@ def _train(config, harness: Harness, batches, workdir: str, show_progress: bool)
     peak_flops_per_device=peak_flops(plan.islands[0].devices[0]),
     exchange_bytes_per_step=step_program.exchange_bytes,
     show_progress=show_progress,
+    wandb_run=metrics_lib.start_wandb(
+      config.metrics.wandb_project,
+      config.metrics.wandb_entity,
+      workdir,
+      config.to_dict(),
+      start,
+    ),
   )
   monitor = guard.SpikeMonitor(config.train.rollback_after, config.train.max_rollbacks)
   profiler = StepProfiler(workdir, config.train.profile_steps)
@@ -101,25 +111,46 @@ def _train(config, harness: Harness, batches, workdir: str, show_progress: bool)
         if stop.requested:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
+        if eval_set is not None and _eval_due(step, config.train.eval_every, num_steps):
+          _evaluate(harness, state, eval_set, step, logger)
     state = step_program.to_checkpoint(_results(state))
   finally:
     profiler.close()
     logger.close()
     try:
       ckpt.wait()  # a failed save is raised here, once this and then the harness are closed
+      latest = ckpt.latest_step()
     finally:
       ckpt.close()
-  _summary(logger, start, step, ckpt)
-  return RunResult(logger.history, state, start, step)
+  _summary(logger, start, step, ckpt.directory, latest)
+  return RunResult(logger.history, state, start, step, logger.evals)
 
 
-def _summary(logger: MetricsLogger, start: int, step: int, ckpt: Checkpointer) -> None:
+def _evaluate(harness: Harness, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:
+  values = metrics_lib.eval_metrics(harness.evaluate(state, eval_set.batches), eval_set.num_bytes)
+  logger.record_eval(step, values)
+  log.info(
+    "step %d: eval loss %.4f, perplexity %.2f, %.4f bits/byte",
+    step,
+    values["eval_loss"],
+    values["eval_perplexity"],
+    values.get("eval_bits_per_byte", float("nan")),
+  )
+
+
+def _eval_due(step: int, every: int, num_steps: int) -> bool:
+  """Evaluate after every `every`-th step and after the last one."""
+  return step % every == 0 or step == num_steps
+
+
+def _summary(logger: MetricsLogger, start: int, step: int, directory: str, latest) -> None:
   """One closing line: what ran, where it ended, and how fast."""
   last = next((r for r in reversed(logger.history) if "loss" in r), None)
   loss = f"last loss {last['loss']:.4f}" if last else "no step run"
+  if logger.evals:
+    loss += f", last eval loss {logger.evals[-1]['eval_loss']:.4f}"
   speed = f", {logger.tokens_per_s:,.0f} tokens/s" if logger.tokens_per_s else ""
-  latest = ckpt.latest_step()
-  where = f"latest checkpoint: step {latest} in {ckpt.directory}" if latest else "no checkpoint"
+  where = f"latest checkpoint: step {latest} in {directory}" if latest else "no checkpoint"
   log.info(
     "trained steps %d-%d of %d: %s%s; %s", start + 1, step, logger.num_steps, loss, speed, where
   )

@@ -57,9 +57,16 @@ def tiny_test_config(**overrides):
 
 
 def small_config(**overrides):
-  """tiny_test_config for train.run: 12 steps of the built-in corpus (40 files), logged every 2."""
+  """tiny_test_config for train.run: 12 steps of the built-in corpus (40 files), logged every 2,
+  no evaluation (tests of evaluation turn it on)."""
   return tiny_test_config(
-    **{"data.max_files": 40, "train.log_every": 2, "train.num_steps": 12, **overrides}
+    **{
+      "data.max_files": 40,
+      "train.log_every": 2,
+      "train.num_steps": 12,
+      "train.eval_every": 0,
+      **overrides,
+    }
   )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from pwtrain.data import build_tokenizer, build_train_batches, corpus
+from pwtrain.data import build_eval_set, build_tokenizer, build_train_batches, corpus
 from pwtrain.data.loader import TrainBatches
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, sentencepiece_path
 
@@ -50,8 +50,11 @@ def test_pystdlib_is_the_stdlib_files_and_max_files_is_its_identity(data_dir):
   assert small.data_dir != large.data_dir  # no stale reuse across max_files
   paths = corpus.list_source_files(corpus.stdlib_dir(), 20)
   expected = sorted(pathlib.Path(corpus.stdlib_dir(), p).read_bytes() for p in paths)
-  assert sorted(ex["text"] for ex in small.as_data_source("train")) == expected
-  assert len(large.as_data_source("train")) == 25
+  # Every file is in exactly one of the splits: training, or held out for evaluation.
+  train, held_out = small.as_data_source("train"), small.as_data_source("validation")
+  assert sorted(ex["text"] for ex in [*train, *held_out]) == expected
+  assert len(train) > len(held_out) >= 1
+  assert len(large.as_data_source("train")) + len(large.as_data_source("validation")) == 25
   # A second prepare reuses the build.
   info = pathlib.Path(small.data_dir, "dataset_info.json")
   mtime = info.stat().st_mtime_ns
@@ -226,9 +229,13 @@ def test_unknown_tfds_dataset(tmp_path):
 
 
 def test_unknown_split(data_dir, tmp_path):
-  config = make_config(**{"data.data_dir": data_dir, "data.split": "validation"})
-  with pytest.raises(ValueError, match=r"data.split='validation'.*\['train'\]"):
+  config = make_config(**{"data.data_dir": data_dir, "data.split": "test"})
+  with pytest.raises(ValueError, match=r"data.split='test'.*\['train', 'validation'\]"):
     build_train_batches(config, str(tmp_path))
+  config = make_config(**{"data.data_dir": data_dir, "data.eval_split": "test"})
+  tokenizer, _ = build_train_batches(config, str(tmp_path))
+  with pytest.raises(ValueError, match=r"data.eval_split='test' is not a split"):
+    build_eval_set(config, str(tmp_path), tokenizer)
 
 
 def test_empty_corpus(tmp_path):
@@ -252,7 +259,9 @@ def test_other_roots_build_as_tfds_datasets(tmp_path):
   (tmp_path / "src" / "a.py").write_text("a = 1\n")
   (tmp_path / "src" / "pkg" / "b.py").write_text("b = 2\n")
   builder = corpus.prepare_pystdlib(str(tmp_path / "tfds"), root=str(tmp_path / "src"))
-  assert sorted(ex["text"] for ex in builder.as_data_source("train")) == [b"a = 1\n", b"b = 2\n"]
+  texts = [ex["text"] for split in ("train", "validation") for ex in builder.as_data_source(split)]
+  assert sorted(texts) == [b"a = 1\n", b"b = 2\n"]  # one file trains, one is held out
+  assert len(builder.as_data_source("validation")) == 1
 
 
 def test_model_vocab_too_small(data_dir, tmp_path):
@@ -275,10 +284,10 @@ def test_a_damaged_dataset_file_is_one_clear_error(tmp_path):
     (tmp_path / "src" / f"m{i}.py").write_text("x = 1\n" * 2000)
   config = make_config(**{"data.data_dir": str(tmp_path / "tfds")})
   builder = corpus.prepare_pystdlib(config.data.data_dir, root=str(tmp_path / "src"))
-  (path,) = glob.glob(os.path.join(os.fspath(builder.data_dir), "*.array_record*"))
+  (path,) = glob.glob(os.path.join(os.fspath(builder.data_dir), "*-train.array_record*"))
   with open(path, "r+b") as f:
     f.truncate(1000)
-  source = corpus.ReadableSource(builder.as_data_source("train"), builder, config.data)
+  source = corpus.ReadableSource(builder.as_data_source("train"), builder, config.data, "train")
   with pytest.raises(
     ValueError,
     match=r"data.dataset='pystdlib': a file of .*-train\.\* is "
@@ -286,3 +295,35 @@ def test_a_damaged_dataset_file_is_one_clear_error(tmp_path):
     r"run again to rebuild it",
   ):
     source[0]
+
+
+def test_held_out_files_are_chosen_by_their_own_hash():
+  keys = [f"pkg/module_{i}.py" for i in range(400)]
+  held = corpus.held_out_keys(keys, 0.05)
+  assert 5 < len(held) < 40  # ~5%
+  # A file's side depends on its name alone: in a larger or smaller corpus it stays put.
+  assert corpus.held_out_keys(keys[:200], 0.05) == {k for k in held if k in keys[:200]}
+  # Both sides are non-empty whenever there are two files.
+  assert len(corpus.held_out_keys(keys[:2], 0.05)) == 1
+  assert len(corpus.held_out_keys(keys[:2], 0.999999)) == 1
+
+
+def test_eval_set_is_the_held_out_split_packed_in_order(data_dir, tmp_path):
+  config = make_config(**{"data.max_files": 40, "data.data_dir": data_dir, "train.eval_batches": 3})
+  tokenizer, _ = build_train_batches(config, str(tmp_path))
+  first = build_eval_set(config, str(tmp_path), tokenizer)
+  again = build_eval_set(config, str(tmp_path), tokenizer)
+  assert len(first.batches) == 3
+  for a, b in zip(first.batches, again.batches, strict=True):
+    for key in ("inputs", "targets"):
+      assert a[key].shape == (4, 32) and a[key].dtype == np.int32
+      np.testing.assert_array_equal(a[key], b[key])  # the same batches at every evaluation
+    assert (a["targets"] >= 0).all()  # the split repeats: every position is a target
+  # Read in order: the stream starts with the first held-out file.
+  source = corpus.open_source(config.data, str(tmp_path), split="validation")
+  head = tokenizer.encode(source[0]["text"])[:32]
+  np.testing.assert_array_equal(first.batches[0]["inputs"][0, : len(head)], head)
+  # Bits per byte count the bytes of text the targets stand for: one per byte id, none for EOS.
+  targets = np.concatenate([b["targets"].ravel() for b in first.batches])
+  text = bytes((targets[targets >= tokenizer.offset] - tokenizer.offset).astype(np.uint8).tolist())
+  assert first.num_bytes == len(text) <= len(targets)

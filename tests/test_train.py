@@ -1,5 +1,6 @@
 """End to end: `main` trains, logs and checkpoints; an interrupted run resumes exactly."""
 
+import glob
 import json
 import os
 import signal
@@ -130,3 +131,63 @@ def test_main_interrupted_resumes(sig, uninterrupted, tmp_path):
   rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert read_losses(tmp_path) == read_losses(ref_dir)
+
+
+def read_tensorboard(directory) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of every scalar in the event files under `directory` (TFRecord
+  framing: length, its CRC, the Event proto, its CRC)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  scalars: dict[str, dict[int, float]] = {}
+  for name in sorted(os.listdir(directory)):
+    with open(os.path.join(directory, name), "rb") as f:
+      data = f.read()
+    at = 0
+    while at + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+      at += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
+
+
+def test_evaluation_is_logged_to_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
+  """eval_every=4 over 6 steps: evaluations after steps 4 and 6 (the last), in metrics.jsonl
+  after their step's rows, in TensorBoard under eval/, and in a W&B run (offline, local)."""
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  config = small_config(
+    **{
+      "train.num_steps": 6,
+      "train.eval_every": 4,
+      "train.eval_batches": 2,
+      "metrics.wandb_project": "pwtrain-test",
+    }
+  )
+  result = train.run(config, str(tmp_path), show_progress=False)
+  assert [e["step"] for e in result.evals] == [4, 6]
+  for e in result.evals:
+    assert 0 < e["eval_loss"] < 7 and np.isclose(e["eval_perplexity"], np.exp(e["eval_loss"]))
+    assert e["eval_tokens"] == 2 * 16 * 32  # every position of the eval windows is a target
+    # Bytes: one per target, but EOS stands for none, so bits/byte >= loss in bits per token.
+    bits = e["eval_loss"] / np.log(2)
+    assert bits <= e["eval_bits_per_byte"] < 1.1 * bits
+  assert result.evals[1]["eval_loss"] < result.evals[0]["eval_loss"] + 0.5
+
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  evals = [r for r in rows if "eval_loss" in r]
+  assert evals == result.evals
+  first_eval = rows.index(evals[0])
+  assert [r["step"] for r in rows[:first_eval] if "loss" in r] == [1, 2, 3, 4]
+
+  scalars = read_tensorboard(tmp_path / "tensorboard")
+  assert scalars["eval/loss"] == pytest.approx({e["step"]: e["eval_loss"] for e in result.evals})
+  assert set(scalars["train/loss"]) == set(range(1, 7))
+
+  (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+  logged = open(run_file, "rb").read()
+  for key in (b"eval/loss", b"eval/bits_per_byte", b"train/loss", b"perf/tokens_per_s"):
+    assert key in logged, key

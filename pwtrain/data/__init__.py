@@ -1,12 +1,14 @@
 """Data: a text corpus (TFDS), a tokenizer, and a resumable Grain iterator of packed batches."""
 
-from pwtrain.data.loader import TrainBatches, build_train_batches
+from pwtrain.data.loader import EvalSet, TrainBatches, build_eval_set, build_train_batches
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, build_tokenizer
 
 __all__ = [
   "ByteTokenizer",
+  "EvalSet",
   "SentencePieceTokenizer",
   "TrainBatches",
+  "build_eval_set",
   "build_tokenizer",
   "build_train_batches",
 ]

@@ -24,6 +24,10 @@ BUILTIN = "pystdlib"
 # is not the standard library; neither is the text we want to model.
 _SKIP_DIRS = frozenset({"__pycache__", "idle_test", "site-packages", "test", "tests"})
 
+# The built-in corpus's held-out split: documents (files) whose key hashes below EVAL_FRACTION.
+EVAL_SPLIT = "validation"
+EVAL_FRACTION = 0.05
+
 # How many examples `check_source` reads to catch a wrong `data.text_key` or an all-empty corpus
 # without scanning a large dataset; a corpus this small is checked exhaustively.
 _NUM_CHECKED = 64
@@ -80,7 +84,8 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """
 
   name = BUILTIN
-  VERSION = tfds.core.Version("1.0.0")
+  # 1.1.0: a "validation" split of held-out files (before: "train" only).
+  VERSION = tfds.core.Version("1.1.0")
   # No code directory with checksums or metadata files to look up. The lookup also breaks for
   # any builder inside a package unless the `importlib_resources` backport is installed.
   code_path = None
@@ -95,14 +100,39 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # everything is local
-    return {"train": self._generate_examples()}
+    paths = list_source_files(self.builder_config.root, self.builder_config.max_files)
+    held_out = held_out_keys(paths, EVAL_FRACTION)
+    return {
+      "train": self._generate_examples([p for p in paths if p not in held_out]),
+      EVAL_SPLIT: self._generate_examples([p for p in paths if p in held_out]),
+    }
 
-  def _generate_examples(self):
+  def _generate_examples(self, paths):
     root = self.builder_config.root
-    for path in list_source_files(root, self.builder_config.max_files):
+    for path in paths:
       with open(os.path.join(root, path), "rb") as f:
         # Raw bytes, not str: a few files are not UTF-8, and the byte tokenizer wants bytes.
         yield path, {"text": f.read()}
+
+
+def held_out_keys(keys: list[str], fraction: float) -> set[str]:
+  """The keys whose stable hash falls in the lowest `fraction` of the range: the documents
+  kept out of training. Decided by each key alone (not by position or count), so a document
+  stays on its side whatever else the corpus holds. With >= 2 keys both sides are non-empty:
+  if the hash holds out none (or all), the lowest- (or highest-) hashing key moves over."""
+  scored = sorted(keys, key=_unit_hash)
+  held = [k for k in scored if _unit_hash(k) < fraction]
+  if len(keys) >= 2:
+    if not held:
+      held = scored[:1]
+    elif len(held) == len(keys):
+      held = scored[:-1]
+  return set(held)
+
+
+def _unit_hash(key: str) -> float:
+  """A key's SHA-1 as a number in [0, 1): stable across runs, machines and Python versions."""
+  return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") / 2**64
 
 
 def prepare_pystdlib(data_dir: str, max_files: int = 0, root: str | None = None) -> PyStdlib:
@@ -125,15 +155,17 @@ def prepare_pystdlib(data_dir: str, max_files: int = 0, root: str | None = None)
   return builder
 
 
-def open_source(data_cfg: Any, workdir: str) -> Sequence[dict[str, Any]]:
-  """The random-access source named by `data.dataset` / `data.split`, checked to hold text."""
+def open_source(data_cfg: Any, workdir: str, split: str | None = None) -> Sequence[dict[str, Any]]:
+  """The random-access source named by `data.dataset` and `split` (default: `data.split`),
+  checked to hold text."""
   data_dir = data_dir_for(data_cfg, workdir)
   if data_cfg.dataset == BUILTIN:
     builder = prepare_pystdlib(data_dir, data_cfg.max_files)
   else:
     builder = _prepared_builder(data_cfg.dataset, data_dir)
-  source = ReadableSource(_data_source(builder, data_cfg), builder, data_cfg)
-  check_source(source, data_cfg)
+  split = data_cfg.split if split is None else split
+  source = ReadableSource(_data_source(builder, data_cfg, split), builder, data_cfg, split)
+  check_source(source, data_cfg, split)
   return source
 
 
@@ -141,9 +173,9 @@ class ReadableSource(Sequence):
   """A data source whose read errors (a damaged array_record file raises RuntimeError from
   deep inside the reader) become one ValueError naming the dataset's files and the fix."""
 
-  def __init__(self, source: Sequence, builder: tfds.core.DatasetBuilder, data_cfg: Any):
+  def __init__(self, source: Sequence, builder: tfds.core.DatasetBuilder, data_cfg: Any, split):
     self.source = source
-    self.files = os.path.join(os.fspath(builder.data_dir), f"*-{data_cfg.split.split('[')[0]}.*")
+    self.files = os.path.join(os.fspath(builder.data_dir), f"*-{split.split('[')[0]}.*")
     if data_cfg.dataset == BUILTIN:
       self.fix = f"delete {os.fspath(builder.data_dir)} and run again to rebuild it"
     else:
@@ -169,9 +201,10 @@ def data_dir_for(data_cfg: Any, workdir: str) -> str:
   return data_cfg.data_dir or os.path.join(workdir, "tfds")
 
 
-def check_source(source: Sequence[dict[str, Any]], data_cfg: Any) -> None:
+def check_source(source: Sequence[dict[str, Any]], data_cfg: Any, split: str | None = None) -> None:
   """Raises ValueError for an empty source, a missing `data.text_key`, or only empty texts."""
-  where = f"data.dataset={data_cfg.dataset!r}, data.split={data_cfg.split!r}"
+  key = "data.split" if split is None or split == data_cfg.split else "data.eval_split"
+  where = f"data.dataset={data_cfg.dataset!r}, {key}={split or data_cfg.split!r}"
   if len(source) == 0:
     raise ValueError(f"The corpus is empty: {where} has no examples.")
   num_checked = min(len(source), _NUM_CHECKED)
@@ -209,13 +242,13 @@ def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   return builder
 
 
-def _data_source(builder: tfds.core.DatasetBuilder, data_cfg: Any) -> Sequence[dict[str, Any]]:
-  split = data_cfg.split
+def _data_source(builder: tfds.core.DatasetBuilder, data_cfg: Any, split: str):
   splits = sorted(builder.info.splits)
   # Slices such as "train[:90%]" are fine; only the split's own name must exist.
   if split.split("[")[0] not in splits:
+    key = "data.split" if split == data_cfg.split else "data.eval_split"
     raise ValueError(
-      f"data.split={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}."
+      f"{key}={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}."
     )
   try:
     return builder.as_data_source(split)

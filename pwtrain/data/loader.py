@@ -9,6 +9,7 @@ prefetch thread), which keeps it deterministic and cheap next to the training st
 iterator position is a small JSON state for the checkpoint.
 """
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -71,44 +72,16 @@ class TrainBatches:
     self.seq_len = data_cfg.seq_len
     self.global_batch = config.train.global_batch
     self._stream = _stream_settings(config)
-    self._iterator = iter(self._dataset(source, data_cfg.text_key, config.seed, data_cfg.shuffle))
-
-  def _dataset(self, source, text_key: str, seed: int, shuffle: bool) -> grain.IterDataset:
-    tokenizer = self.tokenizer
-
-    def tokenize(example):
-      tokens = tokenizer.encode(example[text_key])
-      return {"tokens": np.append(tokens, np.int32(tokenizer.eos_id))}
-
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-      # A global shuffle by index permutation: no buffer, and reading stays random access. Shuffle
-      # *before* repeat, so that Grain permutes epoch e with shuffle_seed + e: a fresh order each
-      # epoch, reproducibly. That is also why the config seed is hashed first: used as is, seed 1
-      # would replay seed 0's second epoch as its first. (Grain wants a uint32.)
-      shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
-      ds = ds.shuffle(seed=shuffle_seed)
-    # Endless: training stops by step count.
-    ds = ds.repeat().map(tokenize)
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=_PREFETCH_DOCS))
-    ds = grain.experimental.ConcatThenSplitIterDataset(
-      ds, length_struct={"tokens": self.seq_len + 1}
+    seed = config.seed if data_cfg.shuffle else None
+    self._iterator = iter(
+      packed_batches(source, data_cfg.text_key, tokenizer, self.seq_len, self.global_batch, seed)
     )
-    return ds.batch(self.global_batch, drop_remainder=True)
 
   def __iter__(self) -> "TrainBatches":
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self._iterator)
-    tokens = batch["tokens"]
-    # Segment id 0 marks window positions no document filled. An endless stream never leaves
-    # any, but the loss mask must not depend on that, nor on the packer padding with 0.
-    filled = batch["tokens_segment_ids"][:, 1:] != 0
-    return {
-      "inputs": np.ascontiguousarray(tokens[:, :-1]),
-      "targets": np.where(filled, tokens[:, 1:], np.int32(NO_TARGET)),
-    }
+    return _inputs_and_targets(next(self._iterator))
 
   def get_state(self) -> dict[str, Any]:
     """A JSON-serialisable position: the next batch after `set_state(state)` is this one's next."""
@@ -133,6 +106,64 @@ class TrainBatches:
         f"produce a different token stream. Restore those settings or use a fresh workdir."
       )
     self._iterator.set_state(_from_json(state["grain"]))
+
+
+def packed_batches(source, text_key: str, tokenizer, seq_len: int, batch: int, seed: int | None):
+  """The endless Grain pipeline of packed windows of seq_len + 1 tokens, `batch` per batch; the
+  documents shuffled (anew each epoch) with `seed`, or read in order when it is None."""
+
+  def tokenize(example):
+    tokens = tokenizer.encode(example[text_key])
+    return {"tokens": np.append(tokens, np.int32(tokenizer.eos_id))}
+
+  ds = grain.MapDataset.source(source)
+  if seed is not None:
+    # A global shuffle by index permutation: no buffer, and reading stays random access. Shuffle
+    # *before* repeat, so that Grain permutes epoch e with shuffle_seed + e: a fresh order each
+    # epoch, reproducibly. That is also why the config seed is hashed first: used as is, seed 1
+    # would replay seed 0's second epoch as its first. (Grain wants a uint32.)
+    shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+    ds = ds.shuffle(seed=shuffle_seed)
+  # Endless: training stops by step count, evaluation by batch count.
+  ds = ds.repeat().map(tokenize)
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=_PREFETCH_DOCS))
+  ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
+  return ds.batch(batch, drop_remainder=True)
+
+
+def _inputs_and_targets(batch: dict) -> dict[str, np.ndarray]:
+  tokens = batch["tokens"]
+  # Segment id 0 marks window positions no document filled. An endless stream never leaves any,
+  # but the loss mask must not depend on that, nor on the packer padding with 0.
+  filled = batch["tokens_segment_ids"][:, 1:] != 0
+  return {
+    "inputs": np.ascontiguousarray(tokens[:, :-1]),
+    "targets": np.where(filled, tokens[:, 1:], np.int32(NO_TARGET)),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+  """The batches every evaluation of a run reads, and the text they stand for."""
+
+  batches: list[dict[str, np.ndarray]]  # {"inputs", "targets"}: int32[train.global_batch, L]
+  num_bytes: int  # UTF-8 bytes of text the real (>= 0) targets stand for (bits per byte)
+
+
+def build_eval_set(config: Any, workdir: str, tokenizer: Any) -> EvalSet:
+  """`train.eval_batches` batches of `data.eval_split`, packed like training's but read in
+  order from the split's start (again from the start if the split runs out, so every window
+  position is a target): the same batches whenever it is called with the same config."""
+  source = corpus.open_source(config.data, workdir, split=config.data.eval_split)
+  data_cfg, train_cfg = config.data, config.train
+  ds = packed_batches(
+    source, data_cfg.text_key, tokenizer, data_cfg.seq_len, train_cfg.global_batch, None
+  )
+  iterator = iter(ds)
+  batches = [_inputs_and_targets(next(iterator)) for _ in range(train_cfg.eval_batches)]
+  sizes = tokenizer.token_bytes
+  num_bytes = sum(int(sizes[b["targets"][b["targets"] >= 0]].sum()) for b in batches)
+  return EvalSet(batches, num_bytes)
 
 
 def build_train_batches(config: Any, workdir: str) -> tuple[Any, TrainBatches]:

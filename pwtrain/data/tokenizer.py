@@ -5,6 +5,7 @@ Both reserve id 0 for padding and id 1 for end-of-sequence, so the loss can mask
 Interface: `vocab_size`, `pad_id`, `eos_id`, `encode(str | bytes) -> int32[n]`, `decode(ids)`.
 """
 
+import functools
 import io
 import logging
 import os
@@ -35,6 +36,11 @@ class ByteTokenizer:
   offset = 2
   vocab_size = 256 + offset
 
+  @property
+  def token_bytes(self) -> np.ndarray:
+    """int64[vocab_size]: the UTF-8 bytes each id stands for (1 per byte; pad and EOS none)."""
+    return (np.arange(self.vocab_size) >= self.offset).astype(np.int64)
+
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     return np.frombuffer(data, np.uint8).astype(np.int32) + self.offset
@@ -57,6 +63,19 @@ class SentencePieceTokenizer:
     self.pad_id = PAD_ID
     self.eos_id = EOS_ID
     self.vocab_size = self._sp.get_piece_size()
+
+  @functools.cached_property
+  def token_bytes(self) -> np.ndarray:
+    """int64[vocab_size]: the UTF-8 bytes each piece stands for ("▁" is a space, a byte-fallback
+    piece one byte; control and unknown pieces none)."""
+    sp = self._sp
+    sizes = np.zeros(self.vocab_size, np.int64)
+    for i in range(self.vocab_size):
+      if sp.is_byte(i):
+        sizes[i] = 1
+      elif not (sp.is_control(i) or sp.is_unknown(i)):
+        sizes[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    return sizes
 
   def encode(self, text: str | bytes) -> np.ndarray:
     if not isinstance(text, str):
