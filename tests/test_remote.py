@@ -249,6 +249,22 @@ def test_remote_pods_match_embedded(workers):
   assert_same_run(tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2}), workers)
 
 
+def test_remote_eval_matches_embedded(workers):
+  """The forward-only program on the workers: the same sums as embedded mode, bit for bit."""
+  config = tiny_test_config(
+    **{"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2}
+  )
+  batches = random_batches(config, 2, seed=1)
+  sums = []
+  for cfg, devices in (
+    (config, jax.devices()[:4]),
+    (remote(config.copy_and_resolve_references(), workers), jax.devices()[:2]),
+  ):
+    with Harness.build(cfg, devices) as harness:
+      sums.append(harness.evaluate(harness.init(), batches))
+  assert sums[1] == sums[0] and sums[0]["tokens"] > 0
+
+
 def test_remote_trace_has_the_workers_run_times(workers):
   """backend.trace in remote mode: each node's launch (inputs ready) and done come from its
   worker, on the controller's clock; an island runs its executes one after another, each after
