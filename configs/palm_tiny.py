@@ -50,7 +50,11 @@ def get_config(arg=None):
   c.moe.router_z_loss_weight = 1e-3  # router z-loss (ST-MoE)
 
   c.data = ml_collections.ConfigDict()
-  c.data.dataset = "pystdlib"  # built-in corpus, or any prepared TFDS name (e.g. "lm1b")
+  # "pystdlib" (built-in corpus), "files" (your own: data.files) or any prepared TFDS name
+  # (e.g. "lm1b").
+  c.data.dataset = "pystdlib"
+  c.data.files = ""  # "files": a glob, or globs separated by commas, of text or .jsonl files
+  c.data.jsonl_field = "text"  # "files": the field of each JSONL line that holds the text
   c.data.data_dir = ml_collections.config_dict.placeholder(str)  # None: <workdir>/tfds
   c.data.split = "train"
   # The held-out split evaluation reads: the built-in corpus holds out ~5% of its files as
@@ -58,7 +62,11 @@ def get_config(arg=None):
   c.data.eval_split = "validation"
   c.data.text_key = "text"
   c.data.max_files = 400  # built-in corpus only: cap on source files read (0 = all)
-  c.data.tokenizer = "byte"  # "byte" or "sentencepiece"
+  c.data.tokenizer = "byte"  # "byte", "sentencepiece" or "huggingface"
+  # An existing tokenizer to load: a SentencePiece .model ("sentencepiece"; without a path one is
+  # trained on the corpus) or a Hugging Face tokenizers .json ("huggingface").
+  c.data.tokenizer_path = ""
+  c.data.eos_token = ""  # "huggingface": the document separator ("": </s>, <|endoftext|>, ...)
   c.data.sp_vocab_size = 512
   c.data.seq_len = 128
   c.data.shuffle = True

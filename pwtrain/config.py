@@ -1,11 +1,11 @@
 """Config checks that need no devices: each error names the key, the value and what is valid."""
 
 from pwtrain import optim
+from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
 from pwtrain.parallel.pipeline.schedule import SCHEDULES
 
-TOKENIZERS = ("byte", "sentencepiece")
 BACKENDS = ("embedded", "remote")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -327,3 +327,136 @@ def test_eval_set_is_the_held_out_split_packed_in_order(data_dir, tmp_path):
   targets = np.concatenate([b["targets"].ravel() for b in first.batches])
   text = bytes((targets[targets >= tokenizer.offset] - tokenizer.offset).astype(np.uint8).tolist())
   assert first.num_bytes == len(text) <= len(targets)
+
+
+# -- your own files and tokenizers ------------------------------------------------------------
+
+
+def own_files(root):
+  """Two text files and a JSONL file of 40 documents under `root`."""
+  root.mkdir(exist_ok=True)
+  (root / "a.txt").write_text("alpha " * 300)
+  (root / "b.md").write_text("# beta\n" + "beta gamma\n" * 200)
+  lines = [json.dumps({"text": f"document {i}: " + "delta " * 40, "id": i}) for i in range(40)]
+  (root / "c.jsonl").write_text("\n".join(lines[:20]) + "\n\n" + "\n".join(lines[20:]) + "\n")
+  return f"{root}/*.txt, {root}/*.md,{root}/*.jsonl"
+
+
+def test_own_files_are_built_split_and_rebuilt_when_they_change(tmp_path):
+  files = own_files(tmp_path / "own")
+  config = make_config(**{"data.dataset": "files", "data.files": files})
+  train_source = corpus.open_source(config.data, str(tmp_path))
+  eval_source = corpus.open_source(config.data, str(tmp_path), split="validation")
+  texts = sorted(ex["text"] for ex in [*train_source, *eval_source])
+  assert len(texts) == 42  # 2 files + 40 JSONL lines (the blank line skipped)
+  assert b"alpha " * 300 in texts and any(t.startswith(b"document 7: ") for t in texts)
+  assert 1 <= len(eval_source) < len(train_source)
+  tokenizer, batches = build_train_batches(config, str(tmp_path))
+  stream = np.concatenate([b["inputs"].ravel() for b in [next(batches) for _ in range(20)]])
+  assert b"delta" in bytes((stream[stream >= 2] - 2).astype(np.uint8).tolist())
+  # Editing a file makes a new build; the resumed stream would differ, so resuming is refused.
+  state = batches.get_state()
+  (tmp_path / "own" / "a.txt").write_text("changed " * 300)
+  rebuilt = corpus.open_source(config.data, str(tmp_path))
+  assert any(ex["text"].startswith(b"changed") for ex in rebuilt)
+  _, fresh = build_train_batches(config, str(tmp_path))
+  with pytest.raises(ValueError, match="data.files"):
+    fresh.set_state(state)
+
+
+def test_own_files_errors_name_the_setting(tmp_path):
+  config = make_config(**{"data.dataset": "files", "data.files": str(tmp_path / "none*.txt")})
+  with pytest.raises(ValueError, match=r"data.files=.* matches no files"):
+    build_train_batches(config, str(tmp_path))
+  (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+  config = make_config(**{"data.dataset": "files", "data.files": str(tmp_path / "bad.jsonl")})
+  with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not a JSON object .*'text'"):
+    build_train_batches(config, str(tmp_path))
+
+
+def llama_like_sentencepiece(path):
+  """A SentencePiece model with another id layout than pwtrain's own: unk 0, bos 1, eos 2, no
+  pad (as LLaMA's)."""
+  import io
+
+  import sentencepiece as spm
+
+  model = io.BytesIO()
+  lines = [f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(300)]
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(lines), model_writer=model, vocab_size=400, model_type="bpe",
+    unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True, minloglevel=2,
+  )  # fmt: skip
+  path.write_bytes(model.getvalue())
+  return str(path)
+
+
+def test_an_existing_sentencepiece_model_is_loaded_with_its_own_ids(tmp_path):
+  path = llama_like_sentencepiece(tmp_path / "sp.model")
+  config = make_config(
+    **{
+      "data.dataset": "files",
+      "data.files": own_files(tmp_path / "own"),
+      "data.tokenizer": "sentencepiece",
+      "data.tokenizer_path": path,
+    }
+  )
+  tokenizer, batches = build_train_batches(config, str(tmp_path))
+  assert (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id) == (400, 2, 2)
+  assert not os.path.exists(tmp_path / "tokenizer")  # nothing trained
+  text = "the quick brown fox"
+  assert tokenizer.decode(tokenizer.encode(text)) == text
+  stream = np.concatenate([b["inputs"].ravel() for b in [next(batches) for _ in range(20)]])
+  assert (stream == 2).any() and stream.max() < tokenizer.vocab_size  # EOS separates documents
+  assert tokenizer.token_bytes[tokenizer.encode(" fox")].sum() == 4
+  with pytest.raises(ValueError, match="model.vocab_size=300 is smaller .* 400"):
+    build_train_batches(
+      make_config(**{**config_overrides(config), "model.vocab_size": 300}), str(tmp_path)
+    )
+
+
+def config_overrides(config):
+  keys = ("dataset", "files", "tokenizer", "tokenizer_path")
+  return {f"data.{k}": config.data[k] for k in keys}
+
+
+def test_a_hugging_face_tokenizer_is_loaded(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+    vocab_size=300,
+    special_tokens=["<unk>", "</s>"],
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator([f"def f{i}(x):\n    return x + {i}\n" for i in range(200)], trainer)
+  path = str(tmp_path / "tokenizer.json")
+  tok.save(path)
+  config = make_config(
+    **{
+      "data.dataset": "files",
+      "data.files": own_files(tmp_path / "own"),
+      "data.tokenizer": "huggingface",
+      "data.tokenizer_path": path,
+    }
+  )
+  tokenizer, batches = build_train_batches(config, str(tmp_path))
+  assert tokenizer.eos_id == tok.token_to_id("</s>") and tokenizer.vocab_size <= 300
+  text = "def g(y):\n    return y * 2\n"
+  assert tokenizer.decode(tokenizer.encode(text)) == text
+  assert tokenizer.token_bytes[tokenizer.encode(text)].sum() == len(text.encode())
+  assert tokenizer.token_bytes[tokenizer.eos_id] == 0
+  stream = np.concatenate([b["inputs"].ravel() for b in [next(batches) for _ in range(30)]])
+  assert (stream == tokenizer.eos_id).any()  # EOS separates documents
+  with pytest.raises(ValueError, match=r"data.eos_token='<eot>'"):
+    build_train_batches(
+      make_config(**{**config_overrides(config), "data.eos_token": "<eot>"}), str(tmp_path)
+    )
+  with pytest.raises(ValueError, match=r"data.tokenizer_path=.*missing.json' is not a file"):
+    build_train_batches(
+      make_config(
+        **{**config_overrides(config), "data.tokenizer_path": str(tmp_path / "missing.json")}
+      ),
+      str(tmp_path),
+    )

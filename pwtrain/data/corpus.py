@@ -1,14 +1,19 @@
-"""Text corpora as TFDS random-access sources: the built-in `pystdlib`, or any prepared TFDS name.
+"""Text corpora as TFDS random-access sources: the built-in `pystdlib`, your own `files`, or any
+prepared TFDS name.
 
 `pystdlib` is a real TFDS dataset built (once, in seconds, offline) from the `.py` files of the
-Python standard library this interpreter ships, so the default run needs no download. Any other
-`data.dataset` must already be prepared in `array_record` format; pwtrain never downloads.
-Both are read with `builder.as_data_source(split)`: random access is what lets Grain shuffle
-globally and checkpoint a reader as a single index.
+Python standard library this interpreter ships, so the default run needs no download; `files`
+builds the local text or JSONL files matched by `data.files` the same way. Both hold out ~5% of
+their documents as a "validation" split. Any other `data.dataset` must already be prepared in
+`array_record` format; pwtrain never downloads. All are read with
+`builder.as_data_source(split)`: random access is what lets Grain shuffle globally and
+checkpoint a reader as a single index.
 """
 
 import dataclasses
+import glob
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -19,6 +24,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 
 BUILTIN = "pystdlib"
+FILES = "files"  # your own text files: data.files
 
 # Test suites hold deliberately odd files (bad encodings, huge generated data) and site-packages
 # is not the standard library; neither is the text we want to model.
@@ -100,19 +106,109 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # everything is local
-    paths = list_source_files(self.builder_config.root, self.builder_config.max_files)
-    held_out = held_out_keys(paths, EVAL_FRACTION)
+    documents = self._documents()
+    held_out = held_out_keys(list(documents), EVAL_FRACTION)
     return {
-      "train": self._generate_examples([p for p in paths if p not in held_out]),
-      EVAL_SPLIT: self._generate_examples([p for p in paths if p in held_out]),
+      "train": self._generate_examples(documents, lambda key: key not in held_out),
+      EVAL_SPLIT: self._generate_examples(documents, lambda key: key in held_out),
     }
 
-  def _generate_examples(self, paths):
-    root = self.builder_config.root
-    for path in paths:
-      with open(os.path.join(root, path), "rb") as f:
-        # Raw bytes, not str: a few files are not UTF-8, and the byte tokenizer wants bytes.
-        yield path, {"text": f.read()}
+  def _documents(self) -> dict[str, Any]:
+    """{key: what `_read` takes}, in order: here each source file, keyed by its path."""
+    paths = list_source_files(self.builder_config.root, self.builder_config.max_files)
+    return {path: os.path.join(self.builder_config.root, path) for path in paths}
+
+  def _read(self, key: str, where: Any) -> bytes:
+    del key
+    with open(where, "rb") as f:
+      # Raw bytes, not str: a few files are not UTF-8, and the byte tokenizer wants bytes.
+      return f.read()
+
+  def _generate_examples(self, documents: dict, keep):
+    for key, where in documents.items():
+      if keep(key):
+        yield key, {"text": self._read(key, where)}
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalFilesConfig(tfds.core.BuilderConfig):
+  paths: tuple[str, ...] = ()
+  jsonl_field: str = "text"
+
+
+class LocalFiles(PyStdlib, skip_registration=True):
+  """Your own text (`data.dataset="files"`): each file matched by `data.files` is one document,
+  except `.jsonl` files, whose lines are (field `data.jsonl_field` of each JSON object; blank
+  lines skipped), keyed "<path>:<line number>". Held out for evaluation like the built-in
+  corpus, by a hash of each document's key."""
+
+  name = FILES
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description="Local text files (data.files), one example per file or JSONL line.",
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+    )
+
+  def _documents(self) -> dict[str, Any]:
+    documents = {}
+    for path in self.builder_config.paths:
+      if not path.endswith(".jsonl"):
+        documents[path] = path
+        continue
+      with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+          if line.strip():
+            documents[f"{path}:{number}"] = line
+    return documents
+
+  def _read(self, key: str, where: Any) -> bytes:
+    if isinstance(where, str):
+      return super()._read(key, where)
+    field = self.builder_config.jsonl_field
+    try:
+      text = json.loads(where)[field]
+      if not isinstance(text, str):
+        raise TypeError(f"is {type(text).__name__}")
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(
+        f"data.files: line {key} is not a JSON object with a string field "
+        f"data.jsonl_field={field!r} ({type(e).__name__}: {e}); fix or remove that line"
+      ) from None
+    return text.encode("utf-8")
+
+
+def prepare_files(data_cfg: Any, data_dir: str) -> LocalFiles:
+  """Builds the files matched by `data.files` into `data_dir` unless that exact build exists
+  (see `files_identity`)."""
+  paths, name = files_identity(data_cfg)
+  config = LocalFilesConfig(name=name, paths=tuple(paths), jsonl_field=data_cfg.jsonl_field)
+  builder = LocalFiles(config=config, data_dir=data_dir, file_format="array_record")
+  if not builder.is_prepared():
+    _check_writable(data_dir)
+    builder.download_and_prepare()
+  return builder
+
+
+def files_identity(data_cfg: Any) -> tuple[list[str], str]:
+  """(the files `data.files` matches, sorted; the build's name): a hash of every file's path,
+  size and modification time and of the JSONL field, so an edited, added or removed file makes
+  another build (and another data stream)."""
+  patterns = [p.strip() for p in str(data_cfg.files).split(",") if p.strip()]
+  paths = sorted({os.path.abspath(p) for g in patterns for p in glob.glob(os.path.expanduser(g))})
+  paths = [p for p in paths if os.path.isfile(p)]
+  if not paths:
+    raise ValueError(
+      f"data.files={data_cfg.files!r} matches no files (data.dataset={FILES!r} needs a glob, "
+      f"or globs separated by commas, of text or .jsonl files)"
+    )
+  identity = hashlib.sha1(repr(data_cfg.jsonl_field).encode())
+  for path in paths:
+    stat = os.stat(path)
+    identity.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+  return paths, f"files_{identity.hexdigest()[:16]}"
 
 
 def held_out_keys(keys: list[str], fraction: float) -> set[str]:
@@ -161,6 +257,8 @@ def open_source(data_cfg: Any, workdir: str, split: str | None = None) -> Sequen
   data_dir = data_dir_for(data_cfg, workdir)
   if data_cfg.dataset == BUILTIN:
     builder = prepare_pystdlib(data_dir, data_cfg.max_files)
+  elif data_cfg.dataset == FILES:
+    builder = prepare_files(data_cfg, data_dir)
   else:
     builder = _prepared_builder(data_cfg.dataset, data_dir)
   split = data_cfg.split if split is None else split
@@ -176,7 +274,7 @@ class ReadableSource(Sequence):
   def __init__(self, source: Sequence, builder: tfds.core.DatasetBuilder, data_cfg: Any, split):
     self.source = source
     self.files = os.path.join(os.fspath(builder.data_dir), f"*-{split.split('[')[0]}.*")
-    if data_cfg.dataset == BUILTIN:
+    if data_cfg.dataset in (BUILTIN, FILES):
       self.fix = f"delete {os.fspath(builder.data_dir)} and run again to rebuild it"
     else:
       self.fix = (
@@ -188,6 +286,8 @@ class ReadableSource(Sequence):
     return len(self.source)
 
   def __getitem__(self, index):
+    if isinstance(index, int) and not -len(self) <= index < len(self):
+      raise IndexError(index)  # what iterating a Sequence stops at
     try:
       return self.source[index]
     except RuntimeError as e:

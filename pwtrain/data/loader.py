@@ -179,7 +179,11 @@ def _stream_settings(config: Any) -> dict[str, Any]:
   # harmless and must not block a resume.
   if config.data.dataset == corpus.BUILTIN:
     settings["data.max_files"] = config.data.max_files
-  if config.data.tokenizer == "sentencepiece":
+  if config.data.dataset == corpus.FILES:  # which files, as they are now
+    settings["data.files"] = corpus.files_identity(config.data)[1]
+  if config.data.tokenizer_path:  # the tokenizer file's content
+    settings["data.tokenizer_path"] = tokenizer_lib.file_identity(config.data.tokenizer_path)
+  elif config.data.tokenizer == "sentencepiece":
     settings["data.sp_vocab_size"] = config.data.sp_vocab_size
   return settings
 

@@ -1,11 +1,14 @@
-"""Tokenizers: raw bytes, or SentencePiece trained on the corpus and cached in the workdir.
+"""Tokenizers: raw bytes, SentencePiece (trained on the corpus and cached in the workdir, or an
+existing model at `data.tokenizer_path`), or a Hugging Face `tokenizers` JSON file.
 
-Both reserve id 0 for padding and id 1 for end-of-sequence, so the loss can mask
-`targets == pad_id` and documents are separated by `eos_id` whichever tokenizer is used.
-Interface: `vocab_size`, `pad_id`, `eos_id`, `encode(str | bytes) -> int32[n]`, `decode(ids)`.
+Documents are separated by `eos_id`. The byte tokenizer and pwtrain's own SentencePiece models
+reserve id 0 for padding and id 1 for EOS; a loaded tokenizer keeps its own ids (padding is only
+for display: the loss ignores negative targets, not an id). Interface: `vocab_size`, `pad_id`,
+`eos_id`, `token_bytes`, `encode(str | bytes) -> int32[n]`, `decode(ids)`.
 """
 
 import functools
+import hashlib
 import io
 import logging
 import os
@@ -18,7 +21,9 @@ import sentencepiece as spm
 
 from pwtrain.data import corpus
 
-TOKENIZERS = ("byte", "sentencepiece")
+TOKENIZERS = ("byte", "sentencepiece", "huggingface")
+# data.eos_token="" for a Hugging Face tokenizer: the first of these in its vocabulary.
+EOS_TOKENS = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 PAD_ID = 0
 EOS_ID = 1
 
@@ -58,10 +63,19 @@ class SentencePieceTokenizer:
 
   def __init__(self, model_path: str):
     self.model_path = model_path
-    self._sp = spm.SentencePieceProcessor(model_file=model_path)
-    assert (self._sp.pad_id(), self._sp.eos_id()) == (PAD_ID, EOS_ID), model_path
-    self.pad_id = PAD_ID
-    self.eos_id = EOS_ID
+    try:
+      self._sp = spm.SentencePieceProcessor(model_file=model_path)
+    except (OSError, RuntimeError) as e:
+      raise ValueError(
+        f"data.tokenizer_path={model_path!r} is not a SentencePiece model ({_first_line(e)})"
+      ) from None
+    self.eos_id = self._sp.eos_id()
+    if self.eos_id < 0:
+      raise ValueError(
+        f"data.tokenizer_path={model_path!r}: the SentencePiece model has no end-of-sequence "
+        "piece, which separates documents; use a model trained with one (eos_id >= 0)"
+      )
+    self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
     self.vocab_size = self._sp.get_piece_size()
 
   @functools.cached_property
@@ -87,6 +101,72 @@ class SentencePieceTokenizer:
     ids = np.asarray(ids, np.int64).ravel()
     keep = (ids != self.pad_id) & (ids != self.eos_id) & (ids >= 0) & (ids < self.vocab_size)
     return self._sp.decode(ids[keep].tolist())
+
+
+class HuggingFaceTokenizer:
+  """A Hugging Face `tokenizers` JSON file (`pip install 'pwtrain[tokenizers]'`); EOS is
+  `eos_token`, or the first of EOS_TOKENS in its vocabulary."""
+
+  def __init__(self, path: str, eos_token: str = ""):
+    try:
+      import tokenizers
+    except ImportError:
+      raise ValueError(
+        "data.tokenizer='huggingface' needs the tokenizers package: "
+        "pip install 'pwtrain[tokenizers]'"
+      ) from None
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+      raise ValueError(
+        f"data.tokenizer_path={path!r} is not a Hugging Face tokenizer JSON ({_first_line(e)})"
+      ) from None
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    candidates = (eos_token,) if eos_token else EOS_TOKENS
+    found = [t for t in candidates if t in vocab]
+    if not found:
+      raise ValueError(
+        f"data.eos_token={eos_token!r}: {', '.join(candidates)} not in the vocabulary of "
+        f"{path!r}; set data.eos_token to the token that ends a document"
+      )
+    self.eos_id = vocab[found[0]]
+    self.pad_id = self.eos_id
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self._special = {v for k, v in vocab.items() if k in _added_special(self._tok)}
+
+  @functools.cached_property
+  def token_bytes(self) -> np.ndarray:
+    """int64[vocab_size]: the UTF-8 bytes each id decodes to alone (special tokens none)."""
+    sizes = np.zeros(self.vocab_size, np.int64)
+    for i in range(self.vocab_size):
+      if i not in self._special:
+        sizes[i] = len(self._tok.decode([i], skip_special_tokens=True).encode("utf-8"))
+    return sizes
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode("utf-8", errors="replace")
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Drops special and out-of-range ids, like the other tokenizers."""
+    ids = np.asarray(ids, np.int64).ravel()
+    keep = (ids >= 0) & (ids < self.vocab_size)
+    return self._tok.decode(ids[keep].tolist(), skip_special_tokens=True)
+
+
+def _added_special(tok) -> set[str]:
+  return {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+
+
+def _first_line(error: BaseException) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def file_identity(path: str) -> str:
+  """A short hash of a file's bytes: which tokenizer file a data stream was made with."""
+  with open(os.path.expanduser(path), "rb") as f:
+    return hashlib.sha1(f.read()).hexdigest()[:16]
 
 
 def train_sentencepiece(lines: Iterator[str], vocab_size: int, model_path: str) -> None:
@@ -132,15 +212,25 @@ def sentencepiece_path(workdir: str, vocab_size: int) -> str:
 def build_tokenizer(
   data_cfg: Any, workdir: str, source: Sequence[dict[str, Any]] | None = None
 ) -> ByteTokenizer | SentencePieceTokenizer:
-  """The tokenizer named by `data.tokenizer`.
+  """The tokenizer named by `data.tokenizer`: with `data.tokenizer_path`, the SentencePiece model
+  or Hugging Face JSON there; "sentencepiece" without a path, one trained for this workdir.
 
-  SentencePiece is trained on `source` (default: `corpus.open_source(data_cfg, workdir)`) only
-  when `<workdir>/tokenizer/sp_<data.sp_vocab_size>.model` is missing. The model is pinned to the
-  workdir on purpose: a resumed run must keep the ids its checkpoint was trained with, even if
-  `data.*` changed; use a fresh workdir to retrain.
+    SentencePiece is trained on `source` (default: `corpus.open_source(data_cfg, workdir)`) only
+    when `<workdir>/tokenizer/sp_<data.sp_vocab_size>.model` is missing. The model is pinned to the
+    workdir on purpose: a resumed run must keep the ids its checkpoint was trained with, even if
+    `data.*` changed; use a fresh workdir to retrain.
   """
   if data_cfg.tokenizer == "byte":
     return ByteTokenizer()
+  path = os.path.expanduser(data_cfg.tokenizer_path)
+  if path and not os.path.isfile(path):
+    raise ValueError(f"data.tokenizer_path={data_cfg.tokenizer_path!r} is not a file")
+  if data_cfg.tokenizer == "huggingface":
+    if not path:
+      raise ValueError("data.tokenizer='huggingface' needs data.tokenizer_path (a JSON file)")
+    return HuggingFaceTokenizer(path, data_cfg.eos_token)
+  if data_cfg.tokenizer == "sentencepiece" and path:
+    return SentencePieceTokenizer(path)
   if data_cfg.tokenizer == "sentencepiece":
     path = sentencepiece_path(workdir, data_cfg.sp_vocab_size)
     if not os.path.exists(path):
