@@ -30,8 +30,26 @@ _DRY_RUN = flags.DEFINE_bool(
 )
 
 
+def _connect_pathways() -> None:
+  """Under Pathways on Cloud (JAX_PLATFORMS=proxy, JAX_BACKEND_TARGET=grpc://...), pathwaysutils
+  registers the IFRT proxy backend before JAX starts; the run is then an ordinary embedded-mode
+  client whose devices are the remote slices', carved into islands by slice
+  (backend/cluster.py)."""
+  if "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
+    return
+  try:
+    import pathwaysutils
+  except ImportError:
+    raise SystemExit(
+      "JAX_PLATFORMS=proxy (Pathways on Cloud) needs pathwaysutils, which is not installed: "
+      "pip install 'pwtrain[pathways]'"
+    ) from None
+  pathwaysutils.initialize()
+
+
 def main(argv):
   del argv
+  _connect_pathways()
   if not flags.FLAGS["verbosity"].present:
     # Libraries stay quiet below WARNING (Orbax logs every save step at INFO); pwtrain's own
     # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.

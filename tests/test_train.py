@@ -191,3 +191,19 @@ def test_evaluation_is_logged_to_jsonl_tensorboard_and_wandb(tmp_path, monkeypat
   logged = open(run_file, "rb").read()
   for key in (b"eval/loss", b"eval/bits_per_byte", b"train/loss", b"perf/tokens_per_s"):
     assert key in logged, key
+
+
+def test_pathways_without_pathwaysutils_is_one_clear_line(tmp_path):
+  """JAX_PLATFORMS=proxy asks for Pathways on Cloud: without pathwaysutils, say what to install
+  before JAX starts (not JAX's own error about an unknown platform)."""
+  env = {**os.environ, "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://127.0.0.1:1"}
+  cmd = [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py"]
+  out = subprocess.run(
+    [*cmd, f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1] == (
+    "JAX_PLATFORMS=proxy (Pathways on Cloud) needs pathwaysutils, which is not installed: "
+    "pip install 'pwtrain[pathways]'"
+  )
+  assert not os.listdir(tmp_path)  # nothing written
