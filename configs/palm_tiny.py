@@ -32,6 +32,11 @@ def get_config(arg=None):
   # Rematerialisation per block (models/remat.py): "none", "full", "dots" (keep matmul
   # outputs) or "outputs" (keep only attention and FFN outputs).
   c.model.remat = "none"
+  # Scanned layers (models/scan.py): the blocks' parameters stacked on a leading "layers" axis
+  # and run with jax.lax.scan, so compile time does not grow with depth. Same parameters, same
+  # numbers, and checkpoints restore either way. With MoE, num_layers must be a multiple of
+  # moe.every (a period of every - 1 dense blocks and one MoE block is scanned).
+  c.model.scan_layers = False
   # Attention implementation: "einsum" (written out, float32 softmax), or
   # jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
   c.model.attention = "einsum"

@@ -101,6 +101,7 @@ def validate(config) -> None:
   for key, valid in (("remat", remat.REMAT), ("attention", layers.ATTENTION)):
     if m[key] not in valid:
       raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(valid)}")
+  validate_scan(config)
   if config.optim.name not in optim.OPTIMIZERS:
     raise ValueError(
       f"optim.name={config.optim.name!r} is not an optimizer; valid: {', '.join(optim.OPTIMIZERS)}"
@@ -145,6 +146,29 @@ def validate(config) -> None:
     raise ValueError(
       f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
+    )
+
+
+def validate_scan(config) -> None:
+  """model.scan_layers: a bool; with MoE the scan's periods of moe.every layers must tile the
+  model; remote island workers cannot unstack a checkpoint's layers (models/scan.py)."""
+  scan = config.model.get("scan_layers", False)
+  if not isinstance(scan, bool):
+    raise ValueError(f"model.scan_layers={scan!r} must be True or False")
+  if not scan:
+    return
+  moe = config.moe
+  if moe.num_experts and config.model.num_layers % moe.every:
+    raise ValueError(
+      f"model.scan_layers=True with MoE scans periods of moe.every={moe.every} layers: "
+      f"model.num_layers={config.model.num_layers} must be a multiple of {moe.every} (or set "
+      "model.scan_layers=False)"
+    )
+  if config.backend.mode == "remote":
+    raise ValueError(
+      "model.scan_layers=True is not supported with backend.mode='remote' (checkpoints hold "
+      "layers unrolled, and remote workers' arrays are not unstacked); set "
+      "model.scan_layers=False"
     )
 
 

@@ -9,7 +9,9 @@ parallel.expert * parallel.tensor local devices (parameters sharded by their log
 in training; parallel.data is 1, since a few prompts gain nothing from data parallelism). The
 optimizer state and the exchange's state are restored with the parameters (the checkpoint holds
 them; restore checks every array) and then dropped; runs whose pods differ (DiLoCo, error
-feedback) sample from pod 0's parameters.
+feedback) sample from pod 0's parameters. The config's model.scan_layers picks the decoder's
+layout (checkpoints hold layers unrolled; a scanned model stacks them and scans its decode),
+whichever layout trained the run.
 
 Prompts are `--prompt`, or `--prompt_file` (one prompt per line; blank lines skipped). Each is
 fed as the start of a document (after an EOS, as in training's packed stream) and continued
@@ -38,10 +40,11 @@ from pwtrain.checkpoint import Checkpointer
 from pwtrain.data import build_tokenizer
 from pwtrain.data.tokenizer import sentencepiece_path
 from pwtrain.integrity import IncompatibleCheckpoint
+from pwtrain.models import scan
 from pwtrain.models.sampling import Sampling, generate
 from pwtrain.parallel import exchange as exchange_lib
 from pwtrain.parallel import plan as plan_lib
-from pwtrain.parallel import spmd
+from pwtrain.parallel import spmd, stages
 from pwtrain.parallel.pipeline.state import train_state
 from pwtrain.sharding import MESH_AXES
 
@@ -113,7 +116,9 @@ def restore_params(config, workdir: str, mesh):
   tx, _ = optim.build(config.optim, config.train.num_steps)
   exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
   whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
-  abstract = spmd.with_shardings(whole, spmd.state_shardings(fns, mesh, whole))
+  shardings = spmd.state_shardings(fns, mesh, whole)
+  # Checkpoints hold the layers unrolled; a scanned model's are stacked after the restore.
+  abstract = stages.unstack_state(spmd.with_shardings(whole, shardings))
   if exchange.per_pod_state:
     abstract = {"pods": [abstract] * config.parallel.pods}
   ckpt = Checkpointer(
@@ -133,7 +138,11 @@ def restore_params(config, workdir: str, mesh):
   step, state, _ = found
   if exchange.per_pod_state:
     state = state["pods"][0]
-  return step, fns, state["params"]
+  params = state["params"]
+  if config.model.get("scan_layers", False):
+    period = scan.period(config.moe)
+    params = jax.device_put(stages.stack_state(params, period), shardings["params"])
+  return step, fns, params
 
 
 def run_tokenizer(config, workdir: str):

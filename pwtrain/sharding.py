@@ -30,6 +30,7 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
   ("head_dim", ()),
   ("length", ()),
   ("norm", ()),
+  ("layers", ()),  # scanned layers' stacking axis (models/scan.py): every device holds all layers
 )
 
 

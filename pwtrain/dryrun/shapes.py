@@ -39,8 +39,12 @@ def model_fns(model_cfg, moe=None) -> step_lib.ModelFns:
   Blocks repeat with the MoE schedule's period (`moe.every`; 1 for a dense model), so the
   period's blocks are copied to all layers: the same trees as step.model_fns(model_cfg, moe)
   (tested), in 0.1 s instead of 20 s for PaLM 540B's 118 layers. The graphdef is the short
-  model's: shapes only, not for running.
+  model's: shapes only, not for running. A scanned model (model.scan_layers) is built as it is,
+  stacked: its blocks are one period's, vmapped over the periods.
   """
+  if model_cfg.get("scan_layers", False):
+    fns = step_lib.model_fns(model_cfg, moe)
+    return _ShapeOnlyFns(fns.graphdef, fns.abstract_params, fns.logical_axes, model_cfg, moe)
   period = min(moe.every, model_cfg.num_layers) if moe_lib.enabled(moe) else 1
   one = step_lib.model_fns(model_cfg, moe, num_layers=period)
 

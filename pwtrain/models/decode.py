@@ -11,6 +11,8 @@ keys (the masked ones with weight exactly 0) instead of the sequence's, so its l
 
 The cache is MQA-sized: per layer, keys and values of shape [batch, max_len, num_kv_heads,
 head_dim], one K/V head (PaLM's multi-query attention) or `num_kv_heads` of them (grouped-query).
+A scanned model (models/scan.py) has them stacked as its parameters are: per position of the
+period, [num_periods, batch, max_len, num_kv_heads, head_dim], and its decode scans the periods.
 
 Positions. Row b's token j goes to cache position `positions[b, j]` and attends to cache
 positions 0..positions[b, j]; whatever the cache holds there must be that row's keys and values
@@ -27,7 +29,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from pwtrain.models import scan as scan_lib
 from pwtrain.models.layers import attend
 from pwtrain.models.palm import PaLM
 
@@ -35,21 +39,24 @@ from pwtrain.models.palm import PaLM
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Per layer (model order), keys and values [batch, max_len, num_kv_heads, head_dim]."""
+  """Per layer (model order), keys and values [batch, max_len, num_kv_heads, head_dim]; for a
+  scanned model per position of the period, [num_periods, batch, max_len, ...]."""
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[-3]
 
 
 def init_cache(model: PaLM, batch: int, max_len: int) -> KVCache:
   """Zeros for `batch` rows of `max_len` positions, in the model's activation dtype."""
+  blocks = model.layers if model.scan else model.blocks
+  lead = (scan_lib.num_periods(model.layers),) if model.scan else ()
   zeros = tuple(
-    jnp.zeros((batch, max_len, b.attn.num_kv_heads, b.attn.head_dim), model.dtype)
-    for b in model.blocks
+    jnp.zeros((*lead, batch, max_len, b.attn.num_kv_heads, b.attn.head_dim), model.dtype)
+    for b in blocks
   )
   return KVCache(k=zeros, v=zeros)
 
@@ -65,17 +72,41 @@ def forward(model: PaLM, cache: KVCache, tokens, positions, *, logits_at=None):
   # [b, 1, 1, l, max_len]: broadcast over K/V heads and the query heads sharing each.
   mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None, None]
   x = model.embed(tokens)
-  new_k, new_v = [], []
-  for block, k_cache, v_cache in zip(model.blocks, cache.k, cache.v, strict=True):
-    x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
-    new_k.append(k_cache)
-    new_v.append(v_cache)
+  if model.scan:
+    x, new_k, new_v = _scanned(model.layers, x, positions, cache, mask)
+  else:
+    new_k, new_v = [], []
+    for block, k_cache, v_cache in zip(model.blocks, cache.k, cache.v, strict=True):
+      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
+      new_k.append(k_cache)
+      new_v.append(v_cache)
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, d]
   logits = model.head(x)
   if logits_at is not None:
     logits = logits[:, 0]
   return logits, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def _scanned(layers, x, positions, cache: KVCache, mask):
+  """The stacked blocks over the periods (jax.lax.scan), each period's caches in and out."""
+  splits = [nnx.split(block) for block in layers]
+
+  def body(x, xs):
+    states, k_caches, v_caches = xs
+    new_k, new_v = [], []
+    for (graphdef, _), state, k_cache, v_cache in zip(
+      splits, states, k_caches, v_caches, strict=True
+    ):
+      block = nnx.merge(graphdef, state)
+      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
+      new_k.append(k_cache)
+      new_v.append(v_cache)
+    return x, (tuple(new_k), tuple(new_v))
+
+  states = [state for _, state in splits]
+  x, (new_k, new_v) = jax.lax.scan(body, x, (states, cache.k, cache.v))
+  return x, new_k, new_v
 
 
 def _block(block, x, positions, k_cache, v_cache, mask):

@@ -5,6 +5,8 @@ A pipeline stage is `embed` (first stage only) + `blocks[start:stop]` + `head` (
 1/sqrt(d_model); the loss adds PaLM's z-loss, 1e-4 * log(Z)^2, to keep the softmax normaliser
 near 1. With a moe config, every `moe.every`-th layer (by global layer index, so a stage knows its
 MoE layers from its `layer_offset`) has a sparse MoE FFN; `forward` returns its summed stats.
+With `model.scan_layers` the blocks are held stacked (`layers`) and run with a scan
+(models/scan.py): the same parameters, stacked, and the same function.
 """
 
 import jax
@@ -13,6 +15,7 @@ from flax import nnx
 
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import remat as remat_lib
+from pwtrain.models import scan as scan_lib
 from pwtrain.models.layers import LayerNorm, ParallelBlock
 from pwtrain.sharding import constrain
 
@@ -23,7 +26,8 @@ class PaLM(nnx.Module):
   A stage has `num_layers` blocks (numbered from 0 within the stage), the embedding lookup if it
   is the first (`has_embed`) and the final norm plus output layer if it is the last
   (`has_head`); both ends hold the shared embedding matrix. Its block k is the model's layer
-  `layer_offset + k`.
+  `layer_offset + k`. Scanned (`cfg.scan_layers`), its blocks are `layers` instead of `blocks`:
+  one stacked ParallelBlock per position of the period (models/scan.py).
   """
 
   def __init__(
@@ -49,18 +53,30 @@ class PaLM(nnx.Module):
         init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
       )
     num_layers = cfg.num_layers if num_layers is None else num_layers
+    self.num_layers = num_layers
     self.num_experts = moe.num_experts if moe_lib.enabled(moe) else 0
-    self.blocks = nnx.List(
-      [
-        ParallelBlock(
-          cfg,
-          rngs=rngs,
-          param_dtype=param_dtype,
-          moe=moe if moe_lib.is_moe_layer(moe, layer_offset + k) else None,
-        )
-        for k in range(num_layers)
-      ]
-    )
+    self.scan = bool(cfg.get("scan_layers", False))
+    if self.scan:
+      self.layers = scan_lib.stacked_blocks(
+        cfg,
+        rngs=rngs,
+        num_layers=num_layers,
+        moe=moe,
+        layer_offset=layer_offset,
+        param_dtype=param_dtype,
+      )
+    else:
+      self.blocks = nnx.List(
+        [
+          ParallelBlock(
+            cfg,
+            rngs=rngs,
+            param_dtype=param_dtype,
+            moe=moe if moe_lib.is_moe_layer(moe, layer_offset + k) else None,
+          )
+          for k in range(num_layers)
+        ]
+      )
     if has_head:
       self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
 
@@ -69,8 +85,12 @@ class PaLM(nnx.Module):
     return constrain(x, ("batch", "length", "embed"))
 
   def blocks_with_stats(self, x, start=0, stop=None, *, train: bool = False, rngs=None):
-    """-> (output of blocks[start:stop], their summed MoE stats; {} for a dense model)."""
+    """-> (output of blocks[start:stop], their summed MoE stats; {} for a dense model).
+
+    Scanned, start and stop must be period boundaries (models/scan.py)."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    if self.scan:
+      return self._scanned(x, positions, start, stop, train=train, rngs=rngs)
     stats = moe_lib.zero_stats(self.num_experts)
 
     def apply(block, x, rngs):
@@ -82,6 +102,23 @@ class PaLM(nnx.Module):
       x, block_stats = apply(block, x, rngs)
       stats = moe_lib.add_stats(stats, block_stats)
     return x, stats
+
+  def _scanned(self, x, positions, start, stop, *, train, rngs):
+    n = len(self.layers)  # layers per period
+    stop = self.num_layers if stop is None else stop
+    if start % n or stop % n:
+      raise ValueError(f"blocks [{start}, {stop}) of a scanned model: not whole periods of {n}")
+    return scan_lib.run(
+      self.layers,
+      x,
+      positions,
+      start // n,
+      stop // n,
+      train=train,
+      rngs=rngs,
+      remat=self.remat,
+      num_experts=self.num_experts,
+    )
 
   def run_blocks(self, x, start: int = 0, stop: int | None = None):
     return self.blocks_with_stats(x, start, stop)[0]

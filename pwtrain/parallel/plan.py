@@ -15,7 +15,7 @@ from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import exchange as exchange_lib
-from pwtrain.parallel.stages import Stage, make_stages
+from pwtrain.parallel.stages import Stage, make_stages, num_units
 from pwtrain.sharding import MESH_AXES
 
 
@@ -126,7 +126,8 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
       "stage needs at least one layer"
     )
   exchange = exchange_lib.make(config)
-  cuts = exchange.cells_per_pod(stages, config.model.num_layers)
+  # Cells are cut from layers, or from scanned periods of MoE layers (stages.num_units).
+  cuts = exchange.cells_per_pod(stages, num_units(config))
   layer_ranges = make_stages(config, cuts)  # checks parallel.stage_boundaries
   resources = resources or ResourceManager(cluster)
   islands = resources.allocate("train", stages * pods, cluster.islands[0].num_devices)

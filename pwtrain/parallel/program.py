@@ -4,7 +4,9 @@ Every layout (one SPMD island in spmd.py; stages and pods over islands in pipeli
 object with these members, and the trainer, the harness, the tests and the benchmarks use only
 them. The program's inputs are the state values (under `state_keys`) plus `feed(batch)`; its
 outputs are the next state values (same keys) and "metrics". Checkpoints always hold the
-whole-model state (`to_checkpoint`), so any layout restores any other layout's checkpoint.
+whole-model state (`to_checkpoint`), its layers unrolled (`params/blocks/<i>`) even when the
+program's model scans them (model.scan_layers, docs/architecture.md), so any layout restores any
+other layout's checkpoint.
 """
 
 from collections.abc import Callable
@@ -15,7 +17,9 @@ from pwtrain.backend import Program
 
 @runtime_checkable
 class StepProgram(Protocol):
-  abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings: restore target
+  abstract_state: (
+    dict  # whole-model state (unrolled), ShapeDtypeStructs with shardings: restore target
+  )
   init: Callable[[], dict]  # () -> {state key: state}, computed on the islands
   executables: dict  # every compiled piece, for inspection (memory analysis, tests)
   exchange_bytes: int  # bytes one pod sends to the others per (outer) step; 0 for one pod
@@ -39,7 +43,7 @@ class StepProgram(Protocol):
     ...
 
   def to_checkpoint(self, state: dict) -> dict:
-    """The program's state values -> the whole-model train state."""
+    """The program's state values -> the whole-model train state, layers unrolled."""
     ...
 
   def from_checkpoint(self, whole: dict) -> dict:

@@ -1,7 +1,9 @@
 """The single-island step program: init and train step compiled for one SPMD mesh.
 
 Parameters and optimizer state are created already sharded (the init function is compiled with
-the state's out_shardings), and the step donates its input state.
+the state's out_shardings), and the step donates its input state. With scanned layers the state
+is stacked (models/scan.py) while checkpoints hold it unrolled: `to_checkpoint` unstacks it on
+the island, `from_checkpoint` stacks it back into the state's shardings.
 """
 
 import dataclasses
@@ -17,6 +19,8 @@ from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import moe as moe_lib
+from pwtrain.models import scan as scan_lib
+from pwtrain.parallel.stages import is_param_dict, stack_state, unstack_state
 
 
 @dataclasses.dataclass
@@ -24,10 +28,12 @@ class SpmdProgram:
   """The StepProgram (parallel/program.py) of one island: one state, one train_step node."""
 
   program: Program
-  abstract_state: dict  # whole-model state as ShapeDtypeStructs with shardings (restore target)
+  abstract_state: dict  # whole-model state, unrolled, with shardings (the restore target)
   init: object  # () -> {state key: state}, run on the controller
   executables: dict
   build_eval: Callable[[], Program]  # compiles the forward-only program (see eval_program)
+  shardings: dict  # the train state's shardings
+  period: int = 0  # scanned layers: layers per stacked period (models/scan.py); 0: unrolled
   state_keys: tuple = ("state",)
   exchange_bytes: int = 0  # bytes sent across pods per step (one island: none)
 
@@ -43,14 +49,12 @@ class SpmdProgram:
     return {"batch": batch}
 
   def to_checkpoint(self, state: dict) -> dict:
-    return state["state"]
+    return unstack_state(state["state"])
 
   def from_checkpoint(self, whole: dict) -> dict:
-    return {"state": whole}
-
-
-def _is_param_dict(x) -> bool:
-  return isinstance(x, dict) and "blocks" in x
+    if not self.period:
+      return {"state": whole}
+    return {"state": jax.device_put(stack_state(whole, self.period), self.shardings)}
 
 
 def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES):
@@ -65,7 +69,7 @@ def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES)
   )
 
   def shard(x):
-    if not _is_param_dict(x):
+    if not is_param_dict(x):
       return replicated
     # Per-param placeholders of other shapes (e.g. Adafactor's unused factored rows/columns)
     # are replicated.
@@ -76,7 +80,7 @@ def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES)
       abstract_state["params"],
     )
 
-  return jax.tree.map(shard, abstract_state, is_leaf=_is_param_dict)
+  return jax.tree.map(shard, abstract_state, is_leaf=is_param_dict)
 
 
 def with_shardings(abstract, shardings):
@@ -161,4 +165,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
       outputs={"eval/0": ("eval_step", 0)},
     )
 
-  return SpmdProgram(program, abstract_state, init, executables, build_eval)
+  period = scan_lib.period(config.moe) if config.model.get("scan_layers", False) else 0
+  return SpmdProgram(
+    program, unstack_state(abstract_state), init, executables, build_eval, shardings, period
+  )

@@ -4,14 +4,23 @@ layout (used by checkpoints) and per-stage layouts.
 A stage's parameters are a sub-dict of the model's: `blocks` renumbered from 0, plus the shared
 `embedding` on the first and last stage and `final_norm` on the last. Optimizer states contain
 param-shaped dicts at several places; they are sliced the same way wherever they occur.
+
+Scanned layers (`model.scan_layers`, models/scan.py): a model's blocks are `layers`, stacked by
+period, and a stage's are the periods of its layers (`to_stage` slices the stacks). Stage
+boundaries then fall on period boundaries (moe.every layers with MoE). The whole-model state
+that checkpoints hold is always unrolled (`blocks`), whatever the run's layout: `to_whole` and
+`unstack_state` unstack, `stack_state` stacks an unrolled state for a scanned model.
 """
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain.models import arithmetic
+from pwtrain.models import scan as scan_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +74,30 @@ def balanced_boundaries(costs: list[float], num_stages: int, first_extra=0.0, la
   return [0, *reversed(bounds)]
 
 
+def num_units(config) -> int:
+  """How many groups of layers stages are cut from: layers, or scanned periods of MoE layers."""
+  return config.model.num_layers // scan_lib.unit(config.model, config.moe)
+
+
 def make_stages(config, num_stages: int | None = None) -> list[Stage]:
-  """`parallel.stages` stages (or `num_stages` chunks, e.g. exchange buckets) of the layers."""
+  """`parallel.stages` stages (or `num_stages` chunks, e.g. exchange buckets) of the layers.
+
+  Scanned with MoE, stages are cut from whole periods of moe.every layers (models/scan.py)."""
   p, num_layers = config.parallel, config.model.num_layers
   explicit = num_stages is None or num_stages == p.stages
   num_stages = p.stages if num_stages is None else num_stages
-  if num_stages > num_layers:
+  unit = scan_lib.unit(config.model, config.moe)
+  units = num_layers // unit
+  if num_stages > units:
     raise ValueError(
       f"parallel.stages={num_stages} exceeds model.num_layers={num_layers}: every stage needs "
       "at least one layer"
+      if unit == 1
+      else f"parallel.stages={num_stages} exceeds the {units} periods of moe.every={unit} "
+      f"layers that model.scan_layers=True scans (model.num_layers={num_layers}): every stage "
+      "needs at least one period"
     )
+  example = [unit * b for b in balanced_boundaries([1.0] * units, num_stages)]
   if explicit and p.stage_boundaries is not None:
     bounds = [int(b) for b in p.stage_boundaries]
     if (
@@ -85,23 +108,112 @@ def make_stages(config, num_stages: int | None = None) -> list[Stage]:
     ):
       raise ValueError(
         f"parallel.stage_boundaries={tuple(bounds)} must be {num_stages + 1} strictly increasing "
-        f"layer indices from 0 to model.num_layers={num_layers}, e.g. "
-        f"{tuple(balanced_boundaries([1.0] * num_layers, num_stages))}"
+        f"layer indices from 0 to model.num_layers={num_layers}, e.g. {tuple(example)}"
+      )
+    if any(b % unit for b in bounds):
+      raise ValueError(
+        f"parallel.stage_boundaries={tuple(bounds)} must fall on period boundaries: "
+        f"model.scan_layers=True scans periods of moe.every={unit} layers, so every boundary "
+        f"must be a multiple of {unit}, e.g. {tuple(example)}"
       )
   else:
     costs, embed, head = arithmetic.layer_costs(config.model, config.moe, config.data.seq_len)
-    bounds = balanced_boundaries(costs, num_stages, embed, head)
+    unit_costs = [sum(costs[u * unit : (u + 1) * unit]) for u in range(units)]
+    bounds = [unit * b for b in balanced_boundaries(unit_costs, num_stages, embed, head)]
   return [
     Stage(s, bounds[s], bounds[s + 1], s == 0, s == num_stages - 1) for s in range(num_stages)
   ]
 
 
-def _is_param_dict(x) -> bool:
-  return isinstance(x, dict) and "blocks" in x
+def is_param_dict(x) -> bool:
+  """A dict shaped like the model's parameters (unrolled or scanned), wherever it is in a state."""
+  return isinstance(x, dict) and ("blocks" in x or scan_lib.STACKED in x)
+
+
+# -- a stacked leaf: an array (on the host or on devices), or its abstract value -----------------
+
+
+def _entries(leaf) -> list:
+  """A stacked leaf's entries along its leading ("layers") axis."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    sharding = leaf.sharding
+    if isinstance(sharding, NamedSharding):  # the layers axis is never split (sharding.py)
+      sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)] * leaf.shape[0]
+  if isinstance(leaf, np.ndarray):
+    return list(leaf)
+  if isinstance(leaf, jax.Array):
+    return list(_split(leaf))
+  raise TypeError(
+    f"cannot unstack a {type(leaf).__name__} of scanned layers (model.scan_layers=True): "
+    "arrays held by remote island workers are not supported with scanned layers"
+  )
+
+
+@jax.jit
+def _split(x):
+  return tuple(x[i] for i in range(x.shape[0]))
+
+
+def _stack(leaves: list):
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    return np.stack(leaves)
+  return jnp.stack(leaves)
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple)  # a leaf's logical axis names (step.ModelFns.logical_axes)
+
+
+def _slice(leaf, start: int, stop: int):
+  """Entries [start, stop) of a stacked leaf; a leaf's logical axis names stay as they are."""
+  if isinstance(leaf, tuple):
+    return leaf
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    shape = (stop - start, *leaf.shape[1:])
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
+  return leaf[start:stop]
+
+
+# -- param-shaped dicts ---------------------------------------------------------------------------
+
+
+def unstacked(params: dict) -> dict:
+  """Param-shaped dict -> its unrolled layout (`blocks`); unrolled ones as they are."""
+  if scan_lib.STACKED not in params:
+    return params
+  out = {k: v for k, v in params.items() if k != scan_lib.STACKED}
+  return {**out, "blocks": scan_lib.unstack(params[scan_lib.STACKED], _entries)}
+
+
+def stacked(params: dict, period: int) -> dict:
+  """Unrolled param-shaped dict -> the scanned layout of `period` layers per period."""
+  out = {k: v for k, v in params.items() if k != "blocks"}
+  return {**out, scan_lib.STACKED: scan_lib.stack(params["blocks"], period, _stack)}
+
+
+def unstack_state(tree):
+  """Every param-shaped dict in `tree` unrolled: a state as checkpoints hold it."""
+  return jax.tree.map(
+    lambda x: unstacked(x) if is_param_dict(x) else x, tree, is_leaf=is_param_dict
+  )
+
+
+def stack_state(tree, period: int):
+  """Every (unrolled) param-shaped dict in `tree` stacked by `period` layers (models/scan.py)."""
+  return jax.tree.map(
+    lambda x: stacked(x, period) if is_param_dict(x) else x, tree, is_leaf=is_param_dict
+  )
 
 
 def slice_params(params: dict, stage: Stage) -> dict:
-  out = {"blocks": {k: params["blocks"][stage.start + k] for k in range(stage.num_layers)}}
+  if scan_lib.STACKED in params:
+    layers = params[scan_lib.STACKED]
+    n = len(layers)  # layers per period
+    a, b = stage.start // n, stage.stop // n
+    out = {scan_lib.STACKED: jax.tree.map(lambda x: _slice(x, a, b), layers, is_leaf=_is_axes)}
+  else:
+    out = {"blocks": {k: params["blocks"][stage.start + k] for k in range(stage.num_layers)}}
   if stage.first or stage.last:
     out["embedding"] = params["embedding"]
   if stage.last:
@@ -110,17 +222,19 @@ def slice_params(params: dict, stage: Stage) -> dict:
 
 
 def to_stage(tree, stage: Stage):
-  """Whole-model state (or any tree holding param-shaped dicts) -> the stage's share."""
+  """Whole-model state (or any tree holding param-shaped dicts) -> the stage's share, in the
+  same layout (a scanned model's stacks sliced to the stage's periods)."""
   return jax.tree.map(
-    lambda x: slice_params(x, stage) if _is_param_dict(x) else x, tree, is_leaf=_is_param_dict
+    lambda x: slice_params(x, stage) if is_param_dict(x) else x, tree, is_leaf=is_param_dict
   )
 
 
 def merge_params(parts: list[dict], stages: list[Stage]) -> dict:
   blocks = {}
   for part, stage in zip(parts, stages, strict=True):
+    part_blocks = unstacked(part)["blocks"]
     for k in range(stage.num_layers):
-      blocks[stage.start + k] = part["blocks"][k]
+      blocks[stage.start + k] = part_blocks[k]
   # The shared embedding is identical on the first and last stage; the first stage's is kept.
   return {
     "blocks": blocks,
@@ -130,9 +244,10 @@ def merge_params(parts: list[dict], stages: list[Stage]) -> dict:
 
 
 def to_whole(trees: list, stages: list[Stage]):
-  """Per-stage states -> the whole-model state; non-param leaves are taken from stage 0."""
+  """Per-stage states -> the whole-model state, unrolled (the checkpoint layout); non-param
+  leaves are taken from stage 0."""
   return jax.tree.map(
-    lambda *xs: merge_params(list(xs), stages) if _is_param_dict(xs[0]) else xs[0],
+    lambda *xs: merge_params(list(xs), stages) if is_param_dict(xs[0]) else xs[0],
     *trees,
-    is_leaf=_is_param_dict,
+    is_leaf=is_param_dict,
   )

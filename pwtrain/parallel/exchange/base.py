@@ -46,7 +46,8 @@ class Exchange:
   # -- layout ---------------------------------------------------------------------------------
 
   def cells_per_pod(self, num_stages: int, num_layers: int) -> int:
-    """How many cells (each with its own state and pieces) one pod's model is cut into."""
+    """How many cells (each with its own state and pieces) one pod's model is cut into;
+    `num_layers` counts what cells are cut from (scanned MoE layers: periods, stages.num_units)."""
     del num_layers
     return num_stages
 

@@ -18,6 +18,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import moe as moe_lib
+from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import spmd
 from pwtrain.parallel.pipeline import pieces as pieces_lib
 from pwtrain.parallel.pipeline.schedule import interleave, island_order
@@ -94,9 +95,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   return PipelineProgram(
     programs=programs,
     build_eval=build_eval,
-    abstract_state=whole_abstract(
-      whole, cell_abstract, stages, plan.num_pods, exchange.per_pod_state
-    ),
+    abstract_state=whole_abstract(cell_abstract, stages, plan.num_pods, exchange.per_pod_state),
     init=init,
     executables=executables,
     stages=stages,
@@ -105,6 +104,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     cell_shardings={c: cell.shardings for c, cell in cells.items()},
     exchange=exchange,
     exchange_bytes=exchange.bytes_per_step(stage_grads),
+    period=scan_lib.period(config.moe) if config.model.get("scan_layers", False) else 0,
   )
 
 

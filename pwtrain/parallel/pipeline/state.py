@@ -3,7 +3,9 @@
 A cell's state is the stage's share of the whole-model state (stages.to_stage); checkpoints
 hold the whole model (stages.to_whole), every pod's when the pods' states differ. Every leaf of
 the whole-model restore target is sharded on pod 0's island of the stage that owns it (shared
-leaves on the first), and `from_checkpoint` copies it wherever else it is used.
+leaves on the first), and `from_checkpoint` copies it wherever else it is used. With scanned
+layers a cell's state holds its periods stacked while checkpoints hold every layer unrolled:
+`to_checkpoint` unstacks on each island, `from_checkpoint` stacks each stage's layers there.
 """
 
 import dataclasses
@@ -15,7 +17,7 @@ import jax
 from pwtrain import step as step_lib
 from pwtrain.backend import Program
 from pwtrain.parallel.exchange import Exchange
-from pwtrain.parallel.stages import Stage, to_stage, to_whole
+from pwtrain.parallel.stages import Stage, stack_state, to_stage, to_whole
 
 
 def state_key(cell: tuple) -> str:
@@ -37,6 +39,7 @@ class PipelineProgram:
   cell_shardings: dict  # (p, s) -> state shardings
   exchange: Exchange
   exchange_bytes: int  # bytes each pod sends to the other pods per (outer) step
+  period: int = 0  # scanned layers: layers per stacked period (models/scan.py); 0: unrolled
 
   @property
   def program(self) -> Program:
@@ -80,26 +83,22 @@ class PipelineProgram:
     return self._pod_whole(state, 0)  # pods hold identical states
 
   def from_checkpoint(self, whole: dict) -> dict:
-    return {
-      state_key(cell): jax.device_put(
-        to_stage(
-          whole["pods"][cell[0]] if self.per_pod_checkpoint else whole, self.stages[cell[1]]
-        ),
-        shardings,
-      )
-      for cell, shardings in self.cell_shardings.items()
-    }
+    out = {}
+    for cell, shardings in self.cell_shardings.items():
+      pod = whole["pods"][cell[0]] if self.per_pod_checkpoint else whole
+      state = to_stage(pod, self.stages[cell[1]])
+      if self.period:  # stacked on the island the checkpoint's layers were read onto
+        state = stack_state(state, self.period)
+      out[state_key(cell)] = jax.device_put(state, shardings)
+    return out
 
 
-def whole_abstract(whole: dict, cell_abstract: dict, stages: list, num_pods: int, per_pod: bool):
-  """The restore target: `whole` (ShapeDtypeStructs) with each leaf sharded as its cell has it."""
+def whole_abstract(cell_abstract: dict, stages: list, num_pods: int, per_pod: bool):
+  """The restore target: the whole-model state (unrolled, ShapeDtypeStructs), each leaf sharded
+  as its cell has it."""
 
   def pod(p):
-    cells = [cell_abstract[(p, s)] for s in range(len(stages))]
-    shardings = to_whole([jax.tree.map(lambda a: a.sharding, st) for st in cells], stages)
-    return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), whole, shardings
-    )
+    return to_whole([cell_abstract[(p, s)] for s in range(len(stages))], stages)
 
   if per_pod:
     return {"pods": [pod(p) for p in range(num_pods)]}
