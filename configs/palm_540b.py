@@ -43,6 +43,10 @@ def get_config(arg=None):
   c.model.num_heads = 48
   c.model.d_model = 18432
   c.model.d_ff = 4 * 18432
+  # PaLM's 256k SentencePiece ids padded by 8 to a multiple of parallel.tensor=12 (a sharded
+  # dimension must divide evenly): the tokenizer never produces ids 256000-256007, and training
+  # pushes their logits down.
+  c.model.vocab_size = 256_008
   c.train.global_batch = 2048
   # Fits 32 GiB per chip by the dry run's arithmetic (see the memory plan above).
   c.model.remat = "dots"
@@ -54,9 +58,7 @@ def get_config(arg=None):
   c.parallel.devices_per_island = 3072  # chips per pod
   c.parallel.data = 1
   c.parallel.fsdp = 256
-  # Does not divide vocab_size=256000: the embedding's vocab dim is padded to 256008 for
-  # sharding (see pwtrain/dryrun/estimate.py).
-  c.parallel.tensor = 12
+  c.parallel.tensor = 12  # divides num_heads=48, d_ff and the padded vocab_size
 
   c.exchange.mode = "sync"
   c.exchange.compression = "bf16"  # gradients cross the DCN in bf16 (~1.3 GB per host pair)
@@ -75,6 +77,8 @@ def get_config(arg=None):
       # ASSUMED fraction of peak on the executed FLOPs (hardware.py says what it rests on);
       # not PaLM's measured 57.8%, which the prediction is compared against.
       "efficiency": 0.5,
+      # One pod's TPU topology (3072 chips); pods are slices (--dry_run --compile).
+      "topology": "v4:8x16x24",
     }
   )
 

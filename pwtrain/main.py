@@ -17,7 +17,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from pwtrain import dryrun, train  # noqa: E402
+from pwtrain import aot, dryrun, train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True
@@ -27,6 +27,12 @@ _DRY_RUN = flags.DEFINE_bool(
   "dry_run",
   False,
   "Print the plan for the configured cluster and exit; uses no devices, writes nothing.",
+)
+_COMPILE = flags.DEFINE_bool(
+  "compile",
+  False,
+  "With --dry_run: also compile the real step for the TPU topology hardware.topology on this "
+  "host (needs the [tpu] extra) and report its compiled memory and FLOPs per island.",
 )
 
 
@@ -55,8 +61,10 @@ def main(argv):
     # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
+  if _COMPILE.value and not _DRY_RUN.value:
+    raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
   if _DRY_RUN.value:
-    print(dryrun.report(_CONFIG.value))
+    print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
     return
   train.run(_CONFIG.value, _WORKDIR.value)
 

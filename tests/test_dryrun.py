@@ -30,7 +30,9 @@ def test_palm_540b_parameters_and_cluster(palm540b):
   assert e["mesh_shape"] == {"data": 1, "fsdp": 256, "expert": 1, "tensor": 12}
   assert (e["num_pods"], e["num_stages"], e["num_islands"]) == (2, 1, 2)
   assert (e["devices_per_island"], e["hosts_per_island"], e["num_devices"]) == (3072, 768, 6144)
-  assert e["padded_vocab_size"] == 256_008  # 256000 rounded up to a multiple of tensor=12
+  # The config pads PaLM's 256000 ids to a multiple of tensor=12 itself (a sharded dimension
+  # must divide evenly), so the planner has nothing left to pad.
+  assert e["vocab_size"] == e["padded_vocab_size"] == 256_008
 
 
 def test_palm_540b_bytes_per_device(palm540b):
@@ -88,14 +90,14 @@ def test_palm_540b_cross_pod_bytes_per_host_pair(palm540b):
 def test_palm_540b_step_is_predicted_from_the_assumed_efficiency(palm540b):
   _, e = palm540b
   # 6N + 12LHQT with N excluding the embedding (plan.flops_per_token).
-  n = e["params"] - 256_000 * 18432
+  n = e["params"] - 256_008 * 18432
   assert e["flops_per_token"] == pytest.approx(6 * n + 12 * 118 * 48 * 256 * 2048)
   # The island executes the blocks' matmuls and the output layer's (6 V d per token, which 6N
   # leaves out with the embedding; the 119 LayerNorm scales that 6N counts are no matmul), plus
   # what remat=dots recomputes: attention's scores and weighted sum, 4 H K T = 4 x 48 x 256 x
   # 2048 FLOPs per token and layer, nothing else.
   (island,) = e["islands"]
-  matmuls = e["flops_per_token"] + 6 * 256_000 * 18432 - 6 * 119 * 18432
+  matmuls = e["flops_per_token"] + 6 * 256_008 * 18432 - 6 * 119 * 18432
   assert island["flops_per_token"] == pytest.approx(matmuls, rel=1e-12)
   executed = island["flops_per_token"] + 118 * 4 * 48 * 256 * 2048
   assert island["executed_flops_per_token"] == pytest.approx(executed)
@@ -136,7 +138,6 @@ def test_palm_540b_report_has_the_key_lines(palm540b):
     "Dry run: 540.36B parameters",
     "2 pod(s) x 1 stage(s) = 2 island(s) of 3072 tpu_v4 devices",
     "Mesh per island: data=1 x fsdp=256 x tensor=12",
-    "Vocabulary: 256,000 padded to 256,008 for tensor=12 sharding",
     "  parameters       728.",
     "  optimizer state  1.46 GB",
     "  activations      16.35 GB (model.remat=dots, train.num_microbatches=4; other policies: "
@@ -154,6 +155,9 @@ def test_palm_540b_report_has_the_key_lines(palm540b):
   ):
     assert line in text, f"{line!r} not in\n{text}"
   assert "to fit" not in text
+  # The config pads the vocabulary itself; one that does not is planned padded, and says so.
+  unpadded = dryrun.report(load_config("palm_540b", {"model.vocab_size": 256_000}))
+  assert "Vocabulary: 256,000 padded to 256,008 for tensor=12 sharding" in unpadded
 
 
 def test_hardware_overrides_change_the_estimate():

@@ -34,7 +34,7 @@ LAYERS = (
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
   ("harness", "dryrun"),  # config -> a ready step; config -> a plan on paper
-  ("train",),
+  ("train", "aot"),  # the training loop; the step compiled for a TPU topology
   ("main", "sample"),  # entry points: training and the dry run; sampling
 )
 LAYER = {component: i for i, layer in enumerate(LAYERS) for component in layer}

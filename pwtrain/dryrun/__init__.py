@@ -11,7 +11,7 @@ plans exactly what a run would, with the run's own remat and microbatches.
 
 from pwtrain.dryrun.estimate import PIPELINE_RECOMPUTE, REMAT_BY_MEMORY, estimate
 from pwtrain.dryrun.hardware import DEFAULT_EFFICIENCY, HARDWARE, Hardware, hardware
-from pwtrain.dryrun.report import report
+from pwtrain.dryrun.report import fits_text, report, size_text
 from pwtrain.dryrun.shapes import (
   abstract_state,
   build_plan,
@@ -30,10 +30,12 @@ __all__ = [
   "abstract_state",
   "build_plan",
   "estimate",
+  "fits_text",
   "hardware",
   "model_fns",
   "padded_vocab_size",
   "report",
   "shard_bytes",
+  "size_text",
   "tree_bytes",
 ]

@@ -24,6 +24,9 @@ class Hardware:
   # (recomputed ones included: a hardware FLOPs utilisation). An input to the estimate, never a
   # result: the step time and MFU the dry run predicts follow from it.
   efficiency: float
+  # The TPU topology of one slice (one pod), e.g. "v4:8x16x24", that `--dry_run --compile`
+  # compiles the step for (aot.py); None: not given (the dry run's arithmetic does not need it).
+  topology: str | None = None
 
 
 # See the tpu_v4 preset: the fraction of peak a well-tuned large step is assumed to reach.
@@ -74,6 +77,33 @@ def hardware(config) -> Hardware:
   if unknown:
     raise ValueError(f"hardware.{unknown[0]} is not a hardware field; valid: {sorted(fields)}")
   return dataclasses.replace(HARDWARE[name], **overrides)
+
+
+def slice_devices(topology: str) -> int:
+  """Devices in one slice of the TPU topology "<generation>:<A>x<B>[x<C>]": its chips (one JAX
+  device per chip; aot.py compiles v4 and v5p in megacore mode)."""
+  try:
+    dims = [int(d) for d in topology.split(":", 1)[1].split("x")]
+  except (IndexError, ValueError):
+    dims = []
+  if not dims or min(dims) < 1:
+    raise ValueError(
+      f"hardware.topology={topology!r} is not a TPU topology; valid: '<generation>:<A>x<B>x<C>', "
+      "e.g. 'v4:4x4x4' or 'v5e:4x4'"
+    )
+  n = 1
+  for d in dims:
+    n *= d
+  return n
+
+
+def cluster_devices(config) -> int:
+  """The devices the dry run plans for: hardware.topology's, one slice per pod, when given;
+  else the local devices."""
+  topology = hardware(config).topology
+  if topology is None:
+    return jax.device_count()
+  return slice_devices(topology) * config.parallel.pods
 
 
 def local_hardware() -> Hardware:

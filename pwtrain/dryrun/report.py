@@ -10,7 +10,7 @@ cross-pod exchange, and the step time and MFU the assumption predicts.
 from pwtrain.dryrun.estimate import estimate
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
   for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
     if abs(n) >= scale:
       return f"{n / scale:.2f} {unit}"
@@ -21,7 +21,7 @@ def _seconds(x) -> str:
   return "n/a" if x is None else f"{x:.3g} s"
 
 
-def _fits(value) -> str:
+def fits_text(value) -> str:
   return {None: "capacity unknown", True: "fits", False: "does NOT fit"}[value]
 
 
@@ -64,26 +64,26 @@ def island_lines(r: dict, e: dict) -> list[str]:
   policies' activations for comparison), and what would make it fit."""
   num_stages, memory = e["num_stages"], e["hardware"]["memory_bytes"]
   remat, micro = e["remat"], e["num_microbatches"]
-  capacity = "unknown" if memory is None else f"{_size(memory)} ({memory / 2**30:.3g} GiB)"
+  capacity = "unknown" if memory is None else f"{size_text(memory)} ({memory / 2**30:.3g} GiB)"
   lines = [
     f"{r['island']} ({_cells(r, num_stages)}; every pod alike), per device:",
-    f"  parameters       {_size(r['param_bytes'])} ({r['params'] / 1e9:,.3f}B params)",
-    f"  optimizer state  {_size(r['optimizer_bytes'])}",
-    f"  gradients        {_size(r['gradient_buffer_bytes'])} (running sums)",
+    f"  parameters       {size_text(r['param_bytes'])} ({r['params'] / 1e9:,.3f}B params)",
+    f"  optimizer state  {size_text(r['optimizer_bytes'])}",
+    f"  gradients        {size_text(r['gradient_buffer_bytes'])} (running sums)",
   ]
   if r["exchange_state_bytes"]:
-    lines.append(f"  exchange state   {_size(r['exchange_state_bytes'])}")
+    lines.append(f"  exchange state   {size_text(r['exchange_state_bytes'])}")
   if r["exchange_buffer_bytes"]:
-    lines.append(f"  exchange buffers {_size(r['exchange_buffer_bytes'])} (pods' gradients)")
+    lines.append(f"  exchange buffers {size_text(r['exchange_buffer_bytes'])} (pods' gradients)")
   others = ", ".join(
-    f"{policy} {_size(n)}"
+    f"{policy} {size_text(n)}"
     for policy, n in r["activation_bytes_by_remat"].items()
     if policy != remat
   )
   lines += [
-    f"  activations      {_size(r['activation_bytes'])} (model.remat={remat}, "
+    f"  activations      {size_text(r['activation_bytes'])} (model.remat={remat}, "
     f"train.num_microbatches={micro}; other policies: {others})",
-    f"  total            {_size(r['bytes'])} ({_fits(r['fits'])}) in {capacity}",
+    f"  total            {size_text(r['bytes'])} ({fits_text(r['fits'])}) in {capacity}",
   ]
   if r["fits"] is False:
     hint = r["to_fit"]
@@ -111,14 +111,14 @@ def compute_lines(e: dict, config) -> list[str]:
       + (" and the pipeline's backward)" if e["num_stages"] > 1 else ")")
     )
   hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
-  kept = ", ".join(f"{p} {_size(n)}" for p, n in e["kept_bytes_per_token"].items())
+  kept = ", ".join(f"{p} {size_text(n)}" for p, n in e["kept_bytes_per_token"].items())
   return [
     f"Activations per token a layer keeps, by model.remat: {kept}; tokens per device and "
     f"microbatch: {e['tokens_per_device']:,}",
     f"FLOPs per token: {e['flops_per_token']:.4g} (6N + 12LHQT); tokens per step: "
     f"{e['tokens_per_step']:,} ({config.train.global_batch} x {config.data.seq_len})",
     compute,
-    f"In-island collectives: {_size(e['ici_bytes'])} per device per step, "
+    f"In-island collectives: {size_text(e['ici_bytes'])} per device per step, "
     f"{_seconds(e['ici_s'])} at ICI bandwidth (assumed hidden under compute"
     + (": NOT hideable)" if hidden else ")"),
   ]
@@ -131,10 +131,11 @@ def exchange_lines(e: dict) -> list[str]:
     return ["Cross-pod exchange: none (one pod)"]
   return [
     f"Cross-pod exchange ({x['mode']}, compression {x['compression']}): "
-    f"{_size(x['bytes_per_pod_pair'])} per pod pair per step, "
-    f"{_size(x['bytes_per_host_pair'])} per host pair",
+    f"{size_text(x['bytes_per_pod_pair'])} per pod pair per step, "
+    f"{size_text(x['bytes_per_host_pair'])} per host pair",
     f"  transfer {_seconds(x['transfer_s'])} at "
-    f"{'n/a' if dcn is None else _size(dcn) + '/s'} per host; exposed {_seconds(x['exposed_s'])}",
+    f"{'n/a' if dcn is None else size_text(dcn) + '/s'} per host; "
+    f"exposed {_seconds(x['exposed_s'])}",
   ]
 
 

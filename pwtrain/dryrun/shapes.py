@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh
 
 from pwtrain import step as step_lib
 from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.dryrun import hardware
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel import spmd
@@ -98,9 +99,10 @@ def padded_vocab_size(vocab_size: int, tensor: int) -> int:
 
 
 def virtual_cluster(config) -> Cluster:
-  """`parallel.islands` islands of `parallel.devices_per_island` device ids (0: the local
-  device count split over the islands): what the plan needs, with no devices behind it."""
-  per = plan_lib.island_sizes(config, jax.device_count())[0]  # islands are alike
+  """`parallel.islands` islands of `parallel.devices_per_island` device ids (0: the cluster's
+  devices split over the islands: hardware.topology's, else the local ones): what the plan
+  needs, with no devices behind it."""
+  per = plan_lib.island_sizes(config, hardware.cluster_devices(config))[0]  # islands are alike
   return Cluster(
     tuple(
       Island(f"island{i}", tuple(range(i * per, (i + 1) * per)))
