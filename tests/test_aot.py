@@ -145,3 +145,18 @@ def test_bad_input_is_one_clear_line(flags, message):
   proc = run_main(*flags)
   assert proc.returncode != 0
   assert message in proc.stderr
+
+
+def test_a_mesh_axis_that_is_no_product_of_torus_axes_splits_them():
+  """jax.make_mesh refuses a 32-way axis on a 4x4x4 torus (no product of whole torus axes);
+  backend.cluster.make_mesh splits physical axes instead, as PaLM 540B's tensor=12 on a
+  8x16x24 pod needs."""
+  from jax.experimental import topologies
+
+  from pwtrain.backend.cluster import make_mesh
+
+  aot.topology_devices(tpu_config("v4:2x2x1"))  # sets libtpu's environment
+  devices = topologies.get_topology_desc("v4:4x4x4", "tpu", chip_config_name="megacore").devices
+  mesh = make_mesh({"fsdp": 32, "tensor": 2}, devices)
+  assert dict(mesh.shape) == {"fsdp": 32, "tensor": 2}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 
@@ -39,13 +40,22 @@ class Island:
 def make_mesh(shape: dict[str, int], devices: Sequence) -> Mesh:
   """A mesh of `devices` with named axis sizes `shape`, by `jax.make_mesh`: on TPUs and GPUs it
   orders the devices to follow the physical interconnect. Axes are Auto (sharding propagates
-  from the inputs and the model's constraints), not jax.make_mesh's default Explicit."""
-  return jax.make_mesh(
-    tuple(shape.values()),
-    tuple(shape),
-    axis_types=(AxisType.Auto,) * len(shape),
-    devices=list(devices),
-  )
+  from the inputs and the model's constraints), not jax.make_mesh's default Explicit.
+
+  jax.make_mesh maps each mesh axis onto whole axes of a TPU torus, so an axis whose size is no
+  product of them (PaLM 540B's 12-way tensor axis on a 8x16x24 v4 pod) is refused; such a mesh
+  is built with physical axes split (mesh_utils.create_device_mesh), still following the
+  interconnect within each."""
+  axis_types = (AxisType.Auto,) * len(shape)
+  try:
+    return jax.make_mesh(
+      tuple(shape.values()), tuple(shape), axis_types=axis_types, devices=list(devices)
+    )
+  except NotImplementedError:
+    grid = mesh_utils.create_device_mesh(
+      tuple(shape.values()), list(devices), allow_split_physical_axes=True
+    )
+    return Mesh(grid, tuple(shape), axis_types=axis_types)
 
 
 def slices(devices: Sequence) -> list[list]:
