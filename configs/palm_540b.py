@@ -6,12 +6,13 @@ Plan it for its cluster without devices (memory per chip, bytes across pods, ste
   python -m pwtrain.main --config=configs/palm_540b.py --dry_run
 Expected: 540.36B parameters on 2 pods x 3072 TPU v4 chips, mesh data=1 x fsdp=256 x tensor=12,
 ~0.73 GB of parameters per chip, ~1.4 GB of bf16 gradients per host pair per step across pods
-(PaLM reports ~1.3 GB), ~20 GB per chip with the configured remat and microbatches (fits the
+(PaLM reports ~1.3 GB), ~23 GB per chip with the configured remat and microbatches (fits the
 32 GiB), and a predicted ~16.5 s step at ~49% MFU. That prediction follows from the hardware
 table's assumed efficiency (50% of peak on the executed FLOPs, pwtrain/dryrun/hardware.py), not
 from PaLM's measurements; PaLM measured 46.2% MFU (57.8% hardware FLOPs utilisation).
 
-Memory plan (the dry run's figures per chip; 3.6 GB is the train state): a pod's 1024 sequences
+Memory plan (the dry run's figures per chip; 3.6 GB is the train state, 3.1 GB FSDP-gathered
+weights and their unreduced gradients): a pod's 1024 sequences
 over fsdp=256 are 4 sequences, 8192 tokens, per chip. Saving every activation takes ~161 GB;
 remat "dots" keeps per token and layer the block input and the q, k, v, gate and up projections
 (64.5 kB instead of 164.9 kB) and recomputes only attention's scores and weighted sum (+0.4% of

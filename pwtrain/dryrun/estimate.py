@@ -174,6 +174,21 @@ def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: s
   return s.tokens_per_device(num_micro) * (live + kept + working)
 
 
+def gathered(s: Setup, stage_list: list[Stage]) -> float:
+  """FSDP-gathered weights and their unreduced gradients per device (arithmetic.gathered_bytes);
+  none without an fsdp axis."""
+  shape, m = s.plan.mesh_shape, s.config.model
+  if shape["fsdp"] == 1:
+    return 0.0
+  layers = [layer for st in stage_list for layer in range(st.start, st.stop)]
+  embedding = any(st.first or st.last for st in stage_list)
+  padded = m.copy_and_resolve_references()
+  padded.vocab_size = shapes.padded_vocab_size(m.vocab_size, shape["tensor"])
+  return arithmetic.gathered_bytes(
+    padded, s.config.moe, layers, embedding, shape["tensor"], shape["expert"]
+  )
+
+
 def to_fit(s: Setup, stage_list: list[Stage], state: int) -> dict | None:
   """The first remat policy, from the configured one towards "full" (in REMAT_BY_MEMORY order),
   with a number of microbatches that fits, and the smallest such train.num_microbatches:
@@ -205,9 +220,11 @@ def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
     policy: activation_bytes(s, stage_list, micro, policy) for policy in REMAT_BY_MEMORY
   }
   row["activation_bytes"] = row["activation_bytes_by_remat"][remat]
-  row["bytes"] = row["state_bytes"] + row["activation_bytes"]
+  row["gathered_bytes"] = gathered(s, stage_list)
+  held = row["state_bytes"] + row["gathered_bytes"]  # whatever the remat and microbatches
+  row["bytes"] = held + row["activation_bytes"]
   row["fits"] = None if memory is None else row["bytes"] <= memory
-  row["to_fit"] = None if row["fits"] is not False else to_fit(s, stage_list, row["state_bytes"])
+  row["to_fit"] = None if row["fits"] is not False else to_fit(s, stage_list, held)
   row["flops_per_token"] = island_flops_per_token(s, stage_list)
   row["executed_flops_per_token"] = island_executed_flops_per_token(s, stage_list)
   return row

@@ -80,6 +80,11 @@ def island_lines(r: dict, e: dict) -> list[str]:
     for policy, n in r["activation_bytes_by_remat"].items()
     if policy != remat
   )
+  if r["gathered_bytes"]:
+    lines.append(
+      f"  gathered weights {size_text(r['gathered_bytes'])} (FSDP: the largest block's and the "
+      "embedding's, with their unreduced gradients)"
+    )
   lines += [
     f"  activations      {size_text(r['activation_bytes'])} (model.remat={remat}, "
     f"train.num_microbatches={micro}; other policies: {others})",

@@ -77,6 +77,24 @@ def head_activation_bytes(m, tensor: int) -> float:
   return 8 * math.ceil(m.vocab_size / tensor) + jnp.dtype(m.dtype).itemsize * m.d_model
 
 
+def gathered_bytes(m, moe, layers, embedding: bool, tensor: int, expert: int) -> float:
+  """Bytes one device holds of FSDP-gathered weights at once, when the island's `layers` (an
+  iterable of layer indices) and, with `embedding`, the shared embedding matrix are sharded
+  over an fsdp axis: the largest block's weights gathered for its pass, and its unreduced
+  gradient before the reduce-scatter, and the embedding matrix (gathered whole for the output
+  layer) likewise, each split `tensor` ways (an MoE layer's experts also `expert` ways), in the
+  activation dtype: 2 B max(block) / t + (2 B V d / t with the embedding)."""
+  b = jnp.dtype(m.dtype).itemsize
+
+  def block(layer):
+    ffn = ffn_params(m, moe, layer)[0]
+    return attention_params(m) + (ffn / expert if moe_lib.is_moe_layer(moe, layer) else ffn)
+
+  largest = max((block(layer) for layer in layers), default=0)
+  vocab = m.vocab_size * m.d_model if embedding else 0
+  return 2 * b * (largest + vocab) / tensor
+
+
 def layer_input_bytes(m) -> float:
   """Bytes per token a rematerialised block keeps: its input."""
   return jnp.dtype(m.dtype).itemsize * m.d_model
