@@ -11,9 +11,15 @@ Expected: 540.36B parameters on 2 pods x 3072 TPU v4 chips, mesh data=1 x fsdp=2
 table's assumed efficiency (50% of peak on the executed FLOPs, pwtrain/dryrun/hardware.py), not
 from PaLM's measurements; PaLM measured 46.2% MFU (57.8% hardware FLOPs utilisation).
 
+Compile its real step for two v4:8x16x24 slices on this host ([tpu] extra; ~12 minutes here,
+~3 of them compiling the step and the rest counting its FLOPs):
+  python -m pwtrain.main --config=configs/palm_540b.py --dry_run --compile
+Compiled: at most 23.3 GB per chip (the FB piece's 19.6 GB of temporaries plus the train
+state), so it fits by XLA's numbers too; FLOPs 1.02x the analytic count.
+
 Memory plan (the dry run's figures per chip; 3.6 GB is the train state, 3.1 GB FSDP-gathered
-weights and their unreduced gradients): a pod's 1024 sequences
-over fsdp=256 are 4 sequences, 8192 tokens, per chip. Saving every activation takes ~161 GB;
+weights and their unreduced gradients, the rest activations): a pod's 1024 sequences over
+fsdp=256 are 4 sequences, 8192 tokens, per chip. Saving every activation takes ~161 GB;
 remat "dots" keeps per token and layer the block input and the q, k, v, gate and up projections
 (64.5 kB instead of 164.9 kB) and recomputes only attention's scores and weighted sum (+0.4% of
 the FLOPs), but at one microbatch that is still 65 GB and at two 33 GB: four microbatches of one
