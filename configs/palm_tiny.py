@@ -148,6 +148,9 @@ def get_config(arg=None):
   c.backend.launch_workers = False  # True: start them on loopback here (and restart on faults)
   c.backend.token_file = ""  # the shared token's file; "" reads $<backend.token_env>
   c.backend.token_env = "PWTRAIN_WORKER_TOKEN"
+  # Workers off loopback serve TLS (worker --tls_cert/--tls_key): the PEM file that verifies
+  # them, their CA or their self-signed certificate. "" connects without TLS.
+  c.backend.tls_ca = ""
   c.backend.rpc_timeout_s = 30.0  # deadline of every call that should answer at once
 
   c.fault = ml_collections.ConfigDict()  # remote mode: lost workers

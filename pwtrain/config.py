@@ -1,5 +1,7 @@
 """Config checks that need no devices: each error names the key, the value and what is valid."""
 
+import os
+
 from pwtrain import optim
 from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.models import layers, remat
@@ -191,6 +193,12 @@ def validate_backend(config) -> None:
       host, _, port = str(address).rpartition(":")
       if not host or not port.isdigit():
         raise ValueError(f"backend.workers entry {address!r} is not 'host:port'")
+    tls_ca = b.get("tls_ca", "")
+    if tls_ca and not os.path.isfile(tls_ca):
+      raise ValueError(
+        f"backend.tls_ca={tls_ca!r} is not a file: give the PEM certificate that verifies the "
+        "workers' TLS (their CA, or a worker's self-signed certificate)"
+      )
   elif list(b.workers) or b.launch_workers:
     raise ValueError(
       f"backend.workers/backend.launch_workers are for backend.mode='remote', not {b.mode!r}"

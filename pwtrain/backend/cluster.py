@@ -123,9 +123,16 @@ class Cluster:
 
   @classmethod
   def connect(
-    cls, addresses: Sequence[str], token: str, devices=None, timeout_s=30.0, heartbeat_s=2.0
+    cls,
+    addresses: Sequence[str],
+    token: str,
+    devices=None,
+    timeout_s=30.0,
+    heartbeat_s=2.0,
+    tls_ca: str = "",
   ) -> "Cluster":
-    """Attaches island workers (remote mode), one island each, named as the workers say.
+    """Attaches island workers (remote mode), one island each, named as the workers say; over
+    TLS verified against the PEM file `tls_ca` when given (backend/remote/channel.py).
 
     Pieces are still traced on this process's devices (as many as the largest island has),
     which stand in for the worker's devices: only the mesh's shape travels.
@@ -135,7 +142,7 @@ class Cluster:
     local = list(jax.devices() if devices is None else devices)
     islands = []
     for address in addresses:
-      worker = WorkerClient(address, token, timeout_s=timeout_s)
+      worker = WorkerClient(address, token, timeout_s=timeout_s, tls_ca=tls_ca)
       if worker.num_devices > len(local):
         raise ValueError(
           f"worker {address} has {worker.num_devices} devices; the controller needs as many "

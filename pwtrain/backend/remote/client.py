@@ -9,7 +9,7 @@ import grpc
 from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
-from pwtrain.backend.remote.channel import channel_options
+from pwtrain.backend.remote.channel import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +19,11 @@ class WorkerLost(RuntimeError):
 
 
 class WorkerClient:
-  def __init__(self, address: str, token: str, *, timeout_s: float = 30.0):
+  def __init__(self, address: str, token: str, *, timeout_s: float = 30.0, tls_ca: str = ""):
     self.address = address
     self.timeout_s = timeout_s  # for calls that return at once (not Fetch, which waits)
     self._metadata = auth.call_metadata(token)
-    self._channel = grpc.insecure_channel(address, options=channel_options())
+    self._channel = open_channel(address, tls_ca)  # TLS verified against tls_ca when given
     self.stub = pb_grpc.WorkerStub(self._channel)
     self._releases: list[str] = []
     self._lock = threading.Lock()

@@ -368,8 +368,16 @@ def _describe(e: BaseException) -> str:
   return f"{type(e).__name__}: {e}"
 
 
-def serve(island: str, token: str, host: str = "127.0.0.1", port: int = 0, devices=None):
-  """Starts a worker; returns (grpc server, worker, bound port)."""
+def serve(
+  island: str,
+  token: str,
+  host: str = "127.0.0.1",
+  port: int = 0,
+  devices=None,
+  credentials: grpc.ServerCredentials | None = None,
+):
+  """Starts a worker, serving TLS with `credentials` (channel.server_credentials) when given;
+  returns (grpc server, worker, bound port)."""
   worker = Worker(island, devices)
   worker.token = token
   server = grpc.server(
@@ -378,7 +386,11 @@ def serve(island: str, token: str, host: str = "127.0.0.1", port: int = 0, devic
     options=channel_options(),
   )
   pb_grpc.add_WorkerServicer_to_server(worker, server)
-  bound = server.add_insecure_port(f"{host}:{port}")
+  address = f"{host}:{port}"
+  if credentials is None:
+    bound = server.add_insecure_port(address)
+  else:
+    bound = server.add_secure_port(address, credentials)
   if bound == 0:
     raise OSError(f"cannot bind {host}:{port}")
   server.start()
