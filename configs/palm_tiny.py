@@ -152,8 +152,16 @@ def get_config(arg=None):
   # them, their CA or their self-signed certificate. "" connects without TLS.
   c.backend.tls_ca = ""
   c.backend.rpc_timeout_s = 30.0  # deadline of every call that should answer at once
+  # Distributed mode (backend.mode="distributed"): processes on JAX's runtime, started by
+  # `python -m pwtrain.launch` or a cluster scheduler (backend/distributed.py). Unset values come
+  # from $PWTRAIN_COORDINATOR/$PWTRAIN_NUM_PROCESSES/$PWTRAIN_PROCESS_ID, else JAX's cluster
+  # auto-detection (SLURM, Open MPI, Cloud TPU).
+  c.backend.coordinator = ""  # "host:port" that process 0 serves
+  c.backend.num_processes = 0
+  c.backend.process_id = -1
+  c.backend.connect_timeout_s = 60  # how long a process waits for all others to join
 
-  c.fault = ml_collections.ConfigDict()  # remote mode: lost workers
+  c.fault = ml_collections.ConfigDict()  # lost workers (remote) or processes (pwtrain.launch)
   c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
   c.fault.heartbeat_s = 2.0  # health-check period; a worker silent for 3 periods is lost
 

@@ -26,8 +26,9 @@ import uuid
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import flags
 
-from pwtrain import checkpoint_parts
+from pwtrain import checkpoint_parts, process_parts, processes
 from pwtrain.integrity import (
   CorruptCheckpoint,
   IncompatibleCheckpoint,
@@ -64,6 +65,11 @@ class Checkpointer:
   ):
     """`read_only`: a reader beside a possibly running job (sampling): it neither removes
     uncommitted parts nor moves damaged checkpoints aside (it skips them), and cannot save."""
+    if jax.process_count() > 1:
+      # Orbax's default barrier between processes is a collective over every device, which
+      # would run beside the islands' own computations and deadlock on CPU; this flag makes it
+      # a barrier of JAX's coordination service.
+      flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
     self.directory = os.path.abspath(directory)
     self.every = every
     self.read_only = read_only
@@ -87,10 +93,11 @@ class Checkpointer:
     )
     # Parts of remote saves that were never committed (a crash between the phases) are garbage.
     self.pending_root = f"{self.directory}.pending"
-    if os.path.isdir(self.pending_root) and not read_only:
+    if os.path.isdir(self.pending_root) and not read_only and jax.process_index() == 0:
       log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
       shutil.rmtree(self.pending_root)
     self._commit: threading.Thread | None = None
+    self._num_saves = 0
     self._commit_error: BaseException | None = None
 
   def latest_step(self) -> int | None:
@@ -108,7 +115,8 @@ class Checkpointer:
     save is raised here or by `wait`."""
     if self.read_only:
       raise RuntimeError(f"{self.directory} was opened read-only: no saves")
-    if not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state)):  # worker references
+    refs = not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state))  # workers' arrays
+    if refs or getattr(self._part_writer, "writes_arrays", False):  # or distributed mode's
       self._save_parts(step, state, data_state)
       return
     self._join_commit()
@@ -125,8 +133,13 @@ class Checkpointer:
     if self._part_writer is None:
       raise TypeError("this state's leaves are references held elsewhere: pass a part_writer")
     self._join_commit()  # one save at a time, as the manager does
-    pending = os.path.join(self.pending_root, f"{step}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(pending)
+    # Distributed mode: every process writes into the same pending directory (saves come in
+    # the same order on every process); remote: a fresh name per save.
+    self._num_saves += 1
+    shared = getattr(self._part_writer, "writes_arrays", False)
+    suffix = str(self._num_saves) if shared else uuid.uuid4().hex[:8]
+    pending = os.path.join(self.pending_root, f"{step}-{suffix}")
+    os.makedirs(pending, exist_ok=shared)
     save = self._part_writer(state, pending)  # phase one starts on every worker
 
     def commit():
@@ -145,7 +158,8 @@ class Checkpointer:
         log.error("checkpoint %d not committed: %s", step, e)
         self._commit_error = e
       finally:
-        shutil.rmtree(pending, ignore_errors=True)  # parts not moved into a committed step
+        if not shared or jax.process_index() == 0:  # distributed: after process 0 moved all
+          shutil.rmtree(pending, ignore_errors=True)  # parts not moved into a committed step
 
     self._commit = threading.Thread(target=commit, name=f"commit-{step}", daemon=True)
     self._commit.start()
@@ -178,9 +192,12 @@ class Checkpointer:
     except IncompatibleCheckpoint as e:
       raise IncompatibleCheckpoint(f"step {step}: {e}") from None
     has_integrity = os.path.isdir(os.path.join(self.directory, str(step), "integrity"))
-    if in_parts:
-      flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-      abstract = {path_name(path): a for path, a in flat}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    abstract = {path_name(path): a for path, a in flat}
+    on_host = jax.process_count() > 1  # distributed mode reads on the host (process_parts)
+    if on_host:
+      items = {}
+    elif in_parts:
       items = {"parts": checkpoint_parts.PartsRestore(abstract)}
     else:
       items = {"state": ocp.args.StandardRestore(abstract_state)}
@@ -190,9 +207,15 @@ class Checkpointer:
     try:
       with _quiet_if_failed():
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if on_host:
+          values = {}
+          for part in checkpoint_parts.part_dirs(parts_dir) if in_parts else [self._item(step)]:
+            values.update(process_parts.read_on_host(part, abstract))
     except Exception as e:
       raise CorruptCheckpoint(f"step {step}: {type(e).__name__}: {_one_line(e)}") from e
-    if in_parts:
+    if on_host:
+      state = jax.tree.unflatten(treedef, [values[n] for n in abstract])
+    elif in_parts:
       state = jax.tree.unflatten(treedef, [restored.parts[n] for n in abstract])
     else:
       state = restored.state
@@ -203,6 +226,9 @@ class Checkpointer:
       if bad or set(actual) != set(expected):
         raise CorruptCheckpoint(f"step {step}: fingerprint mismatch in {bad[:5] or 'its keys'}")
     return state, restored.data
+
+  def _item(self, step: int) -> str:
+    return os.path.join(self.directory, str(step), "state")
 
   def restore_latest(self, abstract_state):
     """(step, state, data_state) of the newest readable checkpoint, or None if there is none.
@@ -223,7 +249,14 @@ class Checkpointer:
     return None
 
   def quarantine(self, step: int, reason: str = "corrupt") -> str:
-    """Moves a step to `<directory>.<reason>/`, out of the manager's sight but kept."""
+    """Moves a step to `<directory>.<reason>/`, out of the manager's sight but kept. In
+    distributed mode process 0 moves it; the others wait for that (a barrier)."""
+    if jax.process_count() > 1:
+      processes.barrier(f"quarantine/{step}/{processes.next_key('quarantine')}")
+      if jax.process_index() != 0:
+        processes.barrier(f"quarantined/{step}/{processes.next_key('quarantined')}")
+        self._manager.reload()
+        return f"{self.directory}.{reason}/{step}"
     target_root = f"{self.directory}.{reason}"
     os.makedirs(target_root, exist_ok=True)
     target = os.path.join(target_root, str(step))
@@ -231,6 +264,8 @@ class Checkpointer:
     while os.path.exists(target):
       target, n = os.path.join(target_root, f"{step}.{n}"), n + 1
     shutil.move(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      processes.barrier(f"quarantined/{step}/{processes.next_key('quarantined')}")
     self._manager.reload()
     return target
 

@@ -46,6 +46,8 @@ class PartsHandler(ocp.CheckpointHandler):
   """The "parts" item: saving moves finished parts in; restoring reads them all."""
 
   def save(self, directory: epath.Path, args: "PartsSave"):
+    if not args.parts:  # distributed mode: process 0 moves every process's parts
+      return
     os.makedirs(directory, exist_ok=True)
     for island, path in args.parts.items():
       # A rename on the same file system: the step being committed takes the part as written.
@@ -55,7 +57,7 @@ class PartsHandler(ocp.CheckpointHandler):
     """{path: array} for every array of `args.abstract` ({path: ShapeDtypeStruct}), each read
     straight into its abstract sharding."""
     out = {}
-    for part in _parts(directory):
+    for part in part_dirs(directory):
       names = _part_metadata(part)
       target = {}
       for name in names:
@@ -67,7 +69,7 @@ class PartsHandler(ocp.CheckpointHandler):
   def metadata(self, directory: epath.Path) -> dict:
     """{path: (shape, dtype name)} over all parts."""
     out = {}
-    for part in _parts(directory):
+    for part in part_dirs(directory):
       for name, (shape, dtype) in _part_metadata(part).items():
         if name in out:
           raise ValueError(f"{name} is saved by two parts ({part} and another)")
@@ -75,7 +77,7 @@ class PartsHandler(ocp.CheckpointHandler):
     return out
 
 
-def _parts(directory) -> list[str]:
+def part_dirs(directory) -> list[str]:
   """The island directories of a "parts" item (Orbax puts its own marker files beside them)."""
   paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))]
   return [p for p in paths if os.path.isdir(p)]

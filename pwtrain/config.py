@@ -3,12 +3,13 @@
 import os
 
 from pwtrain import optim
+from pwtrain.backend import distributed
 from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
 from pwtrain.parallel.pipeline.schedule import SCHEDULES
 
-BACKENDS = ("embedded", "remote")
+BACKENDS = ("embedded", "remote", "distributed")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -203,6 +204,10 @@ def validate_backend(config) -> None:
     raise ValueError(
       f"backend.workers/backend.launch_workers are for backend.mode='remote', not {b.mode!r}"
     )
+  if b.mode == "distributed":
+    distributed.resolve(b)  # names a malformed backend.coordinator/num_processes/process_id
+    if b.connect_timeout_s <= 0:
+      raise ValueError(f"backend.connect_timeout_s={b.connect_timeout_s} must be > 0")
   if b.rpc_timeout_s <= 0:
     raise ValueError(f"backend.rpc_timeout_s={b.rpc_timeout_s} must be > 0")
   if not isinstance(f.max_restarts, int) or f.max_restarts < 0:

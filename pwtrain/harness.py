@@ -15,6 +15,7 @@ created.
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pwtrain import optim
+from pwtrain import optim, processes
 from pwtrain import step as step_lib
 from pwtrain.backend import Cluster, Controller, Program, ResourceManager, Trace
 from pwtrain.parallel import build_step_program
@@ -126,7 +127,19 @@ class Harness:
     sp = self.step_program
     program = program or sp.program_for(step)
     out = self.controller.run(program, {**state, **sp.feed(batch)})
-    return StepOutputs({k: out[k] for k in sp.state_keys}, out["metrics"])
+    metrics = out["metrics"]
+    if processes.active():  # the metrics live on one island's processes: read them on all
+      metrics = self._host.submit(self._to_host, metrics, "metrics")
+    return StepOutputs({k: out[k] for k in sp.state_keys}, metrics)
+
+  @functools.cached_property
+  def _host(self) -> concurrent.futures.ThreadPoolExecutor:
+    """Distributed mode: one thread reads device values on the host, in dispatch order."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pwtrain-host")
+
+  @staticmethod
+  def _to_host(future: concurrent.futures.Future, what: str):
+    return processes.to_host(future.result(), processes.next_key(what))
 
   def evaluate(self, state: dict, batches: Iterable[dict]) -> dict[str, float]:
     """The summed {"ce_sum", "z_sum", "tokens"} (step.EVAL_KEYS) of the model in `state` over
@@ -137,7 +150,11 @@ class Harness:
     """
     sp = self.step_program
     outs = [self.controller.run(sp.eval_program, {**state, **sp.feed(b)}) for b in batches]
-    parts = jax.device_get([f.result() for out in outs for f in out.values()])
+    futures = [f for out in outs for f in out.values()]
+    if processes.active():  # in order with the steps' metrics (the same thread and count)
+      parts = [self._host.submit(self._to_host, f, "eval").result() for f in futures]
+    else:
+      parts = jax.device_get([f.result() for f in futures])
     return {k: float(sum(np.float64(part[k]) for part in parts)) for k in step_lib.EVAL_KEYS}
 
   def with_controller(self, controller: Controller) -> "Harness":

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pwtrain import processes
+
 
 class IncompatibleCheckpoint(ValueError):
   """The checkpoint's arrays do not have this config's structure, shapes or dtypes."""
@@ -82,8 +84,13 @@ def fingerprint(state) -> dict:
       leaf = jnp.asarray(leaf)
     groups.setdefault(frozenset(leaf.sharding.device_set), []).append((path, leaf))
   result = {}
-  for members in groups.values():
-    values = jax.device_get(_fingerprints([leaf for _, leaf in members]))
+  key = processes.next_key("fingerprint")  # distributed mode: each island's processes tell
+  here = jax.process_index()
+  for n, (devices, members) in enumerate(groups.items()):
+    leaves = [leaf for _, leaf in members]
+    if any(d.process_index == here for d in devices):
+      leaves = _fingerprints(leaves)  # else only other processes hold them: to_host asks
+    values = processes.to_host(leaves, f"{key}/{n}")
     for (path, _), v in zip(members, values, strict=True):
       result[path_name(path)] = int(np.asarray(v))
   return result

@@ -53,9 +53,24 @@ def _connect_pathways() -> None:
   pathwaysutils.initialize()
 
 
+def _join_distributed(config) -> None:
+  """backend.mode='distributed': join the run's other processes on JAX's runtime before JAX
+  starts (backend/distributed.py); a bad setting or an unreachable coordinator is one line."""
+  if config.backend.mode != "distributed":
+    return
+  from pwtrain.backend import distributed
+
+  try:
+    distributed.initialize(config.backend)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
 def main(argv):
   del argv
   _connect_pathways()
+  if not _DRY_RUN.value:
+    _join_distributed(_CONFIG.value)
   if not flags.FLAGS["verbosity"].present:
     # Libraries stay quiet below WARNING (Orbax logs every save step at INFO); pwtrain's own
     # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.

@@ -1,11 +1,14 @@
 """`run(config, workdir)`: the whole training job, top to bottom."""
 
+import contextlib
 import dataclasses
 import logging
 import os
 
+import jax
+
 from pwtrain import config as config_lib
-from pwtrain import guard
+from pwtrain import guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace
@@ -17,6 +20,7 @@ from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
+from pwtrain.process_parts import ProcessParts
 from pwtrain.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,6 @@ class RunResult:
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
   if config.backend.mode == "remote":  # island workers, launched and restarted by the supervisor
-    import jax
-
     from pwtrain.backend.remote import supervisor
 
     sizes = plan_lib.island_sizes(config, jax.device_count())  # for launched workers
@@ -46,19 +48,33 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
 
 def _run(config, workdir: str, show_progress: bool) -> RunResult:
   workdir = workdir_lib.prepare(workdir)
-  with workdir_lib.WorkdirLock(workdir):  # one run per workdir
+  # Distributed mode: process 0 holds the workdir and builds the data first; every process
+  # writes its checkpoint shards to <workdir>/checkpoints and its own logs (metrics, traces) to
+  # its host directory, <workdir> for process 0 and <workdir>/processes/<i> for the others.
+  primary = jax.process_index() == 0
+  host_dir = workdir if primary else os.path.join(workdir, "processes", str(jax.process_index()))
+  os.makedirs(host_dir, exist_ok=True)
+  with workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext():
+    if not primary:
+      processes.barrier("data")
     tokenizer, batches = build_train_batches(config, workdir)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
+    if primary:
+      processes.barrier("data")
     trace = Trace() if config.backend.trace else None
     try:
       with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
-        return _train(config, harness, batches, eval_set, workdir, show_progress)
+        return _train(
+          config, harness, batches, eval_set, workdir, host_dir, show_progress and primary
+        )
     finally:
       if trace is not None:
-        trace.write(os.path.join(workdir, "trace.json"))
+        trace.write(os.path.join(host_dir, "trace.json"))
 
 
-def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool) -> RunResult:
+def _train(
+  config, harness, batches, eval_set, workdir: str, host_dir: str, show_progress: bool
+) -> RunResult:
   step_program, plan = harness.step_program, harness.plan
   remote = harness.cluster.remote
   ckpt = Checkpointer(
@@ -66,13 +82,13 @@ def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
-    part_writer=_part_writer() if remote else None,
+    part_writer=_part_writer(remote),
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
-  workdir_lib.save_config(workdir, config)  # what this start of the run used
+  workdir_lib.save_config(host_dir, config)  # what this start of the run used
   num_steps = config.train.num_steps
   logger = MetricsLogger(
-    workdir,
+    host_dir,
     start_step=start,
     num_steps=num_steps,
     log_every=config.train.log_every,
@@ -83,7 +99,7 @@ def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool
     exchange_bytes_per_step=step_program.exchange_bytes,
     show_progress=show_progress,
     wandb_run=metrics_lib.start_wandb(
-      config.metrics.wandb_project,
+      config.metrics.wandb_project if host_dir == workdir else "",  # process 0's alone
       config.metrics.wandb_entity,
       workdir,
       config.to_dict(),
@@ -91,8 +107,12 @@ def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool
     ),
   )
   monitor = guard.SpikeMonitor(config.train.rollback_after, config.train.max_rollbacks)
-  profiler = StepProfiler(workdir, config.train.profile_steps)
+  profiler = StepProfiler(host_dir, config.train.profile_steps)
   step = start
+  # Distributed mode: processes stop at one agreed step (pwtrain/processes.py).
+  agreement = None
+  if processes.active():
+    agreement = processes.StopAgreement(margin=config.backend.max_inflight_steps + 2)
   try:
     with StopRequest() as stop:
       while step < num_steps:
@@ -106,9 +126,10 @@ def _train(config, harness, batches, eval_set, workdir: str, show_progress: bool
           harness.controller.wait()  # the abandoned steps still in flight
           state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
           continue
-        if ckpt.should_save(step, num_steps) or stop.requested:
+        stopping = agreement.at(step, stop.requested) if agreement else stop.requested
+        if ckpt.should_save(step, num_steps) or stopping:
           ckpt.save(step, step_program.to_checkpoint(_saveable(state, remote)), batches.get_state())
-        if stop.requested:
+        if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
         if eval_set is not None and _eval_due(step, config.train.eval_every, num_steps):
@@ -214,11 +235,14 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   return state, target
 
 
-def _part_writer():
-  """Remote mode: each island worker writes its own part of a checkpoint."""
-  from pwtrain.backend.remote.saves import PendingSave
+def _part_writer(remote: bool):
+  """Remote mode: each island worker writes its own part of a checkpoint; distributed mode:
+  each process its islands' parts. Embedded: None (one Orbax save of the whole state)."""
+  if remote:
+    from pwtrain.backend.remote.saves import PendingSave
 
-  return PendingSave
+    return PendingSave
+  return ProcessParts if jax.process_count() > 1 else None
 
 
 def _saveable(state: dict, remote: bool) -> dict:

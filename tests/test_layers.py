@@ -16,6 +16,7 @@ FILE_LINES = 400
 # Lowest first. A component may import its own modules and those of lower layers only; the
 # components of one layer do not import each other.
 LAYERS = (
+  ("processes",),  # what a distributed run's processes say to each other on the host
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
@@ -28,6 +29,7 @@ LAYERS = (
     "guard",
     "metrics",
   ),
+  ("process_parts",),  # checkpoints written and read by each process of a distributed run
   # The model, the runtime, the data and the checkpoint store: independent of each other.
   ("models", "backend", "data", "checkpoint"),
   ("step",),  # the train step as pure functions of a model
@@ -35,7 +37,7 @@ LAYERS = (
   ("config",),  # validation and loading (reads the exchange modes)
   ("harness", "dryrun"),  # config -> a ready step; config -> a plan on paper
   ("train", "aot"),  # the training loop; the step compiled for a TPU topology
-  ("main", "sample"),  # entry points: training and the dry run; sampling
+  ("main", "sample", "launch"),  # entry points: training and the dry run; sampling; launcher
 )
 LAYER = {component: i for i, layer in enumerate(LAYERS) for component in layer}
 

@@ -28,6 +28,8 @@ from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
 from pwtrain.backend.trace import Trace
 
+CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
+
 
 @dataclasses.dataclass(frozen=True)
 class Executable:
@@ -157,6 +159,13 @@ class Controller:
       for i in cluster.islands
       if self._remote is None
     }
+    # Cross-process transfers, sent and received in program order from one thread: the
+    # transfers of a pair of processes are matched in the order each side starts them.
+    self._cross = _IslandScheduler(CROSS, trace, None) if self._remote is None else None
+    # Distributed mode: which islands have devices of this process. Every process walks every
+    # program in the same order but launches only its own islands' nodes; another process's
+    # node leaves a stand-in (an array with no data here) that a transfer can read from.
+    self._here = {i.name: _has_local_devices(i) for i in cluster.islands}
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -242,19 +251,38 @@ class Controller:
 
     for node in program.nodes:
       if isinstance(node, Node):
+        if not self._here[node.island]:  # another process runs it
+          futures[node.name] = _resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
+          continue
         launch = node.executable.compiled
         args = [resolve(r) for r in node.args]
       else:
         assert isinstance(node, Transfer)
+        src_here = isinstance(node.src, str) or self._here[_island_of(program, node.src)]
+        if not self._here[node.island] and not src_here:  # between two other processes
+          futures[node.name] = _resolved(_stand_in(_abstract(program, node, futures)))
+          continue
+        if not self._here[node.island] and isinstance(node.src, str):
+          futures[node.name] = _resolved(None)  # a host value: its island's process puts it
+          continue
+        # A cross-process transfer (this side sends or receives) goes to the one queue of such
+        # transfers, in program order on every process, and never holds the CPU lock.
+        if self._here[node.island] != src_here:
+          args = [resolve(node.src)]
+          futures[node.name] = self._enqueue(
+            node.name, node.island, _device_put(node.sharding), args, step, self._cross
+          )
+          continue
         launch = _device_put(node.sharding)
         args = [resolve(node.src)]
       futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
-  def _enqueue(self, name, island, launch, args, step) -> concurrent.futures.Future:
+  def _enqueue(self, name, island, launch, args, step, scheduler=None):
+    """Queues a launch on `island`'s scheduler (or `scheduler`); a future of its result."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace else None
-    self._schedulers[island].queue.put((name, launch, args, out, event))
+    (scheduler or self._schedulers[island]).queue.put((name, launch, args, out, event))
     return out
 
   def _bound_inflight(self):
@@ -276,6 +304,8 @@ class Controller:
   def close(self):
     for scheduler in self._schedulers.values():
       scheduler.stop()
+    if self._cross is not None:
+      self._cross.stop()
     if self._remote is not None:
       self._remote.close()
 
@@ -287,8 +317,9 @@ class Controller:
 
 
 def _block_ready(value) -> None:
-  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped."""
-  for x in jax.tree.leaves(value):
+  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped,
+  and so are those with no data on this process (distributed mode)."""
+  for x in _here(value):
     try:
       jax.block_until_ready(x)
     except jax.errors.JaxRuntimeError:
@@ -303,9 +334,48 @@ def _wait_outputs(futures: list) -> None:
   """
   for f in futures:
     try:
-      jax.block_until_ready(f.result())
+      jax.block_until_ready(_here(f.result()))
     except Exception:  # noqa: BLE001 - reported through `f` to the program's owner
       pass
+
+
+def _here(value) -> list:
+  """The leaves of `value` with data on this process (in distributed mode, another process's
+  node leaves arrays without any here; waiting on them would wait forever)."""
+  return [x for x in jax.tree.leaves(value) if not isinstance(x, jax.Array) or x.addressable_shards]
+
+
+def _has_local_devices(island) -> bool:
+  """Whether some of `island`'s devices belong to this process (always, outside distributed
+  mode; remote islands' stand-ins are local devices)."""
+  here = jax.process_index()
+  return any(getattr(d, "process_index", here) == here for d in island.devices)
+
+
+def _island_of(program: Program, ref) -> str:
+  """The island of the node whose output `ref` names."""
+  return next(n.island for n in program.nodes if n.name == ref[0])
+
+
+def _abstract(program: Program, transfer: Transfer, futures: dict):
+  """The shape and dtype of what `transfer` moves, with its destination sharding."""
+  src = futures[transfer.src[0]].result()
+  src = src[transfer.src[1]] if isinstance(src, tuple) else src
+  return jax.ShapeDtypeStruct(src.shape, src.dtype, sharding=transfer.sharding)
+
+
+def _stand_in(info):
+  """An array with `info`'s shape, dtype and sharding whose data all lives on other processes:
+  what this process holds of another process's node output."""
+  if info is None:
+    return None
+  return jax.make_array_from_single_device_arrays(info.shape, info.sharding, [], dtype=info.dtype)
+
+
+def _resolved(value) -> concurrent.futures.Future:
+  out: concurrent.futures.Future = concurrent.futures.Future()
+  out.set_result(value)
+  return out
 
 
 def _device_put(sharding):

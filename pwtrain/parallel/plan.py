@@ -181,7 +181,36 @@ def make_cluster(config, devices=None) -> Cluster:
       f"{sum(sizes)} devices; this machine has {len(devices)} (on CPU, simulate more with "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
     )
-  return Cluster.local(sizes, devices=devices)
+  cluster = Cluster.local(sizes, devices=devices)
+  if config.backend.mode == "distributed":
+    check_placement(cluster, devices)
+  return cluster
+
+
+def check_placement(cluster: Cluster, devices: list) -> None:
+  """Distributed mode: every island lies within one process, and every process holds one."""
+  processes: dict = {}
+  for d in devices:
+    processes[d.process_index] = processes.get(d.process_index, 0) + 1
+  sizes = [i.num_devices for i in cluster.islands]
+  how = (
+    f"parallel.islands={len(sizes)} of {sizes[0]} devices cannot be placed on "
+    f"{len(processes)} processes of {sorted(set(processes.values()))} devices"
+  )
+  for island in cluster.islands:
+    owners = sorted({d.process_index for d in island.devices})
+    if len(owners) > 1:
+      raise ValueError(
+        f"{how}: {island.name} would span processes {owners}, and in backend.mode="
+        "'distributed' an island lies within one process; make parallel.islands a multiple of "
+        f"the {len(processes)} processes (or start one process per island)"
+      )
+  idle = sorted(set(processes) - {i.devices[0].process_index for i in cluster.islands})
+  if idle:
+    raise ValueError(
+      f"{how}: process(es) {idle} would hold no island; start as many processes as the "
+      "islands need (pwtrain.launch --nproc), or more islands"
+    )
 
 
 def island_sizes(config, num_devices: int) -> list[int]:

@@ -1,0 +1,149 @@
+"""Distributed mode: this process joins JAX's own distributed runtime (`jax.distributed`).
+
+Every process of a run calls `initialize` before JAX touches a device. Afterwards
+`jax.devices()` lists every process's devices (sorted by process, then id), an island may hold
+the devices of one process or of several, and a computation on an island runs on the processes
+that own its devices (ordinary multi-controller SPMD within the island). Transfers between
+islands on different processes are JAX's cross-host transfers (`jax.device_put` between
+shardings on different processes, over the socket transport at
+`jax_cross_host_transfer_socket_address`); collectives inside a multi-process CPU island use
+gloo.
+
+Where a process finds its place, first that is set wins:
+  coordinator  backend.coordinator, $PWTRAIN_COORDINATOR
+  processes    backend.num_processes, $PWTRAIN_NUM_PROCESSES
+  process id   backend.process_id, $PWTRAIN_PROCESS_ID
+and when none of the three is set anywhere, JAX's cluster auto-detection (SLURM, Open MPI,
+GKE/Cloud TPU). The cross-host transfer socket listens on $PWTRAIN_TRANSFER_ADDRESS (the
+launcher gives each process a port), else on this host at a free port.
+
+What the processes then say to each other on the host (metrics, barriers, the step to stop
+at) goes through the coordination service's key-value store: pwtrain/processes.py.
+"""
+
+import dataclasses
+import os
+import socket
+import time
+
+import jax
+
+ENV = {
+  "coordinator": "PWTRAIN_COORDINATOR",
+  "num_processes": "PWTRAIN_NUM_PROCESSES",
+  "process_id": "PWTRAIN_PROCESS_ID",
+}
+UNSET = {"coordinator": "", "num_processes": 0, "process_id": -1}  # the config's defaults
+TRANSFER_ENV = "PWTRAIN_TRANSFER_ADDRESS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+  """Where this process stands in the run."""
+
+  coordinator: str  # "" when found by JAX's cluster auto-detection
+  num_processes: int
+  process_id: int
+
+
+def resolve(backend) -> Place | None:
+  """This process's place from the config's `backend` section and the environment; None when
+  neither says anything (JAX's cluster auto-detection decides). Raises ValueError naming the
+  setting when one is malformed or out of range."""
+  values = {}
+  for key, env in ENV.items():
+    value, setting = backend.get(key, UNSET[key]), f"backend.{key}"
+    if value == UNSET[key]:
+      value, setting = os.environ.get(env, ""), f"${env}"
+      if value == "":
+        continue
+    values[key] = (value, setting)
+  if not values:
+    return None
+  missing = [f"backend.{k} (or ${ENV[k]})" for k in ENV if k not in values]
+  if missing:
+    raise ValueError(
+      f"backend.mode='distributed' needs all of coordinator, num_processes and process_id "
+      f"when any is given; missing {', '.join(missing)}"
+    )
+  coordinator, where = values["coordinator"]
+  host, _, port = str(coordinator).rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"{where}={coordinator!r} is not 'host:port' (process 0 serves it)")
+  n, where_n = _integer(*values["num_processes"])
+  i, where_i = _integer(*values["process_id"])
+  if n < 1:
+    raise ValueError(f"{where_n}={n} must be >= 1")
+  if not 0 <= i < n:
+    raise ValueError(f"{where_i}={i} is out of range: process ids are 0..{n - 1} for {n} processes")
+  return Place(str(coordinator), n, i)
+
+
+def _integer(value, where: str) -> tuple[int, str]:
+  try:
+    return int(value), where
+  except (TypeError, ValueError):
+    raise ValueError(f"{where}={value!r} is not an integer") from None
+
+
+def initialize(backend) -> Place:
+  """Joins the run's processes (blocks until all have joined, at most
+  `backend.connect_timeout_s`); returns this process's place. Must run before JAX initialises
+  a backend. A coordinator that cannot be reached is one clear error, not a wall of logs."""
+  place = resolve(backend)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update(
+    "jax_cross_host_transfer_socket_address", os.environ.get(TRANSFER_ENV) or _free_address()
+  )
+  timeout = int(backend.get("connect_timeout_s", 60))
+  if place is not None and place.process_id != 0 and not _reachable(place.coordinator, timeout):
+    # JAX's client aborts the whole process (a fatal C++ log) when registration times out, so
+    # an absent coordinator is found here first.
+    raise ValueError(
+      f"process {place.process_id} of {place.num_processes} could not join the run at "
+      f"backend.coordinator={place.coordinator!r} within {timeout} s "
+      f"(backend.connect_timeout_s): nothing answers there; is process 0 running?"
+    )
+  try:
+    if place is None:
+      jax.distributed.initialize(initialization_timeout=timeout)
+      place = Place("", jax.process_count(), jax.process_index())
+    else:
+      jax.distributed.initialize(
+        place.coordinator, place.num_processes, place.process_id, initialization_timeout=timeout
+      )
+  except (RuntimeError, ValueError) as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if place is None:
+      raise ValueError(
+        "backend.mode='distributed' found no cluster to join (JAX's auto-detection: "
+        f"{first[:200]}): set backend.coordinator, backend.num_processes and "
+        "backend.process_id, or start the run with python -m pwtrain.launch"
+      ) from None
+    raise ValueError(
+      f"process {place.process_id} of {place.num_processes} could not join the run at "
+      f"backend.coordinator={place.coordinator!r} within {timeout} s "
+      f"(backend.connect_timeout_s): is process 0 running there, and are all "
+      f"{place.num_processes} processes started? ({first[:200]})"
+    ) from None
+  return place
+
+
+def _reachable(address: str, timeout_s: float) -> bool:
+  """Whether a TCP connection to `address` ("host:port") opens within `timeout_s`."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1.0):
+        return True
+    except OSError:
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(0.2)
+
+
+def _free_address() -> str:
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return f"{socket.gethostname()}:{s.getsockname()[1]}"

@@ -1,0 +1,248 @@
+"""The local launcher: N processes of `pwtrain.main` on this machine, one distributed run.
+
+  python -m pwtrain.launch --nproc=2 -- --config=configs/palm_tiny.py --workdir=/tmp/run \\
+      --config.parallel.islands=2 --config.parallel.pods=2
+
+starts process 0..N-1 of `python -m pwtrain.main <args> --config.backend.mode=distributed`
+with a coordinator on loopback (process 0 serves it) and, on CPU, `--devices_per_process`
+simulated devices each (default 8 / N, at least 1). Each process's output is echoed line by line
+prefixed "[p<i>] " and kept whole in <workdir>/launch/process<i>.log (or --log_dir).
+
+Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
+exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
+(SIGTERM, then SIGKILL after --grace_s); if the config's `fault.max_restarts` allows, it starts
+all of them again, and they resume from the last checkpoint. It exits with the worst status of
+the last attempt (0 when every process succeeded; a process killed by signal s counts as 128+s).
+
+On a cluster the scheduler starts the processes instead, e.g. under SLURM:
+  srun python -m pwtrain.main --config=... --config.backend.mode=distributed
+"""
+
+import argparse
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PREFIX = "[launch]"
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+    prog="python -m pwtrain.launch",
+    description="Start N processes of pwtrain.main as one distributed run on this machine.",
+  )
+  p.add_argument("--nproc", type=int, required=True, help="number of processes")
+  p.add_argument(
+    "--devices_per_process",
+    type=int,
+    default=0,
+    help="simulated CPU devices per process (0: 8 // nproc, at least 1); ignored off CPU",
+  )
+  p.add_argument("--log_dir", default="", help="default: <workdir>/launch")
+  p.add_argument("--grace_s", type=float, default=20.0, help="SIGTERM to SIGKILL when stopping")
+  p.add_argument(
+    "--max_restarts",
+    type=int,
+    default=-1,
+    help="restarts after a process dies (-1: the config's fault.max_restarts)",
+  )
+  p.add_argument("main_args", nargs=argparse.REMAINDER, help="-- then pwtrain.main's flags")
+  args = p.parse_args(argv)
+  if args.main_args and args.main_args[0] == "--":
+    args.main_args = args.main_args[1:]
+  if args.nproc < 1:
+    p.error(f"--nproc={args.nproc} must be >= 1")
+  if not any(a.startswith("--config=") or a == "--config" for a in args.main_args):
+    p.error("give pwtrain.main's flags after --, at least --config=<file>")
+  return args
+
+
+def _flag(args: list[str], name: str, default: str = "") -> str:
+  """The value of `--name=value` (or `--name value`) among pwtrain.main's flags."""
+  for i, a in enumerate(args):
+    if a.startswith(f"--{name}="):
+      return a.split("=", 1)[1]
+    if a == f"--{name}" and i + 1 < len(args):
+      return args[i + 1]
+  return default
+
+
+def max_restarts(main_args: list[str]) -> int:
+  """fault.max_restarts of the config the processes will load (with its command-line
+  override)."""
+  override = _flag(main_args, "config.fault.max_restarts")
+  if override:
+    return int(override)
+  from pwtrain import config as config_lib
+
+  return int(config_lib.load(_flag(main_args, "config")).fault.max_restarts)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(i: int, n: int, coordinator: str, devices: int) -> dict:
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device" not in f]
+  env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+  env.update(
+    PWTRAIN_COORDINATOR=coordinator,
+    PWTRAIN_NUM_PROCESSES=str(n),
+    PWTRAIN_PROCESS_ID=str(i),
+    PWTRAIN_TRANSFER_ADDRESS=f"127.0.0.1:{free_port()}",
+    PYTHONUNBUFFERED="1",
+  )
+  return env
+
+
+class Attempt:
+  """One start of all N processes; echoes and keeps their output."""
+
+  def __init__(self, args, log_dir: str, attempt: int):
+    n = args.nproc
+    devices = args.devices_per_process or max(1, 8 // n)
+    coordinator = f"127.0.0.1:{free_port()}"
+    command = [
+      sys.executable,
+      "-m",
+      "pwtrain.main",
+      *args.main_args,
+      "--config.backend.mode=distributed",
+    ]
+    mode = "w" if attempt == 0 else "a"
+    self.logs = [open(os.path.join(log_dir, f"process{i}.log"), mode) for i in range(n)]
+    self.procs = []
+    for i in range(n):
+      if attempt:
+        self.logs[i].write(f"{PREFIX} restart {attempt}\n")
+      self.procs.append(
+        subprocess.Popen(
+          command,
+          env=child_env(i, n, coordinator, devices),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,  # our signals reach them only as we forward them
+        )
+      )
+    self.echo = threading.Thread(target=self._echo, daemon=True)
+    self.echo.start()
+
+  def _echo(self):
+    selector = selectors.DefaultSelector()
+    for i, proc in enumerate(self.procs):
+      selector.register(proc.stdout, selectors.EVENT_READ, i)
+    open_streams = len(self.procs)
+    while open_streams:
+      for key, _ in selector.select():
+        line = key.fileobj.readline()
+        if not line:
+          selector.unregister(key.fileobj)
+          open_streams -= 1
+          continue
+        text = line.decode(errors="replace")
+        self.logs[key.data].write(text)
+        self.logs[key.data].flush()
+        sys.stdout.write(f"[p{key.data}] {text}")
+        sys.stdout.flush()
+
+  def signal_all(self, sig) -> None:
+    for proc in self.procs:
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+          pass
+
+  def stop(self, grace_s: float) -> None:
+    self.signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+      time.sleep(0.05)
+    self.signal_all(signal.SIGKILL)
+    for p in self.procs:
+      p.wait()
+
+  def close(self) -> None:
+    self.echo.join(timeout=5)
+    for log in self.logs:
+      log.close()
+
+
+def status(code: int) -> int:
+  """An exit status as a shell shows it: killed by signal s -> 128 + s."""
+  return 128 - code if code < 0 else code
+
+
+def describe(code: int) -> str:
+  if code < 0:
+    return f"was killed by {signal.Signals(-code).name}"
+  return f"exited with status {code}"
+
+
+def run(args) -> int:
+  log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
+  os.makedirs(log_dir, exist_ok=True)
+  restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
+  stopping = threading.Event()
+  current: list[Attempt] = []
+
+  def forward(signum, frame):
+    del frame
+    stopping.set()
+    print(f"{PREFIX} {signal.Signals(signum).name}: asking every process to checkpoint and stop")
+    if current:
+      current[-1].signal_all(signal.SIGTERM)
+
+  signal.signal(signal.SIGINT, forward)
+  signal.signal(signal.SIGTERM, forward)
+  attempt = 0
+  while True:
+    current.append(Attempt(args, log_dir, attempt))
+    procs = current[-1].procs
+    failed = None
+    stop_at = None
+    while any(p.poll() is None for p in procs):
+      if stopping.is_set():  # asked to stop: processes past the grace period are killed
+        stop_at = stop_at or time.monotonic() + args.grace_s
+        if time.monotonic() > stop_at:
+          print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
+          current[-1].signal_all(signal.SIGKILL)
+      failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      if failed is not None and not stopping.is_set():
+        print(
+          f"{PREFIX} process {failed} (pid {procs[failed].pid}) "
+          f"{describe(procs[failed].returncode)}; stopping the other processes"
+        )
+        sys.stdout.flush()
+        current[-1].stop(min(args.grace_s, 5.0))  # the others cannot finish a step now
+        break
+      time.sleep(0.05)
+    for p in procs:
+      p.wait()
+    current[-1].close()
+    codes = [p.returncode for p in procs]
+    worst = max(status(c) for c in codes)
+    if worst == 0 or stopping.is_set() or attempt >= restarts:
+      if worst and not stopping.is_set():
+        bad = [f"process {i} {describe(c)}" for i, c in enumerate(codes) if c]
+        print(f"{PREFIX} giving up after {attempt} restart(s): {'; '.join(bad)}")
+      return worst
+    attempt += 1
+    print(f"{PREFIX} restarting all {args.nproc} processes ({attempt} of {restarts})")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+  return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,113 @@
+"""Checkpoints of a distributed run (backend.mode="distributed"): each process writes the
+parts it holds and reads a checkpoint on the host.
+
+Orbax's multi-process save and restore take only arrays whose shardings span every process; an
+island here lives on one process, so each process writes its islands' arrays as parts
+(checkpoint_parts' format, committed by process 0) with an Orbax checkpointer of its own, and
+reads any checkpoint, parts or a whole-state item, on the host before putting each array onto
+its island.
+"""
+
+import os
+import threading
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from pwtrain import processes
+from pwtrain.checkpoint_parts import insert
+from pwtrain.integrity import fingerprint, path_name
+
+
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(
+    primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}"
+  )
+
+
+def process_checkpointer() -> ocp.StandardCheckpointer:
+  """An Orbax checkpointer of this process alone (no barriers with the run's other processes),
+  for parts that one process writes by itself."""
+  return ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
+
+
+def read_on_host(directory: str, abstract: dict) -> dict:
+  """{path: array} of the Orbax pytree checkpoint (a part, or a whole state item) in
+  `directory`, read by this process alone as host arrays and put into `abstract`'s shardings
+  ({path: ShapeDtypeStruct}). Distributed mode reads this way: Orbax's multi-process restore
+  takes only shardings that span every process, and an island here lives on one."""
+  handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_this_process_only())
+  tree = handler.metadata(epath.Path(directory)).tree
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as reader:
+    values = reader.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  out = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(values)[0]:
+    name = path_name(path)
+    out[name] = jax.device_put(np.asarray(value), abstract[name].sharding)
+  return out
+
+
+class ProcessParts:
+  """Distributed mode's part writer (Checkpointer's `part_writer`): this process writes the
+  arrays of the islands it holds, one part per island, as host arrays with an Orbax checkpointer
+  of its own (Orbax's multi-process save takes only arrays spread over every process, and an
+  island here lives on one); the commit then moves every process's parts into the step.
+
+  Every process writes into the same `pending` directory; `wait()` returns once all have
+  written (a barrier), with the whole state's fingerprints, which every process computes alike
+  (integrity.fingerprint asks the other processes for theirs). Then `parts` names every
+  process's parts on process 0, which commits them, and none elsewhere. Islands that span
+  processes are not supported yet."""
+
+  writes_arrays = True  # saves a state of jax.Arrays (PendingSave saves workers' references)
+
+  def __init__(self, state, pending: str):
+    me = jax.process_index()
+    self.pending = pending
+    groups: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      devices = frozenset(leaf.sharding.device_set)
+      groups.setdefault(devices, {})[path_name(path)] = leaf
+    self.parts, trees = {}, []
+    for n, (devices, leaves) in enumerate(groups.items()):
+      owners = {d.process_index for d in devices}
+      if me not in owners:
+        continue
+      if len(owners) > 1:
+        raise NotImplementedError(
+          "checkpoints in backend.mode='distributed' need every island within one process; "
+          f"an island here spans processes {sorted(owners)}"
+        )
+      tree: dict = {}
+      for name, leaf in leaves.items():
+        insert(tree, name, np.asarray(leaf))
+      name = f"process{me}-{n}"
+      self.parts[name] = os.path.join(pending, name)
+      trees.append((self.parts[name], tree))
+    self._fingerprints = fingerprint(state)
+    self._writer = threading.Thread(target=self._write, args=(trees,), daemon=True)
+    self._error: BaseException | None = None
+    self._writer.start()
+
+  def _write(self, trees) -> None:
+    try:
+      with process_checkpointer() as writer:
+        for path, tree in trees:
+          writer.save(path, tree)
+          writer.wait_until_finished()
+    except BaseException as e:  # noqa: BLE001 - raised by wait()
+      self._error = e
+
+  def wait(self) -> dict:
+    self._writer.join()
+    if self._error is not None:
+      raise self._error
+    processes.barrier(f"parts/{os.path.basename(self.pending)}")
+    self.parts = {}
+    if jax.process_index() == 0:
+      self.parts = {name: os.path.join(self.pending, name) for name in os.listdir(self.pending)}
+    return self._fingerprints

@@ -1,0 +1,134 @@
+"""What the processes of a distributed run (backend.mode="distributed", backend/distributed.py)
+say to each other on the host, through JAX's coordination service and its key-value store.
+
+Host values that only some processes hold (a step's metrics live on one island's process)
+reach the others with `to_host`; `barrier` waits for every process; `StopAgreement` makes them
+stop at one step. Outside a distributed run `to_host` is `jax.device_get` and `barrier` does
+nothing, so callers need no second path.
+"""
+
+import collections
+import itertools
+import json
+
+import jax
+import numpy as np
+
+
+def active() -> bool:
+  """Whether this process has joined a distributed run."""
+  from jax._src import distributed
+
+  return distributed.global_state.client is not None
+
+
+def _client():
+  from jax._src import distributed
+
+  return distributed.global_state.client
+
+
+def share(key: str, value) -> None:
+  """Publishes a tree of host scalars/arrays under `key` to every process (see `ask`)."""
+  _client().key_value_set(f"pwtrain/{key}", json.dumps(_encode(value)))
+
+
+def ask(key: str, timeout_s: float = 600.0):
+  """The value another process `share`d under `key`, waiting for it at most `timeout_s`."""
+  raw = _client().blocking_key_value_get(f"pwtrain/{key}", int(timeout_s * 1000))
+  return _decode(json.loads(raw))
+
+
+_COUNTS: dict = collections.defaultdict(itertools.count)
+
+
+def next_key(what: str) -> str:
+  """A key for `to_host` that no earlier call of this process used: "<what>/<n>" for the n-th
+  call with `what`. Processes that make their calls with one `what` in the same order (from one
+  thread) get the same keys."""
+  return f"{what}/{next(_COUNTS[what])}"
+
+
+class StopAgreement:
+  """Processes that agree on the step at which to stop (a SIGTERM reaches them at different
+  steps, but they must save the same checkpoint and stop together).
+
+  `at(step, requested)` is asked by every process after every step: the first process that was
+  asked to stop proposes `step + margin` through the key-value store (later proposals are
+  ignored), and every process stops once it has finished the proposed step. `margin` must cover
+  how far processes can run apart (the run-ahead bound, plus one)."""
+
+  KEY = "pwtrain/stop_at"
+
+  def __init__(self, margin: int):
+    self.margin = margin
+    self.proposed = False
+    self.stop_at: int | None = None
+
+  def at(self, step: int, requested: bool) -> bool:
+    client = _client()
+    if requested and not self.proposed:
+      self.proposed = True
+      try:
+        client.key_value_set(self.KEY, str(step + self.margin))
+      except Exception:  # noqa: BLE001 - another process proposed first: its step stands
+        pass
+    if self.stop_at is None:  # another process may have proposed: one local RPC per step
+      try:
+        self.stop_at = int(client.key_value_try_get(self.KEY))
+      except Exception:  # noqa: BLE001 - not found: nobody asked to stop yet
+        self.stop_at = None
+    if self.stop_at is not None and step > self.stop_at:
+      raise RuntimeError(
+        f"processes were asked to stop after step {self.stop_at} but this one is at {step}: "
+        "they ran further apart than the agreement's margin"
+      )
+    return self.stop_at == step
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+  """Waits until every process has reached the barrier `name` (no-op outside distributed
+  mode)."""
+  if active():
+    _client().wait_at_barrier(f"pwtrain/{name}", int(timeout_s * 1000))
+
+
+def to_host(tree, key: str, timeout_s: float = 600.0):
+  """`tree`'s arrays as numpy arrays, on every process alike (jax.device_get outside distributed
+  mode). An array whose data this process holds (on its own islands, or replicated across an
+  island it is part of) is read here, and the lowest such process publishes it under `key`; the
+  others wait for that. Every process must call it with the same `key`, which names this call
+  uniquely (say "metrics/<n>")."""
+  if not active():
+    return jax.device_get(tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for i, x in enumerate(leaves):
+    name = f"host/{key}/{i}"
+    if not isinstance(x, jax.Array):
+      out.append(np.asarray(x))
+    elif x.is_fully_addressable or (x.is_fully_replicated and x.addressable_shards):
+      value = np.asarray(x.addressable_shards[0].data if not x.is_fully_addressable else x)
+      if jax.process_index() == min(d.process_index for d in x.sharding.device_set):
+        share(name, value)
+      out.append(value)
+    else:
+      if x.addressable_shards:
+        raise NotImplementedError(
+          f"{key}: an array sharded across processes cannot be read on the host here"
+        )
+      out.append(ask(name, timeout_s))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _encode(value):
+  if isinstance(value, dict):
+    return {"dict": {k: _encode(v) for k, v in value.items()}}
+  a = np.asarray(value)
+  return {"array": a.tolist(), "dtype": a.dtype.str}
+
+
+def _decode(obj):
+  if "dict" in obj:
+    return {k: _decode(v) for k, v in obj["dict"].items()}
+  return np.asarray(obj["array"], dtype=np.dtype(obj["dtype"]))

@@ -1,0 +1,245 @@
+"""Distributed mode: islands as processes on JAX's own runtime, started by pwtrain.launch.
+
+Every run here is real processes on loopback: `python -m pwtrain.launch --nproc=N` starts N
+processes of `pwtrain.main`, each with 2 simulated CPU devices, a coordinator served by process
+0 and cross-process transfers over JAX's socket transport. The reference is the embedded run of
+the same config in this process (islands of 2 devices each, so every island's mesh is the same),
+and the comparison is bitwise: the same programs run on the same values, only the transfers
+between islands cross a process boundary.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, small_config
+
+from pwtrain import train
+
+PODS = {"parallel.islands": 2, "parallel.pods": 2}
+STAGES = {"parallel.islands": 2, "parallel.stages": 2, "train.num_microbatches": 2}
+COMMON = {"train.checkpoint_every": 4, "parallel.devices_per_island": 2, "train.eval_every": 6}
+
+
+def config_of(overrides: dict):
+  return small_config(**{**COMMON, **overrides})
+
+
+def flags_of(overrides: dict) -> list[str]:
+  """The config as pwtrain.main flags: conftest's small run plus `overrides`."""
+  from conftest import TINY
+
+  base = {
+    **TINY,
+    "data.max_files": 40,
+    "train.log_every": 2,
+    "train.num_steps": 12,
+    **COMMON,
+    **overrides,
+  }
+  return [f"--config.{k}={v}" for k, v in base.items()]
+
+
+def launch(workdir, nproc: int, overrides: dict, *, timeout=300, background=False, extra=()):
+  command = [
+    sys.executable,
+    "-m",
+    "pwtrain.launch",
+    f"--nproc={nproc}",
+    "--devices_per_process=2",
+    *extra,
+    "--",
+    f"--config={REPO / 'configs' / 'palm_tiny.py'}",
+    f"--workdir={workdir}",
+    *flags_of(overrides),
+  ]
+  if background:
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(workdir) -> dict:
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def final_state(config, workdir):
+  """The state of `workdir`'s last checkpoint, restored in embedded mode (by a run that has no
+  step left to train)."""
+  return train.run(config, str(workdir), show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def embedded_pods(tmp_path_factory):
+  return train.run(config_of(PODS), str(tmp_path_factory.mktemp("pods")), show_progress=False)
+
+
+def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
+  """2 pods (sync exchange) as 2 processes: every logged loss, both evaluations and the final
+  parameters and optimizer state equal the embedded run's bitwise; the distributed checkpoint
+  restores in embedded mode."""
+  result = launch(tmp_path, 2, PODS)
+  assert result.returncode == 0, result.stdout[-3000:]
+  want = {r["step"]: r["loss"] for r in embedded_pods.history}
+  got = losses(tmp_path)
+  assert sorted(got) == list(range(1, 13))
+  assert all(got[s] == want[s] for s in got), (got, want)
+  evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  evals = {r["step"]: r["eval_loss"] for r in evals if "eval_loss" in r}
+  assert evals == {e["step"]: e["eval_loss"] for e in embedded_pods.evals} and len(evals) == 2
+  assert os.path.isdir(tmp_path / "checkpoints" / "12" / "parts")
+  restored = final_state(config_of(PODS), tmp_path)
+  assert restored.start_step == 12
+  assert_same_state(embedded_pods.state, restored.state)
+  assert os.path.isfile(tmp_path / "launch" / "process1.log")
+  assert "[p1] " in result.stdout
+
+
+def test_pipeline_on_two_processes_equals_embedded(tmp_path):
+  """A 2-stage 1F1B pipeline, one stage per process: activations and gradients cross between
+  the processes every microbatch."""
+  embedded = train.run(config_of(STAGES), str(tmp_path / "embedded"), show_progress=False)
+  result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 6})
+  assert result.returncode == 0, result.stdout[-3000:]
+  want = {r["step"]: r["loss"] for r in embedded.history}
+  got = losses(tmp_path / "dist")
+  assert got and all(got[s] == want[s] for s in got), (got, want)
+
+
+def _process_pid(launcher: subprocess.Popen, index: int) -> int | None:
+  """The pid of the launcher's child with PWTRAIN_PROCESS_ID=index."""
+  children = subprocess.run(
+    ["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True, text=True
+  ).stdout.split()
+  for pid in children:
+    try:
+      env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+      continue
+    if f"PWTRAIN_PROCESS_ID={index}".encode() in env:
+      return int(pid)
+  return None
+
+
+def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
+  """SIGKILL process 1 after the step-4 checkpoint: the launcher names it, stops process 0,
+  starts both again (fault.max_restarts=1), they resume from the last checkpoint, and the run
+  ends with the uninterrupted run's parameters."""
+  launcher = launch(tmp_path, 2, {**PODS, "fault.max_restarts": 1}, background=True)
+  killed = []
+
+  def kill_after_first_checkpoint():
+    deadline = time.time() + 300
+    while time.time() < deadline and not killed:
+      pid = _process_pid(launcher, 1)
+      if os.path.isdir(tmp_path / "checkpoints" / "4") and pid:
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+      time.sleep(0.05)
+
+  killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+  killer.start()
+  out, _ = launcher.communicate(timeout=400)
+  killer.join(1)
+  text = out.decode(errors="replace")
+  assert killed, "process 1 was never killed"
+  assert launcher.returncode == 0, text[-3000:]
+  assert f"process 1 (pid {killed[0]}) was killed by SIGKILL" in text
+  assert "restarting all 2 processes (1 of 1)" in text
+  restored = final_state(config_of(PODS), tmp_path)
+  assert restored.start_step == 12
+  assert_same_state(embedded_pods.state, restored.state)
+
+
+def test_embedded_checkpoint_resumes_in_distributed_mode(embedded_pods, tmp_path):
+  """An embedded run's step-4 checkpoint, resumed by 2 processes to step 12: the uninterrupted
+  embedded run's losses and parameters."""
+  config = config_of(PODS)
+  config.train.num_steps = 4
+  train.run(config, str(tmp_path), show_progress=False)
+  result = launch(tmp_path, 2, PODS)
+  assert result.returncode == 0, result.stdout[-3000:]
+  want = {r["step"]: r["loss"] for r in embedded_pods.history}
+  got = losses(tmp_path)
+  assert all(got[s] == want[s] for s in got if s > 4)
+  assert_same_state(embedded_pods.state, final_state(config_of(PODS), tmp_path).state)
+
+
+def run_main(workdir, env: dict, overrides: dict, timeout=120):
+  """One pwtrain.main process with the distributed settings in `env`."""
+  return subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pwtrain.main",
+      f"--config={REPO / 'configs' / 'palm_tiny.py'}",
+      f"--workdir={workdir}",
+      "--config.backend.mode=distributed",
+      *flags_of(overrides),
+    ],
+    cwd=REPO,
+    env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env},
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def test_bad_distributed_settings_are_one_clear_line(tmp_path):
+  """A process id out of range, a coordinator nobody serves in time, and a layout whose islands
+  do not match the processes: each one line naming the setting, with nothing written."""
+  env = {"PWTRAIN_COORDINATOR": "127.0.0.1:1", "PWTRAIN_NUM_PROCESSES": "2"}
+  bad_id = run_main(tmp_path / "a", {**env, "PWTRAIN_PROCESS_ID": "2"}, PODS)
+  assert bad_id.returncode != 0
+  assert "$PWTRAIN_PROCESS_ID=2 is out of range: process ids are 0..1" in bad_id.stderr
+  assert "Traceback" not in bad_id.stderr
+  start = time.monotonic()
+  lonely = run_main(
+    tmp_path / "b",
+    {"PWTRAIN_COORDINATOR": "127.0.0.1:9", "PWTRAIN_NUM_PROCESSES": "2", "PWTRAIN_PROCESS_ID": "1"},
+    {**PODS, "backend.connect_timeout_s": 3},
+  )
+  assert lonely.returncode != 0 and time.monotonic() - start < 60
+  assert "could not join the run at backend.coordinator='127.0.0.1:9' within 3 s" in lonely.stderr
+  assert "Traceback" not in lonely.stderr
+  mismatch = launch(tmp_path / "c", 2, {"parallel.islands": 1, "parallel.devices_per_island": 4})
+  assert mismatch.returncode != 0
+  assert "island0 would span processes [0, 1]" in mismatch.stdout
+  for name in ("a", "b"):
+    assert not os.path.exists(tmp_path / name / "checkpoints")
+  assert not os.path.exists(tmp_path / "c" / "checkpoints" / "4")
+
+
+def test_sigterm_to_the_launcher_checkpoints_one_step_and_exits_0(tmp_path):
+  """SIGTERM to the launcher reaches every process; they agree on one step, checkpoint it
+  together and exit 0, and that checkpoint restores in embedded mode."""
+  launcher = launch(tmp_path, 2, {**PODS, "train.num_steps": 400}, background=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and not os.path.isdir(tmp_path / "checkpoints" / "4"):
+    time.sleep(0.05)
+  launcher.send_signal(signal.SIGTERM)
+  out, _ = launcher.communicate(timeout=120)
+  text = out.decode(errors="replace")
+  assert launcher.returncode == 0, text[-3000:]
+  stopped = re.findall(r"\[p(\d)\].*stop requested: checkpointed step (\d+)", text)
+  assert sorted(p for p, _ in stopped) == ["0", "1"], text[-3000:]
+  steps = {int(s) for _, s in stopped}
+  assert len(steps) == 1, stopped
+  step = steps.pop()
+  assert 4 < step < 400
+  config = config_of(PODS)
+  config.train.num_steps = step
+  assert final_state(config, tmp_path).start_step == step
