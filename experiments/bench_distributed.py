@@ -4,9 +4,10 @@ Run (about 10 minutes on 2 cores):
   python experiments/bench_distributed.py
   python experiments/bench_distributed.py --micro=4 --schedules=1f1b --steps=3 --out=/tmp/bd.json
 
-Each process is pinned to one intra-op thread (XLA:CPU's Eigen pool off) and holds one
-simulated device, so a process stands in for one accelerator and the two stages compute
-concurrently on the machine's two cores; nothing is replayed or counted from the schedule.
+Each process is pinned to a core of its own (the single-process runs to one core) and holds one
+simulated device per stage, so a process stands in for one accelerator and the two stages
+compute concurrently on the machine's two cores; nothing is replayed or counted from the
+schedule.
 
 For each schedule (GPipe, 1F1B) and microbatch count M:
   single      one process, one device, the same model and global batch as one SPMD step with M
@@ -19,6 +20,16 @@ Reported: median seconds per step over --repeats blocks of --steps steps (after 
 block), speedup single/distributed, the ideal S*M/(M+S-1) for S=2 stages, the fraction of it
 reached (target >= 0.9), and distributed over embedded step time (the overhead of processes
 and cross-host transfers against in-process transfers, on the same layout).
+
+Measured on 2 cores (`python experiments/bench_distributed.py`, 3 blocks of 3 steps, 8 rows
+per microbatch):
+  gpipe M=4: speedup 1.32 of bound 1.60 (0.83); 1f1b M=4: 1.08 (0.67)
+  gpipe M=8: speedup 1.53 of bound 1.78 (0.86); 1f1b M=8: 1.17 (0.66)
+  distributed / embedded step time: 0.63-0.95 (embedded runs one computation at a time)
+1F1B falls further short because its sends and receives alternate, and the transfers between
+two processes go from one queue in program order on each side, so a receive still waiting for
+its data holds back the next send. (A queue per side, sends apart from receives, hung in a
+trial here; why is not yet understood.)
 
 Caveat: 2 cores shared with the OS; each process also has Python threads (schedulers, the
 coordination client), so the machine is slightly oversubscribed.
@@ -34,10 +45,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE_THREAD = (
-  "--xla_force_host_platform_device_count={n} --xla_cpu_multi_thread_eigen=false "
-  "intra_op_parallelism_threads=1"
-)
+ONE_THREAD = "--xla_force_host_platform_device_count={n} --xla_cpu_multi_thread_eigen=false"
 MODEL = {
   "model.num_layers": 4,
   "model.d_model": 256,
@@ -57,7 +65,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--micro", default="4,8", help="microbatch counts M")
   p.add_argument("--schedules", default="gpipe,1f1b")
-  p.add_argument("--rows_per_micro", type=int, default=4, help="global batch = M x this")
+  p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=3, help="timed blocks")
   p.add_argument("--out", default="")
@@ -71,6 +79,10 @@ def parse_args(argv=None):
 def worker(job: dict) -> None:
   """Builds the job's step, runs a warm-up block and the timed blocks; process 0 writes the
   seconds per step of each block to job["out"]."""
+  # One core per process (os.sched_setaffinity): XLA:CPU sizes its thread pool by the cores
+  # it may use, and its flags do not pin it to one thread (measured: 2 cores busy either way).
+  index = int(os.environ.get("PWTRAIN_PROCESS_ID", "0"))
+  os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[index % len(os.sched_getaffinity(0))]})
   sys.path.insert(0, REPO)
   import ml_collections
 
