@@ -98,6 +98,7 @@ def child_env(i: int, n: int, coordinator: str, devices: int) -> dict:
     PWTRAIN_NUM_PROCESSES=str(n),
     PWTRAIN_PROCESS_ID=str(i),
     PWTRAIN_TRANSFER_ADDRESS=f"127.0.0.1:{free_port()}",
+    PWTRAIN_LAUNCHER_PID=str(os.getpid()),
     PYTHONUNBUFFERED="1",
   )
   return env

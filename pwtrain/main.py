@@ -5,6 +5,8 @@ Any config value can be overridden on the command line, e.g. `--config.train.num
 
 import logging as std_logging
 import os
+import sys
+import traceback
 
 # On a CPU-only machine, simulate 8 devices so that islands, meshes and pipelines have devices
 # to use (ignored by GPU/TPU backends). Must happen before JAX initialises; XLA_FLAGS set by the
@@ -60,6 +62,7 @@ def _join_distributed(config) -> None:
     return
   from pwtrain.backend import distributed
 
+  distributed.die_with_launcher()
   try:
     distributed.initialize(config.backend)
   except ValueError as e:
@@ -81,7 +84,20 @@ def main(argv):
   if _DRY_RUN.value:
     print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
     return
-  train.run(_CONFIG.value, _WORKDIR.value)
+  if _CONFIG.value.backend.mode != "distributed":
+    train.run(_CONFIG.value, _WORKDIR.value)
+    return
+  try:
+    train.run(_CONFIG.value, _WORKDIR.value)
+  except BaseException as e:  # noqa: BLE001 - exits below
+    # A failed process exits at once: an orderly exit would wait for threads blocked on the
+    # other processes and for jax.distributed's shutdown barrier, which they never reach.
+    code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+    if not isinstance(e, SystemExit):
+      traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ reads any checkpoint, parts or a whole-state item, on the host before putting ea
 its island.
 """
 
+import asyncio
 import os
 import threading
 
@@ -15,6 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.serialization import ocdbt_utils, type_handler_registry
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from pwtrain import processes
 from pwtrain.checkpoint_parts import insert
@@ -28,10 +31,39 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
   )
 
 
-def process_checkpointer() -> ocp.StandardCheckpointer:
-  """An Orbax checkpointer of this process alone (no barriers with the run's other processes),
-  for parts that one process writes by itself."""
-  return ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
+class _ThisProcessNumpy(ocp.type_handlers.NumpyHandler):
+  """Orbax's numpy handler, writing from this process. The stock one takes a numpy array to be
+  the same on every process and writes it from process 0 only, so another process's part would
+  be committed without its data (and Orbax refuses a jax.Array held by one process when there
+  are several). The same writes as the stock handler's, without the process-0 condition."""
+
+  async def _background_serialize(self, values, infos, args=None):
+    writes = []
+    for value, info, arg in zip(values, infos, args, strict=True):
+      await info.await_path_creation()
+      spec = ts_utils.build_array_write_spec(
+        info=info,
+        arg=arg,
+        global_shape=value.shape,
+        local_shape=value.shape,
+        dtype=value.dtype,
+        use_ocdbt=info.is_ocdbt_checkpoint,
+        process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+        metadata_key=self._metadata_key,
+      )
+      writes.append(self._open_and_write(value, spec.json, info.ts_context))
+    await asyncio.gather(*writes)
+
+
+def process_checkpointer() -> ocp.Checkpointer:
+  """An Orbax pytree checkpointer of this process alone (no barriers with the run's other
+  processes), for the numpy parts that one process writes by itself (save with
+  `ocp.args.PyTreeSave`)."""
+  registry = type_handler_registry.create_type_handler_registry((np.ndarray, _ThisProcessNumpy()))
+  handler = ocp.PyTreeCheckpointHandler(
+    multiprocessing_options=_this_process_only(), type_handler_registry=registry
+  )
+  return ocp.Checkpointer(handler, multiprocessing_options=_this_process_only())
 
 
 def read_on_host(directory: str, abstract: dict) -> dict:
@@ -97,8 +129,7 @@ class ProcessParts:
     try:
       with process_checkpointer() as writer:
         for path, tree in trees:
-          writer.save(path, tree)
-          writer.wait_until_finished()
+          writer.save(path, args=ocp.args.PyTreeSave(tree))
     except BaseException as e:  # noqa: BLE001 - raised by wait()
       self._error = e
 

@@ -117,6 +117,10 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   want = {r["step"]: r["loss"] for r in embedded.history}
   got = losses(tmp_path / "dist")
   assert got and all(got[s] == want[s] for s in got), (got, want)
+  # Each process wrote its stage's part of the step-6 checkpoint: it restores in embedded mode.
+  config = config_of(STAGES)
+  config.train.num_steps = 6
+  assert final_state(config, tmp_path / "dist").start_step == 6
 
 
 def _process_pid(launcher: subprocess.Popen, index: int) -> int | None:
@@ -243,3 +247,53 @@ def test_sigterm_to_the_launcher_checkpoints_one_step_and_exits_0(tmp_path):
   config = config_of(PODS)
   config.train.num_steps = step
   assert final_state(config, tmp_path).start_step == step
+
+
+def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
+  """2 pods x 2 stages, one island per process: stage transfers within each pod and the
+  gradient exchange between the pods' stages all cross processes, and every process also walks
+  the transfers between two others."""
+  layout = {
+    "parallel.islands": 4,
+    "parallel.pods": 2,
+    "parallel.stages": 2,
+    "train.num_microbatches": 2,
+    "train.num_steps": 4,
+    "train.eval_every": 0,
+  }
+  embedded = train.run(config_of(layout), str(tmp_path / "embedded"), show_progress=False)
+  result = launch(tmp_path / "dist", 4, layout)
+  assert result.returncode == 0, result.stdout[-3000:]
+  want = {r["step"]: r["loss"] for r in embedded.history}
+  assert losses(tmp_path / "dist") == want
+  restored = final_state(config_of(layout), tmp_path / "dist")
+  assert restored.start_step == 4
+  assert_same_state(embedded.state, restored.state)
+
+
+def _running(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+  except FileNotFoundError:
+    return False
+
+
+def test_processes_die_with_a_killed_launcher(tmp_path):
+  """A launcher killed outright (SIGKILL: no chance to stop its processes) takes them with it
+  within seconds, instead of leaving them to hold the coordinator's port and the cores."""
+  launcher = launch(tmp_path, 2, {**PODS, "train.num_steps": 400}, background=True)
+  logs = [tmp_path / "launch" / f"process{i}.log" for i in (0, 1)]
+  deadline = time.time() + 120
+  while time.time() < deadline and not all(
+    log.exists() and "distributed service" in log.read_text() for log in logs
+  ):
+    time.sleep(0.1)
+  pids = [_process_pid(launcher, i) for i in (0, 1)]
+  assert all(pids), pids
+  launcher.kill()
+  launcher.wait()
+  deadline = time.time() + 10
+  while time.time() < deadline and any(_running(p) for p in pids):
+    time.sleep(0.1)
+  assert not any(_running(p) for p in pids), pids

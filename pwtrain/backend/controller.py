@@ -259,15 +259,14 @@ class Controller:
       else:
         assert isinstance(node, Transfer)
         src_here = isinstance(node.src, str) or self._here[_island_of(program, node.src)]
-        if not self._here[node.island] and not src_here:  # between two other processes
-          futures[node.name] = _resolved(_stand_in(_abstract(program, node, futures)))
-          continue
         if not self._here[node.island] and isinstance(node.src, str):
           futures[node.name] = _resolved(None)  # a host value: its island's process puts it
           continue
-        # A cross-process transfer (this side sends or receives) goes to the one queue of such
-        # transfers, in program order on every process, and never holds the CPU lock.
-        if self._here[node.island] != src_here:
+        # A cross-process transfer goes to the one queue of such transfers and never holds the
+        # CPU lock. Every process issues every one of them, in program order, including those
+        # between two other processes (on stand-ins, moving nothing here): JAX matches a
+        # cross-host transfer's two sides by how many each process has issued before it.
+        if not (self._here[node.island] and src_here):
           args = [resolve(node.src)]
           futures[node.name] = self._enqueue(
             node.name, node.island, _device_put(node.sharding), args, step, self._cross
@@ -355,13 +354,6 @@ def _has_local_devices(island) -> bool:
 def _island_of(program: Program, ref) -> str:
   """The island of the node whose output `ref` names."""
   return next(n.island for n in program.nodes if n.name == ref[0])
-
-
-def _abstract(program: Program, transfer: Transfer, futures: dict):
-  """The shape and dtype of what `transfer` moves, with its destination sharding."""
-  src = futures[transfer.src[0]].result()
-  src = src[transfer.src[1]] if isinstance(src, tuple) else src
-  return jax.ShapeDtypeStruct(src.shape, src.dtype, sharding=transfer.sharding)
 
 
 def _stand_in(info):

@@ -21,9 +21,12 @@ What the processes then say to each other on the host (metrics, barriers, the st
 at) goes through the coordination service's key-value store: pwtrain/processes.py.
 """
 
+import ctypes
 import dataclasses
 import os
+import signal
 import socket
+import sys
 import time
 
 import jax
@@ -147,3 +150,16 @@ def _free_address() -> str:
   with socket.socket() as s:
     s.bind(("", 0))
     return f"{socket.gethostname()}:{s.getsockname()[1]}"
+
+
+def die_with_launcher() -> None:
+  """In a process `python -m pwtrain.launch` started: ask Linux to SIGKILL it when the launcher
+  dies, so a launcher killed without a chance to stop its processes (SIGKILL, a timeout) leaves
+  no orphans behind holding the coordinator's port and the machine's cores."""
+  launcher = os.environ.get("PWTRAIN_LAUNCHER_PID")
+  if not launcher or not sys.platform.startswith("linux"):
+    return
+  pr_set_pdeathsig = 1
+  ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+  if os.getppid() != int(launcher):  # it died before the request took effect
+    os._exit(1)
