@@ -168,6 +168,28 @@ def test_trace_is_chrome_json(tmp_path):
     assert b["ts"] >= a["ts"] + a["dur"] - 1e-3
 
 
+def test_traced_completion_survives_donated_outputs():
+  """Run concurrently (no serialization), the completion watcher meets outputs that their
+  successor has already donated: it skips them, stamps every node, and keeps watching."""
+  cluster = Cluster.local([1] * 8)
+  trace = Trace()
+  with Controller(cluster, trace=trace, serialize_execution=False) as controller:
+    sharding = NamedSharding(cluster["island0"].mesh({"data": 1}), PartitionSpec())
+    arg = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=sharding)
+    first = controller.compile("first", heavy, "island0", (arg,), out_shardings=sharding)
+    donating = controller.compile(
+      "donating", heavy, "island0", (arg,), out_shardings=sharding, donate_argnums=(0,)
+    )
+    program = Program((Node("a", first, ("x",)), Node("b", donating, (("a", 0),))), {"y": ("b", 0)})
+    for _ in range(3):
+      controller.run(program, {"x": np.eye(512, dtype=np.float32)})
+    controller.wait()
+    deadline = time.time() + 30
+    while any(e.done is None for e in trace.events) and time.time() < deadline:
+      time.sleep(0.01)
+  assert len(trace.events) == 6 and all(e.done is not None for e in trace.events)
+
+
 def test_max_inflight_bounds_run_ahead():
   cluster = Cluster.local(1)
   with Controller(cluster, max_inflight=1) as controller:

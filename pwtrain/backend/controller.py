@@ -318,10 +318,10 @@ class Controller:
 def _block_ready(value) -> None:
   """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped,
   and so are those with no data on this process (distributed mode)."""
-  for x in _here(value):
+  for x in jax.tree.leaves(value):
     try:
-      jax.block_until_ready(x)
-    except jax.errors.JaxRuntimeError:
+      jax.block_until_ready(_here(x))
+    except RuntimeError:  # JaxRuntimeError too
       pass  # donated to a successor: its completion is stamped on the successor's event
 
 
