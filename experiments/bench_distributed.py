@@ -1,8 +1,9 @@
 """Distributed mode, measured: a 2-stage pipeline as 2 processes that really run at once.
 
-Run (about 10 minutes on 2 cores):
+Run (about 20 minutes on 2 cores):
   python experiments/bench_distributed.py
-  python experiments/bench_distributed.py --micro=4 --schedules=1f1b --steps=3 --out=/tmp/bd.json
+  python experiments/bench_distributed.py --sections=pipeline --micro=4 --schedules=1f1b
+  python experiments/bench_distributed.py --sections=memory,pods --steps=2
 
 Each process is pinned to a core of its own (the single-process runs to one core) and holds one
 simulated device per stage, so a process stands in for one accelerator and the two stages
@@ -27,9 +28,26 @@ per microbatch):
   gpipe M=8: speedup 1.53 of bound 1.78 (0.86); 1f1b M=8: 1.17 (0.66)
   distributed / embedded step time: 0.63-0.95 (embedded runs one computation at a time)
 1F1B falls further short because its sends and receives alternate, and the transfers between
-two processes go from one queue in program order on each side, so a receive still waiting for
-its data holds back the next send. (A queue per side, sends apart from receives, hung in a
-trial here; why is not yet understood.)
+processes go from one queue in program order on every process: a send waits there for its
+source computation, holding back the receives behind it. The order cannot be relaxed: JAX pairs
+the two sides of a cross-host transfer by how many transfers each process has issued before it
+(which is also why a queue of sends apart from a queue of receives hung in a trial).
+
+--sections=memory: for each schedule at the largest M, one more step of the distributed
+pipeline traced on each process: the bytes of live arrays on the process's device (parameters,
+optimizer state, and the activations and residuals kept between computations; not XLA's
+temporaries inside one computation), sampled at every node's dispatch, launch and completion.
+Reported per stage: before the step, the peak during it, and the difference.
+--sections=pods: 2 data-parallel pods as 2 processes (one device each), exchange sync /
+overlapped / stale: the median step time and, from one traced step on each process (launch and
+completion stamps of its own computations, exact since they run one at a time, and of the
+transfers it takes part in), the fraction of its pod's exchange work (gradients arriving from
+the other pod, the reduction) started and finished before its last backward computation ended,
+and the fraction of the exchange's run time before that moment ("hidden"), averaged over pods.
+
+Measured (`--sections=memory,pods --steps=2`): live bytes before the step 22.9 MB per stage;
+peak GPipe 39.9 / 39.9 MB, 1F1B 27.9 / 27.9 MB (M=8). Pods hidden: sync 0.00 (step 0.645 s,
+exchange 90.7 ms), overlapped 0.74 (0.776 s, 359.9 ms), stale 0.30 (0.624 s, 88.3 ms).
 
 Caveat: 2 cores shared with the OS; each process also has Python threads (schedulers, the
 coordination client), so the machine is slightly oversubscribed.
@@ -43,6 +61,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+
+import common
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_THREAD = "--xla_force_host_platform_device_count={n} --xla_cpu_multi_thread_eigen=false"
@@ -59,6 +80,13 @@ MODEL = {
   "optim.warmup_steps": 1,
   "train.num_steps": 1000,
 }
+PIPE = {"parallel.islands": 2, "parallel.stages": 2, "parallel.devices_per_island": 1}
+PODS = {
+  "parallel.islands": 2,
+  "parallel.pods": 2,
+  "parallel.devices_per_island": 1,
+  "train.global_batch": 16,
+}
 
 
 def parse_args(argv=None):
@@ -68,6 +96,8 @@ def parse_args(argv=None):
   p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=3, help="timed blocks")
+  p.add_argument("--sections", default="pipeline,memory,pods")
+  p.add_argument("--exchanges", default="sync,overlapped,stale", help="pods section modes")
   p.add_argument("--out", default="")
   p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: a JSON job
   return p.parse_args(argv)
@@ -77,8 +107,8 @@ def parse_args(argv=None):
 
 
 def worker(job: dict) -> None:
-  """Builds the job's step, runs a warm-up block and the timed blocks; process 0 writes the
-  seconds per step of each block to job["out"]."""
+  """Builds the job's step, runs a warm-up block and the timed blocks, then one traced step
+  (job["trace"]: "memory" or "overlap"); each process writes its result to job["out"].<index>."""
   # One core per process (os.sched_setaffinity): XLA:CPU sizes its thread pool by the cores
   # it may use, and its flags do not pin it to one thread (measured: 2 cores busy either way).
   index = int(os.environ.get("PWTRAIN_PROCESS_ID", "0"))
@@ -91,13 +121,13 @@ def worker(job: dict) -> None:
 
   if job["nproc"] > 1:
     distributed.initialize(ml_collections.ConfigDict({"connect_timeout_s": 60}))
-  import jax
   import numpy as np
 
   from pwtrain.harness import Harness
 
   config = config_lib.load(os.path.join(REPO, "configs", "palm_tiny.py"), job["overrides"])
-  harness = Harness.build(config)
+  trace = live_bytes_trace() if job.get("trace") else None
+  harness = Harness.build(config, trace=trace)
   batch_shape = (config.train.global_batch, config.data.seq_len)
   rng = np.random.default_rng(0)
   batch = {
@@ -115,20 +145,80 @@ def worker(job: dict) -> None:
     harness.controller.wait()
     if block:  # the first block compiles nothing but warms caches and threads
       blocks.append((time.perf_counter() - start) / job["steps"])
+  result = {"blocks": blocks}
+  if trace is not None:  # one more step, alone, with its events and live bytes
+    before = trace.reset_peak()
+    last = len(trace.events)
+    out = harness.step(state, batch, step)
+    out.metrics.result()
+    harness.controller.wait()
+    events = trace.events[last:]
+    deadline = time.monotonic() + 60  # transfers of carried values (stale) may still run
+    while any(e.done is None for e in events) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    result["live_bytes_before"] = before
+    result["peak_live_bytes"] = trace.peak
+    # This process's own computations and the transfers it takes part in, on the machine-wide
+    # monotonic clock (time.perf_counter), so that the processes' events compare.
+    t0 = trace.zero
+    result["events"] = [
+      {"name": e.name, "island": e.island, "launch": t0 + e.launch, "done": t0 + e.done}
+      for e in events
+      if e.launch is not None and e.done is not None
+    ]
   harness.close()
-  if jax.process_index() == 0:
-    with open(job["out"], "w") as f:
-      json.dump(blocks, f)
+  with open(f"{job['out']}.{index}", "w") as f:
+    json.dump(result, f)
 
 
-def run_job(nproc: int, overrides: dict, args, devices: int = 1) -> list[float]:
-  """Seconds per step of each timed block, from `nproc` processes of one device each (1: one
-  process of `devices` devices, no distributed runtime)."""
+def live_bytes_trace():
+  """A Trace that also samples the bytes of live arrays on this process's devices whenever it
+  stamps a time (every node's dispatch, launch and completion), keeping the peak. These are the
+  buffers the step holds between computations (parameters, optimizer state, activations and
+  residuals kept for later microbatches); XLA's temporaries inside one computation are not
+  arrays and are not counted. (XLA:CPU devices have no memory_stats.)"""
+  import jax
+
+  from pwtrain.backend import Trace
+
+  def live_bytes() -> int:
+    total = 0
+    for array in jax.live_arrays():
+      try:
+        total += sum(s.data.nbytes for s in array.addressable_shards)
+      except RuntimeError:  # deleted (donated) since the list was taken
+        pass
+    return total
+
+  class LiveBytes(Trace):
+    peak = 0
+
+    @property
+    def zero(self) -> float:
+      """time.perf_counter() at this trace's time 0."""
+      return self._t0
+
+    def now(self) -> float:
+      self.peak = max(self.peak, live_bytes())
+      return super().now()
+
+    def reset_peak(self) -> int:
+      """Starts a new peak; the live bytes now."""
+      self.peak = live_bytes()
+      return self.peak
+
+  return LiveBytes()
+
+
+def run_job(nproc: int, overrides: dict, args, devices: int = 1, trace: str = "") -> list[dict]:
+  """Each process's result (seconds per step of each timed block, and with `trace` the traced
+  step's figures), from `nproc` processes of one device each (1: one process of `devices`
+  devices, no distributed runtime)."""
   from pwtrain import launch
 
   out = tempfile.mktemp(suffix=".json")
   job = {"nproc": nproc, "overrides": overrides, "steps": args.steps, "repeats": args.repeats}
-  job["out"] = out
+  job.update(out=out, trace=trace)
   port = launch.free_port()
   procs = []
   for i in range(nproc):
@@ -143,30 +233,23 @@ def run_job(nproc: int, overrides: dict, args, devices: int = 1) -> list[float]:
     _, err = p.communicate(timeout=1200)
     if p.returncode:
       raise RuntimeError(f"a benchmark process failed:\n{err.decode()[-3000:]}")
-  with open(out) as f:
-    return json.load(f)
+  results = []
+  for i in range(nproc):
+    with open(f"{out}.{i}") as f:
+      results.append(json.load(f))
+    os.remove(f"{out}.{i}")
+  return results
 
 
-def main(argv=None) -> None:
-  args = parse_args(argv)
-  if args.worker:
-    worker(json.loads(args.worker))
-    return
-  sys.path.insert(0, REPO)
+def pipeline_section(args) -> dict:
   rows, results = [], {}
   for m in [int(x) for x in args.micro.split(",")]:
     base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
-    single = run_job(1, base, args)
+    single = run_job(1, base, args)[0]["blocks"]
     for schedule in args.schedules.split(","):
-      pipe = {
-        **base,
-        "parallel.islands": 2,
-        "parallel.stages": 2,
-        "parallel.schedule": schedule,
-        "parallel.devices_per_island": 1,
-      }
-      embedded = run_job(1, pipe, args, devices=2)
-      dist = run_job(2, {**pipe, "backend.mode": "distributed"}, args)
+      pipe = {**base, **PIPE, "parallel.schedule": schedule}
+      embedded = run_job(1, pipe, args, devices=2)[0]["blocks"]
+      dist = run_job(2, {**pipe, "backend.mode": "distributed"}, args)[0]["blocks"]
       s, e, d = (statistics.median(x) for x in (single, embedded, dist))
       bound = 2 * m / (m + 1)
       key = f"{schedule} M={m}"
@@ -180,6 +263,71 @@ def main(argv=None) -> None:
       f"{schedule:8s} {m:2d} {s:7.3f} {e:9.3f} {d:12.3f} {speedup:8.2f} {bound:6.2f} "
       f"{frac:9.2f} {over:14.2f}"
     )
+  return results
+
+
+def memory_section(args) -> dict:
+  m = max(int(x) for x in args.micro.split(","))
+  base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
+  results = {}
+  print(f"\nPeak live bytes per stage during one step (2 processes, M={m}; MB = 2^20 bytes):")
+  print("schedule  stage  before step  peak   peak - before")
+  for schedule in args.schedules.split(","):
+    pipe = {**base, **PIPE, "parallel.schedule": schedule, "backend.mode": "distributed"}
+    per_stage = run_job(2, pipe, args, trace="memory")
+    results[schedule] = per_stage
+    for stage, r in enumerate(per_stage):
+      before, peak = r["live_bytes_before"] / 2**20, r["peak_live_bytes"] / 2**20
+      print(f"{schedule:8s} {stage:6d} {before:11.1f} {peak:6.1f} {peak - before:15.1f}")
+  return results
+
+
+def pods_section(args) -> dict:
+  results = {}
+  print("\n2 pods as 2 processes: exchange time hidden behind the backward (traced step):")
+  print("exchange    step s  exchange ms  started before  finished before  hidden")
+  for mode in args.exchanges.split(","):
+    overrides = {**MODEL, **PODS, "exchange.mode": mode, "backend.mode": "distributed"}
+    per_pod = run_job(2, overrides, args, trace="overlap")
+    overlap = exchange_overlap(per_pod)
+    results[mode] = {"blocks": per_pod[0]["blocks"], **overlap}
+    step = statistics.median(per_pod[0]["blocks"])
+    print(
+      f"{mode:10s} {step:7.3f} {overlap['exchange_ms']:12.1f} {overlap['started_before']:15.2f} "
+      f"{overlap['finished_before']:16.2f} {overlap['hidden_time']:7.2f}"
+    )
+  return results
+
+
+def exchange_overlap(per_process: list[dict]) -> dict:
+  """common.exchange_overlap over the pods' merged events. A gradient transfer q>p is traced on
+  both processes: it starts when both sides have issued it (the sender once the gradient is
+  computed; the receiver may post it earlier) and ends when the receiver has the data (the
+  later done). A computation is traced on its own process only."""
+  sides: dict = {}
+  for events in (r["events"] for r in per_process):
+    for e in events:
+      sides.setdefault(e["name"], []).append(e)
+  merged = [
+    types.SimpleNamespace(
+      name=name,
+      island=copies[0]["island"],
+      launch=max(c["launch"] for c in copies),
+      done=max(c["done"] for c in copies),
+    )
+    for name, copies in sides.items()
+  ]
+  return common.exchange_overlap(merged, serialized=True)
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  if args.worker:
+    worker(json.loads(args.worker))
+    return
+  sys.path.insert(0, REPO)
+  sections = {"pipeline": pipeline_section, "memory": memory_section, "pods": pods_section}
+  results = {name: sections[name](args) for name in args.sections.split(",")}
   load = os.getloadavg()[0]
   print(f"(load average {load:.1f} on {os.cpu_count()} cores)")
   if args.out:

@@ -39,8 +39,9 @@ compiled pieces between runs), --no_concurrent (skip the 1-device-island overlap
    once), so nothing runs concurrently and nothing is truly hidden: every node's time adds to
    the step. On CPU these fractions are STRUCTURAL: how much exchange work the schedule issues
    and completes before the backward ends, i.e. what could overlap on hardware that runs
-   transfers and compute at once. Under serialization a node's start is taken as the previous
-   node's end (the trace stamps `launch` only after the serialized computation has finished).
+   transfers and compute at once. Under serialization a node's start and end are exact: the
+   scheduler stamps `launch` just before the computation starts and `done` once it has finished,
+   both while holding the lock that runs one computation at a time.
    --concurrent line (unless --no_concurrent): the same two modes with pods of ONE device each
    (no collectives, so serialize_execution=False is safe), timed in alternating blocks and
    traced: here compute and transfers of the two pods do run at once (on the machine's cores),
@@ -95,8 +96,6 @@ VARIANTS = {
   "sync_int8": {"exchange.mode": "sync", "exchange.compression": "int8"},
 }
 SECTIONS = ("throughput", "overlap", "loss")
-BACKWARD = re.compile(r"^(\d+):(FB|B)\d+\.\d+$")
-EXCHANGE = re.compile(r"^(?:\d+>(\d+):g\d+|(\d+):(?:reduce|enc)\d+)$")
 
 
 def parse_args(argv=None):
@@ -138,48 +137,6 @@ def traced_step(side: common.Side, warmup: int = 1, serialize_execution=None) ->
     side.harness = harness
     controller.close()
   return [e for e in trace.events if e.step == warmup], ms
-
-
-def overlap(events: list, serialized: bool) -> dict:
-  """Exchange work started / finished / run before each pod's backward ends, averaged over pods.
-
-  Each event gets a start estimate: serialized, the end of the previous computation anywhere
-  (launch is stamped after the run); concurrent, the later of its launch and the previous end on
-  its island.
-  """
-  events = sorted(events, key=lambda e: e.launch)
-  start, prev, prev_island = {}, None, {}
-  for e in events:
-    if serialized:
-      start[e.name] = max(e.dispatch, prev if prev is not None else e.dispatch)
-      prev = e.launch
-    else:
-      start[e.name] = max(e.launch, prev_island.get(e.island, e.launch))
-      prev_island[e.island] = e.done
-  end = {e.name: e.launch if serialized else e.done for e in events}
-  pods = sorted({int(m.group(1)) for e in events if (m := BACKWARD.match(e.name))})
-  per_pod = []
-  for p in pods:
-    bwd_end = max(end[e.name] for e in events if (m := BACKWARD.match(e.name)) and int(m[1]) == p)
-    work = [e.name for e in events if (m := EXCHANGE.match(e.name)) and int(m[1] or m[2]) == p]
-    if not work:
-      continue
-    total = sum(max(end[n] - start[n], 0.0) for n in work)
-    before = sum(max(min(end[n], bwd_end) - start[n], 0.0) for n in work)
-    per_pod.append(
-      {
-        "pod": p,
-        "nodes": len(work),
-        "started_before": sum(start[n] < bwd_end for n in work) / len(work),
-        "finished_before": sum(end[n] <= bwd_end for n in work) / len(work),
-        "hidden_time": before / total if total > 0 else 0.0,
-        "exchange_ms": total * 1e3,
-        "order": [n for n in sorted(start, key=start.get) if n in work or n.startswith(f"{p}:")],
-      }
-    )
-  keys = ("started_before", "finished_before", "hidden_time", "exchange_ms")
-  mean = {k: statistics.mean(r[k] for r in per_pod) for k in keys} if per_pod else {}
-  return {**mean, "per_pod": per_pod}
 
 
 def state_waits_on(program) -> list:
@@ -333,7 +290,7 @@ def overlap_section(args, model, sides, batches) -> dict:
       config = common.load_config(args.config, {**model, **PODS, **VARIANTS[name]})
       side = make_side(config, batches)
     events, ms = traced_step(side)
-    out[name] = {"step_ms": ms, **overlap(events, serialized=True)}
+    out[name] = {"step_ms": ms, **common.exchange_overlap(events, serialized=True)}
   if not args.no_concurrent:
     conc = {}
     one = {**model, **PODS, "parallel.devices_per_island": 1, "train.global_batch": 8}
@@ -356,7 +313,7 @@ def overlap_section(args, model, sides, batches) -> dict:
           "step_ms": statistics.median(blocks[name]) * 1e3,
           "traced_step_ms": ms,
           "blocks_ms": [b * 1e3 for b in blocks[name]],
-          **overlap(events, serialized=False),
+          **common.exchange_overlap(events, serialized=False),
         }
         side.close()
   return out

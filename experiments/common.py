@@ -169,6 +169,52 @@ class Side:
     self.harness.close()
 
 
+# -- exchange overlap from a trace ----------------------------------------------------------------
+
+# Node names of the pod programs (parallel/pods.py): pod p's backward pieces, and the exchange
+# work its island runs (gradients from pod q arriving, p's reduction and encoding).
+BACKWARD = re.compile(r"^(\d+):(FB|B)\d+\.\d+$")
+EXCHANGE = re.compile(r"^(?:\d+>(\d+):g\d+|(\d+):(?:reduce|enc)\d+)$")
+
+
+def exchange_overlap(events: list, serialized: bool) -> dict:
+  """Exchange work started / finished / run before each pod's backward ends, averaged over pods.
+
+  Each event's start: serialized, its `launch` stamp (taken just before it ran, with nothing
+  else running); concurrent, the later of its launch and the previous end on its island (a launch
+  is asynchronous: the computation waits for the island's earlier ones). Its end is its `done`
+  stamp either way.
+  """
+  start, prev_island = {}, {}
+  for e in sorted(events, key=lambda e: e.launch):
+    start[e.name] = e.launch if serialized else max(e.launch, prev_island.get(e.island, e.launch))
+    prev_island[e.island] = e.done
+  end = {e.name: e.done for e in events}
+  pods = sorted({int(m.group(1)) for e in events if (m := BACKWARD.match(e.name))})
+  per_pod = []
+  for p in pods:
+    bwd_end = max(end[e.name] for e in events if (m := BACKWARD.match(e.name)) and int(m[1]) == p)
+    work = [e.name for e in events if (m := EXCHANGE.match(e.name)) and int(m[1] or m[2]) == p]
+    if not work:
+      continue
+    total = sum(max(end[n] - start[n], 0.0) for n in work)
+    before = sum(max(min(end[n], bwd_end) - start[n], 0.0) for n in work)
+    per_pod.append(
+      {
+        "pod": p,
+        "nodes": len(work),
+        "started_before": sum(start[n] < bwd_end for n in work) / len(work),
+        "finished_before": sum(end[n] <= bwd_end for n in work) / len(work),
+        "hidden_time": before / total if total > 0 else 0.0,
+        "exchange_ms": total * 1e3,
+        "order": [n for n in sorted(start, key=start.get) if n in work or n.startswith(f"{p}:")],
+      }
+    )
+  keys = ("started_before", "finished_before", "hidden_time", "exchange_ms")
+  mean = {k: statistics.mean(r[k] for r in per_pod) for k in keys} if per_pod else {}
+  return {**mean, "per_pod": per_pod}
+
+
 def median_ms(seconds: list[float]) -> float:
   return statistics.median(seconds) * 1e3
 
