@@ -68,12 +68,7 @@ import common
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_THREAD = "--xla_force_host_platform_device_count={n} --xla_cpu_multi_thread_eigen=false"
 MODEL = {
-  "model.num_layers": 4,
-  "model.d_model": 256,
-  "model.num_heads": 8,
-  "model.num_kv_heads": 1,
-  "model.head_dim": 32,
-  "model.d_ff": 1024,
+  **common.COMPARISON_MODEL,
   "data.seq_len": 128,
   "optim.name": "sgd",
   "optim.lr": 0.1,

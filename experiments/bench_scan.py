@@ -54,12 +54,7 @@ COMPILE_MODEL = {
   "optim.name": "adamw",
 }
 COMPARISON = {
-  "model.num_layers": 4,
-  "model.d_model": 256,
-  "model.num_heads": 8,
-  "model.num_kv_heads": 1,
-  "model.head_dim": 32,
-  "model.d_ff": 1024,
+  **common.COMPARISON_MODEL,
   "data.seq_len": 256,
   "train.global_batch": 16,
   "optim.name": "adamw",

@@ -32,6 +32,18 @@ def force_host_devices(num: int) -> None:
 
 # -- configs --------------------------------------------------------------------------------------
 
+# The comparison model of the scale benchmarks (issue-style "comparison config"): 4 layers,
+# d_model 256, 8 heads of 32 with one shared key/value head (multi-query), d_ff 1024. Each
+# benchmark adds its sequence length, batch and optimizer.
+COMPARISON_MODEL = {
+  "model.num_layers": 4,
+  "model.d_model": 256,
+  "model.num_heads": 8,
+  "model.num_kv_heads": 1,
+  "model.head_dim": 32,
+  "model.d_ff": 1024,
+}
+
 
 def add_config_args(parser, default: str = "palm_tiny") -> None:
   """--config (a config file; default configs/<default>.py) and repeatable --set KEY=VALUE."""

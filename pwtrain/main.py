@@ -84,12 +84,11 @@ def main(argv):
   if _DRY_RUN.value:
     print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
     return
-  if _CONFIG.value.backend.mode != "distributed":
-    train.run(_CONFIG.value, _WORKDIR.value)
-    return
   try:
     train.run(_CONFIG.value, _WORKDIR.value)
-  except BaseException as e:  # noqa: BLE001 - exits below
+  except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
+    if _CONFIG.value.backend.mode != "distributed":
+      raise
     # A failed process exits at once: an orderly exit would wait for threads blocked on the
     # other processes and for jax.distributed's shutdown barrier, which they never reach.
     code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1

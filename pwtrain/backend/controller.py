@@ -159,8 +159,8 @@ class Controller:
       for i in cluster.islands
       if self._remote is None
     }
-    # Cross-process transfers, sent and received in program order from one thread: the
-    # transfers of a pair of processes are matched in the order each side starts them.
+    # Cross-process transfers, sent and received in program order from one thread (see
+    # _dispatch_local: every process issues every one, in the same order).
     self._cross = _IslandScheduler(CROSS, trace, None) if self._remote is None else None
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
@@ -249,7 +249,9 @@ class Controller:
       node_name, index = ref
       return _select(futures[node_name], index)
 
+    island_of = {n.name: n.island for n in program.nodes}
     for node in program.nodes:
+      scheduler = None  # the island's
       if isinstance(node, Node):
         if not self._here[node.island]:  # another process runs it
           futures[node.name] = _resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
@@ -258,23 +260,20 @@ class Controller:
         args = [resolve(r) for r in node.args]
       else:
         assert isinstance(node, Transfer)
-        src_here = isinstance(node.src, str) or self._here[_island_of(program, node.src)]
-        if not self._here[node.island] and isinstance(node.src, str):
+        host_value = isinstance(node.src, str)
+        if not self._here[node.island] and host_value:
           futures[node.name] = _resolved(None)  # a host value: its island's process puts it
           continue
         # A cross-process transfer goes to the one queue of such transfers and never holds the
         # CPU lock. Every process issues every one of them, in program order, including those
         # between two other processes (on stand-ins, moving nothing here): JAX matches a
         # cross-host transfer's two sides by how many each process has issued before it.
+        src_here = host_value or self._here[island_of[node.src[0]]]
         if not (self._here[node.island] and src_here):
-          args = [resolve(node.src)]
-          futures[node.name] = self._enqueue(
-            node.name, node.island, _device_put(node.sharding), args, step, self._cross
-          )
-          continue
+          scheduler = self._cross
         launch = _device_put(node.sharding)
         args = [resolve(node.src)]
-      futures[node.name] = self._enqueue(node.name, node.island, launch, args, step)
+      futures[node.name] = self._enqueue(node.name, node.island, launch, args, step, scheduler)
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
   def _enqueue(self, name, island, launch, args, step, scheduler=None):
@@ -349,11 +348,6 @@ def _has_local_devices(island) -> bool:
   mode; remote islands' stand-ins are local devices)."""
   here = jax.process_index()
   return any(getattr(d, "process_index", here) == here for d in island.devices)
-
-
-def _island_of(program: Program, ref) -> str:
-  """The island of the node whose output `ref` names."""
-  return next(n.island for n in program.nodes if n.name == ref[0])
 
 
 def _stand_in(info):
