@@ -75,6 +75,10 @@ def get_config(arg=None):
   c.data.sp_vocab_size = 512
   c.data.seq_len = 128
   c.data.shuffle = True
+  # Independent packed streams the global batch's rows are split into (contiguous blocks, one
+  # per stream). 1 is one stream; in distributed mode set it to the pods (or a multiple) so that
+  # each process reads only its pods' rows (pwtrain/data/loader.py). Part of the data stream.
+  c.data.streams = 1
 
   c.train = ml_collections.ConfigDict()
   c.train.global_batch = 16

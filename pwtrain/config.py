@@ -4,6 +4,7 @@ import os
 
 from pwtrain import optim
 from pwtrain.backend import distributed
+from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
@@ -120,6 +121,7 @@ def validate(config) -> None:
     raise ValueError(
       f"data.tokenizer={config.data.tokenizer!r} is not a tokenizer; valid: {', '.join(TOKENIZERS)}"
     )
+  check_streams(config.data.streams, config.train.global_batch)
   if config.backend.mode not in BACKENDS:
     raise ValueError(
       f"backend.mode={config.backend.mode!r} is not a backend; valid: {', '.join(BACKENDS)}"

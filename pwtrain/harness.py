@@ -25,7 +25,7 @@ import numpy as np
 
 from pwtrain import optim, processes
 from pwtrain import step as step_lib
-from pwtrain.backend import Cluster, Controller, Program, ResourceManager, Trace
+from pwtrain.backend import Cluster, Controller, Node, Program, ResourceManager, Trace
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.plan import Plan
@@ -131,6 +131,21 @@ class Harness:
     if processes.active():  # the metrics live on one island's processes: read them on all
       metrics = self._host.submit(self._to_host, metrics, "metrics")
     return StepOutputs({k: out[k] for k in sp.state_keys}, metrics)
+
+  def rows_read_here(self) -> tuple[int, ...]:
+    """The rows of a global batch (train.global_batch rows) that nodes of this process read:
+    every row, except in distributed mode, where another process's island takes its rows of
+    the batch from its own process's reader. (The batch inputs go to the same islands in every
+    program of a layout.)"""
+    sp = self.step_program
+    feed_rows = sp.feed_rows(self.config.train.global_batch)
+    rows: set[int] = set()
+    for node in sp.program_for(0).nodes:
+      refs = node.args if isinstance(node, Node) else (node.src,)
+      for ref in refs:
+        if ref in feed_rows and self.controller.runs_here(node.island):
+          rows.update(feed_rows[ref])
+    return tuple(sorted(rows))
 
   @functools.cached_property
   def _host(self) -> concurrent.futures.ThreadPoolExecutor:

@@ -39,6 +39,19 @@ def ask(key: str, timeout_s: float = 600.0):
   return _decode(json.loads(raw))
 
 
+def gather(key: str, value, timeout_s: float = 600.0) -> list:
+  """Every process's JSON-serialisable `value` given under `key`, in process order, on every
+  process alike ([value] outside distributed mode). Every process must call it with `key`."""
+  if not active():
+    return [value]
+  client = _client()
+  client.key_value_set(f"pwtrain/{key}/{jax.process_index()}", json.dumps(value))
+  return [
+    json.loads(client.blocking_key_value_get(f"pwtrain/{key}/{i}", int(timeout_s * 1000)))
+    for i in range(jax.process_count())
+  ]
+
+
 _COUNTS: dict = collections.defaultdict(itertools.count)
 
 

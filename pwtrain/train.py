@@ -13,7 +13,13 @@ from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace
 from pwtrain.checkpoint import Checkpointer
-from pwtrain.data import build_eval_set, build_train_batches
+from pwtrain.data import (
+  TrainBatches,
+  build_eval_set,
+  merge_states,
+  open_train_source,
+  streams_of_rows,
+)
 from pwtrain.harness import Harness
 from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
@@ -57,13 +63,14 @@ def _run(config, workdir: str, show_progress: bool) -> RunResult:
   with workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext():
     if not primary:
       processes.barrier("data")
-    tokenizer, batches = build_train_batches(config, workdir)
+    tokenizer, source = open_train_source(config, workdir)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
     if primary:
       processes.barrier("data")
     trace = Trace() if config.backend.trace else None
     try:
       with Harness.build(config, trace=trace) as harness:  # closed last: waits for every step
+        batches = _train_batches(config, tokenizer, source, harness)
         return _train(
           config, harness, batches, eval_set, workdir, host_dir, show_progress and primary
         )
@@ -128,7 +135,8 @@ def _train(
           continue
         stopping = agreement.at(step, stop.requested) if agreement else stop.requested
         if ckpt.should_save(step, num_steps) or stopping:
-          ckpt.save(step, step_program.to_checkpoint(_saveable(state, remote)), batches.get_state())
+          whole = step_program.to_checkpoint(_saveable(state, remote))
+          ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -175,6 +183,30 @@ def _summary(logger: MetricsLogger, start: int, step: int, directory: str, lates
   log.info(
     "trained steps %d-%d of %d: %s%s; %s", start + 1, step, logger.num_steps, loss, speed, where
   )
+
+
+def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
+  """This process's reader of the training batches: the data streams whose rows its islands
+  read (every stream, except in distributed mode: loader.py on data.streams)."""
+  rows = harness.rows_read_here()
+  streams = streams_of_rows(config, rows)
+  if processes.active():
+    me, num = jax.process_index(), config.data.streams
+    per_stream = config.train.global_batch // num
+    log.info("process %d reads data streams %s of data.streams=%d", me, list(streams), num)
+    if len(streams) * per_stream > len(rows):
+      log.warning(
+        "process %d reads %d rows of each batch to use %d of them: data.streams=%d packs them "
+        "together; set it to the pods (or a multiple) to read only this process's rows",
+        me, len(streams) * per_stream, len(rows), num,
+      )  # fmt: skip
+  return TrainBatches(config, tokenizer, source, streams)
+
+
+def _data_state(batches: TrainBatches) -> dict:
+  """The data position to checkpoint, every stream's: in distributed mode each process reads
+  only some streams, so their positions are gathered from all processes."""
+  return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 
 def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):

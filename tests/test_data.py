@@ -10,7 +10,7 @@ import pytest
 from conftest import load_config
 
 from pwtrain.data import build_eval_set, build_tokenizer, build_train_batches, corpus
-from pwtrain.data.loader import TrainBatches
+from pwtrain.data.loader import TrainBatches, merge_states
 from pwtrain.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, sentencepiece_path
 
 
@@ -154,6 +154,80 @@ def test_resume_from_every_step():
     resumed = TrainBatches(config, tokenizer, docs)
     resumed.set_state(state)
     assert_same(take(resumed, 2), expected)
+
+
+class Recorded(list):
+  """A list of documents that notes which it was asked for."""
+
+  def __init__(self, docs):
+    super().__init__(docs)
+    self.read: set[int] = set()
+
+  def __getitem__(self, index):
+    self.read.add(index)
+    return super().__getitem__(index)
+
+
+def test_streams_read_alone_are_the_rows_of_the_whole_batch():
+  """data.streams=2: stream i fills rows [4i, 4i+4) of each 8-row batch from its own documents;
+  a reader of one stream reads only those documents, gives the same rows, and two such readers'
+  states merged resume a reader of both exactly."""
+  # 600 documents: the 30 batches read (and the reader's prefetch) stay within the first epoch.
+  docs = [{"text": bytes([ord("a") + i % 26]) * (5 + i % 11)} for i in range(600)]
+  config = make_config(**{"data.seq_len": 6, "train.global_batch": 8, "data.streams": 2})
+  tokenizer = ByteTokenizer()
+  whole = take(TrainBatches(config, tokenizer, docs), 30)
+  readers = {}
+  for stream in (0, 1):
+    source = Recorded(docs)
+    readers[stream] = TrainBatches(config, tokenizer, source, streams=[stream])
+    source.read.clear()  # construction checks a few documents
+    own = take(readers[stream], 30)
+    rows = slice(4 * stream, 4 * stream + 4)
+    other = slice(4 - 4 * stream, 8 - 4 * stream)
+    for mine, reference in zip(own, whole, strict=True):
+      np.testing.assert_array_equal(mine["inputs"][rows], reference["inputs"][rows])
+      np.testing.assert_array_equal(mine["targets"][rows], reference["targets"][rows])
+      assert (mine["targets"][other] == -1).all() and (mine["inputs"][other] == 0).all()
+    readers[stream].documents = source.read
+  assert readers[0].documents and readers[1].documents
+  assert not readers[0].documents & readers[1].documents  # each its own documents
+  assert len(readers[0].documents | readers[1].documents) < len(docs) / 2
+  # Not the single stream: streams pack apart (the batch's documents differ).
+  single = take(
+    TrainBatches(make_config(**{"data.seq_len": 6, "train.global_batch": 8}), tokenizer, docs), 1
+  )
+  assert not np.array_equal(single[0]["inputs"], whole[0]["inputs"])
+
+  merged = json.loads(json.dumps(merge_states([r.get_state() for r in readers.values()])))
+  resumed = TrainBatches(config, tokenizer, docs)
+  resumed.set_state(merged)
+  continued = TrainBatches(config, tokenizer, docs)
+  take(continued, 30)
+  assert_same(take(resumed, 5), take(continued, 5))
+  with pytest.raises(ValueError, match=r"lacks streams \[1\]"):
+    TrainBatches(config, tokenizer, docs).set_state(readers[0].get_state())
+
+
+def test_streams_setting_is_checked_and_part_of_the_stream(data_dir, tmp_path):
+  with pytest.raises(
+    ValueError, match=r"data.streams=3 must divide train.global_batch=4; valid: 1, 2, 4"
+  ):
+    build_train_batches(make_config(**{"data.streams": 3}), str(tmp_path))
+  _, one = build_train_batches(make_config(**{"data.data_dir": data_dir}), str(tmp_path))
+  take(one, 2)
+  state = one.get_state()
+  _, two = build_train_batches(
+    make_config(**{"data.data_dir": data_dir, "data.streams": 2}), str(tmp_path)
+  )
+  with pytest.raises(ValueError, match="data.streams: saved 1, now 2"):
+    two.set_state(state)
+  # A state saved before data.streams existed (format 1: one stream) still resumes.
+  old = {"format": 1, "stream": {k: v for k, v in state["stream"].items() if k != "data.streams"}}
+  old["grain"] = state["grain"]["0"]
+  _, resumed = build_train_batches(make_config(**{"data.data_dir": data_dir}), str(tmp_path))
+  resumed.set_state(json.loads(json.dumps(old)))
+  assert_same(take(resumed, 2), take(one, 2))
 
 
 def test_state_from_other_settings_is_refused(data_dir, tmp_path):

@@ -24,7 +24,8 @@ from conftest import REPO, small_config
 
 from pwtrain import train
 
-PODS = {"parallel.islands": 2, "parallel.pods": 2}
+# One data stream per pod: each process reads only its pod's rows (data/loader.py).
+PODS = {"parallel.islands": 2, "parallel.pods": 2, "data.streams": 2}
 STAGES = {"parallel.islands": 2, "parallel.stages": 2, "train.num_microbatches": 2}
 COMMON = {"train.checkpoint_every": 4, "parallel.devices_per_island": 2, "train.eval_every": 6}
 
@@ -106,6 +107,8 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   assert_same_state(embedded_pods.state, restored.state)
   assert os.path.isfile(tmp_path / "launch" / "process1.log")
   assert "[p1] " in result.stdout
+  for p in (0, 1):
+    assert f"process {p} reads data streams [{p}] of data.streams=2" in result.stdout
 
 
 def test_pipeline_on_two_processes_equals_embedded(tmp_path):
@@ -260,10 +263,15 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
     "train.num_microbatches": 2,
     "train.num_steps": 4,
     "train.eval_every": 0,
+    "data.streams": 2,
   }
   embedded = train.run(config_of(layout), str(tmp_path / "embedded"), show_progress=False)
   result = launch(tmp_path / "dist", 4, layout)
   assert result.returncode == 0, result.stdout[-3000:]
+  # Both stages of a pod read its rows (inputs on the first, targets on the last): one stream.
+  read = re.findall(r"process (\d) reads data streams \[(\d)\] of data.streams=2", result.stdout)
+  assert sorted(p for p, _ in read) == ["0", "1", "2", "3"]
+  assert sorted(s for _, s in read) == ["0", "0", "1", "1"]
   want = {r["step"]: r["loss"] for r in embedded.history}
   assert losses(tmp_path / "dist") == want
   restored = final_state(config_of(layout), tmp_path / "dist")

@@ -58,13 +58,12 @@ class Batches:
 
 
 def patch_batches(monkeypatch, **plan):
-  real = train.build_train_batches
+  real = train._train_batches
 
-  def build(config, workdir):
-    tokenizer, batches = real(config, workdir)
-    return tokenizer, Batches(batches, config.model.vocab_size, **plan)
+  def build(config, tokenizer, source, harness):
+    return Batches(real(config, tokenizer, source, harness), config.model.vocab_size, **plan)
 
-  monkeypatch.setattr(train, "build_train_batches", build)
+  monkeypatch.setattr(train, "_train_batches", build)
 
 
 def rows(workdir):

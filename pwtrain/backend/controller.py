@@ -173,6 +173,10 @@ class Controller:
     self._inflight: collections.deque = collections.deque()
     self._step = 0
 
+  def runs_here(self, island: str) -> bool:
+    """Whether this process launches `island`'s nodes (always, outside distributed mode)."""
+    return self._here[island]
+
   # -- compilation --------------------------------------------------------------------------
 
   def compile(

@@ -1,17 +1,25 @@
 """Training batches: a Grain pipeline from a random-access text source to packed token windows.
 
-  source -> shuffle(seed) -> repeat (reshuffled per epoch) -> tokenize + EOS -> (iterator)
-    -> concat-then-split into windows of seq_len + 1 -> batch -> {'inputs', 'targets'}
+  source -> shuffle(seed) -> repeat (reshuffled per epoch) -> [every k-th: stream i of k]
+    -> tokenize + EOS -> (iterator) -> concat-then-split into windows of seq_len + 1
+    -> batch -> {'inputs', 'targets'}
 
 Packing follows PaLM: documents are concatenated with EOS separators and cut into fixed windows,
 so no token is padding and long documents span several windows. The reader runs in-process (one
-prefetch thread), which keeps it deterministic and cheap next to the training step, and the whole
-iterator position is a small JSON state for the checkpoint.
+prefetch thread per stream), which keeps it deterministic and cheap next to the training step,
+and the whole iterator position is a small JSON state for the checkpoint.
+
+Streams (`data.streams` = k, default 1). Packing makes a window depend on every document before
+it, so one packed stream can only be read whole. With k streams, stream i packs documents i,
+i + k, i + 2k, ... of the shuffled sequence on its own and fills rows [i*B/k, (i+1)*B/k) of
+every batch of B rows. A reader may then read only some streams (distributed mode: the rows its
+processes' islands consume, e.g. one stream per pod); the batches are the same in every mode and
+process count for the same k. k = 1 is the single stream of before.
 """
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import grain
@@ -20,7 +28,9 @@ import numpy as np
 from pwtrain.data import corpus
 from pwtrain.data import tokenizer as tokenizer_lib
 
-STATE_FORMAT = 1
+# 2: one Grain state per stream read ("grain": {"<i>": state}); 1 (still read): one stream,
+# "grain": its state.
+STATE_FORMAT = 2
 
 # The target of a window position no document filled: negative, which carries no loss
 # (models.lm_loss), so that no real token id has to be given up for padding.
@@ -42,6 +52,7 @@ _STREAM_KEYS = (
   "data.tokenizer",
   "data.seq_len",
   "data.shuffle",
+  "data.streams",
 )
 
 
@@ -51,14 +62,25 @@ class TrainBatches:
   B = train.global_batch and L = data.seq_len; `targets` is `inputs` shifted left by one within
   each packed window of L + 1 tokens, with `NO_TARGET` (-1: no loss) wherever the window has no
   token.
+
+  `streams` (default: all of data.streams) are the streams this reader reads, possibly none;
+  the rows of the others hold inputs 0 and targets NO_TARGET, and whoever made the reader
+  promises not to use them (distributed mode: no island of this process consumes them).
   """
 
-  def __init__(self, config: Any, tokenizer: Any, source: Sequence[dict[str, Any]]):
+  def __init__(
+    self,
+    config: Any,
+    tokenizer: Any,
+    source: Sequence[dict[str, Any]],
+    streams: Collection[int] | None = None,
+  ):
     data_cfg = config.data
     if data_cfg.seq_len < 1:
       raise ValueError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}.")
     if config.train.global_batch < 1:
       raise ValueError(f"train.global_batch must be >= 1, got {config.train.global_batch}.")
+    check_streams(data_cfg.streams, config.train.global_batch)
     if config.seed < 0:
       raise ValueError(f"seed must be >= 0 (it seeds the data shuffle), got {config.seed}.")
     if tokenizer.vocab_size > config.model.vocab_size:
@@ -71,29 +93,47 @@ class TrainBatches:
     self.tokenizer = tokenizer
     self.seq_len = data_cfg.seq_len
     self.global_batch = config.train.global_batch
+    self.num_streams = data_cfg.streams
+    self.streams = tuple(range(self.num_streams) if streams is None else sorted(set(streams)))
+    if not set(self.streams) <= set(range(self.num_streams)):
+      raise ValueError(f"streams {self.streams} are not all below data.streams={self.num_streams}")
     self._stream = _stream_settings(config)
     seed = config.seed if data_cfg.shuffle else None
-    self._iterator = iter(
-      packed_batches(source, data_cfg.text_key, tokenizer, self.seq_len, self.global_batch, seed)
-    )
+    rows = self.global_batch // self.num_streams
+    self._iterators = {
+      i: iter(
+        packed_batches(
+          source, data_cfg.text_key, tokenizer, self.seq_len, rows, seed, (i, self.num_streams)
+        )
+      )
+      for i in self.streams
+    }
 
   def __iter__(self) -> "TrainBatches":
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return _inputs_and_targets(next(self._iterator))
+    parts = {i: _inputs_and_targets(next(it)) for i, it in self._iterators.items()}
+    shape, rows = (self.global_batch, self.seq_len), self.global_batch // self.num_streams
+    batch = {"inputs": np.zeros(shape, np.int32), "targets": np.full(shape, NO_TARGET, np.int32)}
+    for i, part in parts.items():
+      for key in batch:
+        batch[key][i * rows : (i + 1) * rows] = part[key]
+    return batch
 
   def get_state(self) -> dict[str, Any]:
-    """A JSON-serialisable position: the next batch after `set_state(state)` is this one's next."""
+    """A JSON-serialisable position of the streams read here: the next batch after
+    `set_state(state)` is this one's next. (Distributed mode merges the processes' states into
+    one with every stream: `merge_states`.)"""
     return {
       "format": STATE_FORMAT,
       "stream": dict(self._stream),
-      "grain": _to_json(self._iterator.get_state()),
+      "grain": {str(i): _to_json(it.get_state()) for i, it in self._iterators.items()},
     }
 
   def set_state(self, state: dict[str, Any]) -> None:
-    if state.get("format") != STATE_FORMAT:
-      raise ValueError(f"Unknown data iterator state format {state.get('format')!r}.")
+    """Restores the position of every stream read here from `state` (which may hold more)."""
+    state = _current_format(state)
     changed = {
       key: (value, self._stream.get(key))
       for key, value in state["stream"].items()
@@ -105,12 +145,56 @@ class TrainBatches:
         f"The data iterator state was saved with other settings ({details}); resuming would "
         f"produce a different token stream. Restore those settings or use a fresh workdir."
       )
-    self._iterator.set_state(_from_json(state["grain"]))
+    missing = [i for i in self._iterators if str(i) not in state["grain"]]
+    if missing:
+      raise ValueError(f"The data iterator state lacks streams {missing} of data.streams")
+    for i, it in self._iterators.items():
+      it.set_state(_from_json(state["grain"][str(i)]))
 
 
-def packed_batches(source, text_key: str, tokenizer, seq_len: int, batch: int, seed: int | None):
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """One state with the streams of all `states` (get_state of readers of one config that read
+  different streams; a stream read by several is at the same position in each)."""
+  merged = dict(states[0], grain={})
+  for state in states:
+    merged["grain"].update(state["grain"])
+  merged["grain"] = dict(sorted(merged["grain"].items(), key=lambda item: int(item[0])))
+  return merged
+
+
+def streams_of_rows(config: Any, rows: Collection[int]) -> tuple[int, ...]:
+  """The streams (of data.streams) that fill any of `rows` (rows of the global batch)."""
+  per_stream = config.train.global_batch // config.data.streams
+  return tuple(sorted({row // per_stream for row in rows}))
+
+
+def check_streams(streams: Any, global_batch: int) -> None:
+  """Raises ValueError unless `data.streams` is a positive divisor of train.global_batch."""
+  if not isinstance(streams, int) or streams < 1 or global_batch % streams:
+    valid = ", ".join(str(n) for n in range(1, global_batch + 1) if global_batch % n == 0)
+    raise ValueError(
+      f"data.streams={streams!r} must divide train.global_batch={global_batch}; valid: {valid}"
+    )
+
+
+def _current_format(state: dict[str, Any]) -> dict[str, Any]:
+  if state.get("format") == 1:  # one stream, saved before data.streams existed
+    return {
+      "format": STATE_FORMAT,
+      "stream": {**state["stream"], "data.streams": 1},
+      "grain": {"0": state["grain"]},
+    }
+  if state.get("format") != STATE_FORMAT:
+    raise ValueError(f"Unknown data iterator state format {state.get('format')!r}.")
+  return state
+
+
+def packed_batches(
+  source, text_key: str, tokenizer, seq_len: int, batch: int, seed: int | None, stream=(0, 1)
+):
   """The endless Grain pipeline of packed windows of seq_len + 1 tokens, `batch` per batch; the
-  documents shuffled (anew each epoch) with `seed`, or read in order when it is None."""
+  documents shuffled (anew each epoch) with `seed`, or read in order when it is None. `stream`
+  (i, k) packs only every k-th document from the i-th on (k = 1: all)."""
 
   def tokenize(example):
     tokens = tokenizer.encode(example[text_key])
@@ -125,7 +209,11 @@ def packed_batches(source, text_key: str, tokenizer, seq_len: int, batch: int, s
     shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
     ds = ds.shuffle(seed=shuffle_seed)
   # Endless: training stops by step count, evaluation by batch count.
-  ds = ds.repeat().map(tokenize)
+  ds = ds.repeat()
+  index, count = stream
+  if count > 1:
+    ds = ds[index::count]
+  ds = ds.map(tokenize)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=_PREFETCH_DOCS))
   ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
   return ds.batch(batch, drop_remainder=True)
@@ -166,10 +254,16 @@ def build_eval_set(config: Any, workdir: str, tokenizer: Any) -> EvalSet:
   return EvalSet(batches, num_bytes)
 
 
-def build_train_batches(config: Any, workdir: str) -> tuple[Any, TrainBatches]:
-  """Opens (preparing if needed) the corpus, builds the tokenizer, returns (tokenizer, batches)."""
+def open_train_source(config: Any, workdir: str) -> tuple[Any, Sequence[dict[str, Any]]]:
+  """Opens (preparing if needed) the training corpus and builds the tokenizer: (tokenizer,
+  source), what a TrainBatches is made from."""
   source = corpus.open_source(config.data, workdir)
-  tokenizer = tokenizer_lib.build_tokenizer(config.data, workdir, source=source)
+  return tokenizer_lib.build_tokenizer(config.data, workdir, source=source), source
+
+
+def build_train_batches(config: Any, workdir: str) -> tuple[Any, TrainBatches]:
+  """(tokenizer, batches of every stream) of the training corpus (open_train_source)."""
+  tokenizer, source = open_train_source(config, workdir)
   return tokenizer, TrainBatches(config, tokenizer, source)
 
 

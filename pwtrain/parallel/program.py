@@ -42,6 +42,10 @@ class StepProgram(Protocol):
     """A host batch {"inputs", "targets"} -> the program's batch inputs."""
     ...
 
+  def feed_rows(self, num_rows: int) -> dict[str, range]:
+    """For each batch input `feed` makes from a batch of `num_rows` rows: the rows it takes."""
+    ...
+
   def to_checkpoint(self, state: dict) -> dict:
     """The program's state values -> the whole-model train state, layers unrolled."""
     ...

@@ -48,6 +48,9 @@ class SpmdProgram:
   def feed(self, batch: dict) -> dict:
     return {"batch": batch}
 
+  def feed_rows(self, num_rows: int) -> dict[str, range]:
+    return {"batch": range(num_rows)}
+
   def to_checkpoint(self, state: dict) -> dict:
     return unstack_state(state["state"])
 

@@ -66,12 +66,18 @@ class PipelineProgram:
     Pod p takes the p-th contiguous slice of the global batch; within it rows m, m+M, ... form
     microbatch m (as gradient accumulation does).
     """
-    out, n = {}, len(batch["inputs"])
+    out = {}
+    for key, rows in self.feed_rows(len(batch["inputs"])).items():
+      column = batch["inputs" if key.startswith("tokens/") else "targets"]
+      out[key] = column[rows.start : rows.stop : rows.step]
+    return out
+
+  def feed_rows(self, num_rows: int) -> dict[str, range]:
+    out = {}
     for p in range(self.num_pods):
-      rows = slice(p * n // self.num_pods, (p + 1) * n // self.num_pods)
+      pod = range(p * num_rows // self.num_pods, (p + 1) * num_rows // self.num_pods)
       for m in range(self.num_micro):
-        out[f"tokens/{p}.{m}"] = batch["inputs"][rows][m :: self.num_micro]
-        out[f"targets/{p}.{m}"] = batch["targets"][rows][m :: self.num_micro]
+        out[f"tokens/{p}.{m}"] = out[f"targets/{p}.{m}"] = pod[m :: self.num_micro]
     return out
 
   def _pod_whole(self, state: dict, p: int) -> dict:
