@@ -89,7 +89,7 @@ def _train(
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
-    part_writer=_part_writer(remote),
+    part_writer=_part_writer(remote, plan),
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
   workdir_lib.save_config(host_dir, config)  # what this start of the run used
@@ -267,14 +267,24 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   return state, target
 
 
-def _part_writer(remote: bool):
+def _part_writer(remote: bool, plan):
   """Remote mode: each island worker writes its own part of a checkpoint; distributed mode:
-  each process its islands' parts. Embedded: None (one Orbax save of the whole state)."""
+  each process its islands' parts, unless the one island spans every process (then Orbax's own
+  multi-process save, every process writing its shards). Embedded: None (one Orbax save of the
+  whole state)."""
   if remote:
     from pwtrain.backend.remote.saves import PendingSave
 
     return PendingSave
-  return ProcessParts if jax.process_count() > 1 else None
+  if jax.process_count() == 1 or _spans_processes(plan):
+    return None
+  return ProcessParts
+
+
+def _spans_processes(plan) -> bool:
+  """Whether an island of `plan` has devices of several processes (distributed mode allows
+  that only for the one island: plan.check_placement)."""
+  return any(len({d.process_index for d in i.devices}) > 1 for i in plan.islands)
 
 
 def _saveable(state: dict, remote: bool) -> dict:

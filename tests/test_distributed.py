@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, small_config
+from conftest import REPO, SGD, assert_close, assert_trees_close, small_config
 
 from pwtrain import train
 
@@ -222,9 +222,12 @@ def test_bad_distributed_settings_are_one_clear_line(tmp_path):
   assert lonely.returncode != 0 and time.monotonic() - start < 60
   assert "could not join the run at backend.coordinator='127.0.0.1:9' within 3 s" in lonely.stderr
   assert "Traceback" not in lonely.stderr
-  mismatch = launch(tmp_path / "c", 2, {"parallel.islands": 1, "parallel.devices_per_island": 4})
+  # Two islands of 3 devices on 3 processes of 2: island0 would span processes 0 and 1.
+  mismatch = launch(tmp_path / "c", 3, {"parallel.islands": 2, "parallel.devices_per_island": 3})
   assert mismatch.returncode != 0
-  assert "island0 would span processes [0, 1]" in mismatch.stdout
+  assert "island0 would span processes [0, 1]; in backend.mode='distributed' an island" in (
+    mismatch.stdout
+  )
   for name in ("a", "b"):
     assert not os.path.exists(tmp_path / name / "checkpoints")
   assert not os.path.exists(tmp_path / "c" / "checkpoints" / "4")
@@ -277,6 +280,37 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   restored = final_state(config_of(layout), tmp_path / "dist")
   assert restored.start_step == 4
   assert_same_state(embedded.state, restored.state)
+
+
+def test_one_island_over_two_processes_equals_embedded(tmp_path):
+  """One island of 4 devices over 2 processes, its parameters sharded over all 4 (FSDP):
+  multi-controller SPMD, each process launching the step on its 2 devices, collectives across
+  processes by gloo, whose sums run in another order than one process's: losses and the final
+  state (SGD, whose state compares across layouts: conftest) equal the embedded run on 4
+  devices within the parity tolerance. The checkpoint is Orbax's own multi-process save (each
+  process writes its shards), resumes in distributed mode and restores in embedded mode."""
+  layout = {
+    "parallel.islands": 1,
+    "parallel.devices_per_island": 4,
+    "parallel.fsdp": 4,
+    "parallel.data": 1,
+    "train.num_steps": 6,
+    "train.eval_every": 0,
+    **SGD,
+  }
+  embedded = train.run(config_of(layout), str(tmp_path / "embedded"), show_progress=False)
+  first = launch(tmp_path / "dist", 2, {**layout, "train.num_steps": 4})
+  assert first.returncode == 0, first.stdout[-3000:]
+  assert os.path.isdir(tmp_path / "dist" / "checkpoints" / "4" / "state")  # not parts
+  second = launch(tmp_path / "dist", 2, layout)
+  assert second.returncode == 0, second.stdout[-3000:]
+  assert "resumed from step 4" in second.stdout
+  got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
+  assert sorted(got) == sorted(want) == list(range(1, 7))
+  assert_close([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], "losses")
+  restored = final_state(config_of(layout), tmp_path / "dist")
+  assert restored.start_step == 6
+  assert_trees_close(jax.device_get(restored.state), jax.device_get(embedded.state), "state")
 
 
 def _running(pid: int) -> bool:

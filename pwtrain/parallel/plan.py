@@ -188,7 +188,9 @@ def make_cluster(config, devices=None) -> Cluster:
 
 
 def check_placement(cluster: Cluster, devices: list) -> None:
-  """Distributed mode: every island lies within one process, and every process holds one."""
+  """Distributed mode: every process holds devices of an island, and an island either lies
+  within one process or is the only island (one SPMD mesh over every process: multi-controller
+  SPMD, each process launching the island's computations on its own devices)."""
   processes: dict = {}
   for d in devices:
     processes[d.process_index] = processes.get(d.process_index, 0) + 1
@@ -199,13 +201,14 @@ def check_placement(cluster: Cluster, devices: list) -> None:
   )
   for island in cluster.islands:
     owners = sorted({d.process_index for d in island.devices})
-    if len(owners) > 1:
+    if len(owners) > 1 and len(cluster.islands) > 1:
       raise ValueError(
-        f"{how}: {island.name} would span processes {owners}, and in backend.mode="
-        "'distributed' an island lies within one process; make parallel.islands a multiple of "
-        f"the {len(processes)} processes (or start one process per island)"
+        f"{how}: {island.name} would span processes {owners}; in backend.mode='distributed' "
+        "an island spans processes only when it is the only one (parallel.islands=1), else "
+        f"it lies within one process: make parallel.islands a multiple of the "
+        f"{len(processes)} processes (or start one process per island)"
       )
-  idle = sorted(set(processes) - {i.devices[0].process_index for i in cluster.islands})
+  idle = sorted(set(processes) - {d.process_index for i in cluster.islands for d in i.devices})
   if idle:
     raise ValueError(
       f"{how}: process(es) {idle} would hold no island; start as many processes as the "
