@@ -25,7 +25,15 @@ import numpy as np
 
 from pwtrain import optim, processes
 from pwtrain import step as step_lib
-from pwtrain.backend import Cluster, Controller, Node, Program, ResourceManager, Trace
+from pwtrain.backend import (
+  Cluster,
+  Controller,
+  Node,
+  Program,
+  ResourceManager,
+  Trace,
+  Transfer,
+)
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.plan import Plan
@@ -133,18 +141,23 @@ class Harness:
     return StepOutputs({k: out[k] for k in sp.state_keys}, metrics)
 
   def rows_read_here(self) -> tuple[int, ...]:
-    """The rows of a global batch (train.global_batch rows) that nodes of this process read:
-    every row, except in distributed mode, where another process's island takes its rows of
-    the batch from its own process's reader. (The batch inputs go to the same islands in every
-    program of a layout.)"""
-    sp = self.step_program
-    feed_rows = sp.feed_rows(self.config.train.global_batch)
+    """The rows of a global batch (train.global_batch rows) that this process feeds: every
+    row, except in distributed mode, where an island of another process takes its rows from its
+    own process's reader, and an island spanning processes takes from each process the rows its
+    devices there hold (controller: a host value onto such an island reads only those). The
+    batch inputs go to the same islands in every program of a layout."""
+    sp, shape = self.step_program, (self.config.train.global_batch, self.config.data.seq_len)
+    feed_rows = sp.feed_rows(shape[0])
     rows: set[int] = set()
     for node in sp.program_for(0).nodes:
-      refs = node.args if isinstance(node, Node) else (node.src,)
-      for ref in refs:
-        if ref in feed_rows and self.controller.runs_here(node.island):
-          rows.update(feed_rows[ref])
+      if not self.controller.runs_here(node.island):
+        continue
+      if isinstance(node, Transfer) and node.src in feed_rows:
+        fed = feed_rows[node.src]
+        local = node.sharding.addressable_devices_indices_map((len(fed), shape[1])).values()
+        rows.update(r for index in local for r in fed[index[0]])
+      elif isinstance(node, Node):  # takes a batch input as it is
+        rows.update(r for ref in node.args if ref in feed_rows for r in feed_rows[ref])
     return tuple(sorted(rows))
 
   @functools.cached_property

@@ -285,7 +285,8 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
 def test_one_island_over_two_processes_equals_embedded(tmp_path):
   """One island of 4 devices over 2 processes, its parameters sharded over all 4 (FSDP):
   multi-controller SPMD, each process launching the step on its 2 devices, collectives across
-  processes by gloo, whose sums run in another order than one process's: losses and the final
+  processes by gloo; each process reads and feeds only the batch rows its devices hold (one of
+  2 data streams). Gloo's sums run in another order than one process's: losses and the final
   state (SGD, whose state compares across layouts: conftest) equal the embedded run on 4
   devices within the parity tolerance. The checkpoint is Orbax's own multi-process save (each
   process writes its shards), resumes in distributed mode and restores in embedded mode."""
@@ -296,6 +297,7 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
     "parallel.data": 1,
     "train.num_steps": 6,
     "train.eval_every": 0,
+    "data.streams": 2,
     **SGD,
   }
   embedded = train.run(config_of(layout), str(tmp_path / "embedded"), show_progress=False)
@@ -305,6 +307,8 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   second = launch(tmp_path / "dist", 2, layout)
   assert second.returncode == 0, second.stdout[-3000:]
   assert "resumed from step 4" in second.stdout
+  for p in (0, 1):  # the batch rows on its 2 devices: one stream's
+    assert f"process {p} reads data streams [{p}] of data.streams=2" in second.stdout
   got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
   assert sorted(got) == sorted(want) == list(range(1, 7))
   assert_close([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], "losses")

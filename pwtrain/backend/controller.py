@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
@@ -369,7 +370,26 @@ def _resolved(value) -> concurrent.futures.Future:
 
 
 def _device_put(sharding):
-  return lambda x: jax.device_put(x, sharding)
+  """Puts a value onto `sharding` (one sharding, or a tree of them matching the value). A host
+  value onto a sharding over several processes (an island that spans them) is read only where
+  this process's devices hold it: each process feeds its own rows of a batch, and the others'
+  rows may be placeholders. Device values go in one jax.device_put call, as before: JAX pairs
+  a cross-process transfer's two sides by counting such calls on each process."""
+  spans_processes = not all(s.is_fully_addressable for s in jax.tree.leaves(sharding))
+
+  def put(x):
+    if not spans_processes or any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
+      return jax.device_put(x, sharding)
+    one = isinstance(sharding, jax.sharding.Sharding)
+    return jax.tree.map(_from_host, x, jax.tree.map(lambda _: sharding, x) if one else sharding)
+
+  return put
+
+
+def _from_host(value, sharding):
+  """The global array `sharding` makes of host `value`, reading only this process's shards."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _select(future: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
