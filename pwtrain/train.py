@@ -197,7 +197,8 @@ def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
     if len(streams) * per_stream > len(rows):
       log.warning(
         "process %d reads %d rows of each batch to use %d of them: data.streams=%d packs them "
-        "together; set it to the pods (or a multiple) to read only this process's rows",
+        "together; to read only this process's rows, make its rows whole streams (data.streams "
+        "= the pods, or the processes of an island that spans them, or a multiple)",
         me, len(streams) * per_stream, len(rows), num,
       )  # fmt: skip
   return TrainBatches(config, tokenizer, source, streams)
