@@ -22,16 +22,20 @@ block), speedup single/distributed, the ideal S*M/(M+S-1) for S=2 stages, the fr
 reached (target >= 0.9), and distributed over embedded step time (the overhead of processes
 and cross-host transfers against in-process transfers, on the same layout).
 
-Measured on 2 cores (`python experiments/bench_distributed.py`, 3 blocks of 3 steps, 8 rows
-per microbatch):
-  gpipe M=4: speedup 1.32 of bound 1.60 (0.83); 1f1b M=4: 1.08 (0.67)
-  gpipe M=8: speedup 1.53 of bound 1.78 (0.86); 1f1b M=8: 1.17 (0.66)
-  distributed / embedded step time: 0.63-0.95 (embedded runs one computation at a time)
-1F1B falls further short because its sends and receives alternate, and the transfers between
-processes go from one queue in program order on every process: a send waits there for its
-source computation, holding back the receives behind it. The order cannot be relaxed: JAX pairs
-the two sides of a cross-host transfer by how many transfers each process has issued before it
-(which is also why a queue of sends apart from a queue of receives hung in a trial).
+Measured on 2 cores (`python experiments/bench_distributed.py --sections=pipeline`, 3 blocks of
+3 steps, 8 rows per microbatch, load average 2.7):
+  gpipe M=4: speedup 1.56 of bound 1.60 (0.98); 1f1b M=4: 1.45 (0.90)
+  gpipe M=8: speedup 1.56 of bound 1.78 (0.88); 1f1b M=8: 0.99 (0.56)
+  distributed / embedded step time: 0.60-0.95 (embedded runs one computation at a time)
+Before c21650d: GPipe 0.83 / 0.86, 1F1B 0.67 / 0.66. A device runs a send issued after its next
+computation only after it; the controller now dispatches each transfer between processes right
+after the node it sends and starts a node only once the transfers before it were issued.
+1F1B at M=8 stays short: on XLA:CPU a receive blocks its process's one transfer queue until the
+peer has issued the send, and a send's data moves on the sender's device queue, so a receive
+posted while the sender already computes its next microbatch waits for that computation. The
+order cannot be relaxed: JAX pairs the two sides of a cross-host transfer by how many transfers
+each process has issued before it (which is also why a queue of sends apart from a queue of
+receives hung in a trial).
 
 --sections=memory: for each schedule at the largest M, one more step of the distributed
 pipeline traced on each process: the bytes of live arrays on the process's device (parameters,
