@@ -22,12 +22,12 @@ import threading
 from typing import Any
 
 import jax
-import numpy as np
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
 from pwtrain.backend.trace import Trace
+from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices, stand_in
 
 CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
 
@@ -168,7 +168,7 @@ class Controller:
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
     # node leaves a stand-in (an array with no data here) that a transfer can read from.
-    self._here = {i.name: _has_local_devices(i) for i in cluster.islands}
+    self._here = {i.name: has_local_devices(i) for i in cluster.islands}
     self._last_cross: concurrent.futures.Future | None = None  # the last one enqueued
     self._orders: dict = {}  # id(program) -> (program, its dispatch order)
     self._dispatch_lock = threading.Lock()
@@ -263,7 +263,7 @@ class Controller:
       scheduler = None  # the island's
       if isinstance(node, Node):
         if not self._here[node.island]:  # another process runs it
-          futures[node.name] = _resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
+          futures[node.name] = _resolved(jax.tree.map(stand_in, node.executable.compiled.out_info))
           continue
         launch = node.executable.compiled
         args = [resolve(r) for r in node.args]
@@ -280,7 +280,7 @@ class Controller:
         src_here = host_value or self._here[island_of[node.src[0]]]
         if not (self._here[node.island] and src_here):
           scheduler = self._cross
-        launch = _device_put(node.sharding)
+        launch = device_put(node.sharding)
         args = [resolve(node.src)]
       if scheduler is self._cross:
         futures[node.name] = self._enqueue(node.name, node.island, launch, args, step, scheduler)
@@ -296,27 +296,11 @@ class Controller:
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
   def _dispatch_order(self, program: Program) -> tuple:
-    """`program.nodes` with each transfer between islands of different processes moved up to
-    just after the node whose output it sends (in their order), so that a send is issued before
-    its island's next computation is launched (see _dispatch_local). A function of the program
-    and the cluster only: every process gets the same order, as JAX's pairing needs."""
+    """transfers.dispatch_order of `program`, once per program."""
     cached = self._orders.get(id(program))
-    if cached is not None and cached[0] is program:
-      return cached[1]
-    owners = {i.name: {d.process_index for d in i.devices} for i in self.cluster.islands}
-    island_of = {n.name: n.island for n in program.nodes}
-    after: dict[str, list] = {}
-    for node in program.nodes:
-      if isinstance(node, Transfer) and not isinstance(node.src, str):
-        if owners[island_of[node.src[0]]] != owners[node.island]:
-          after.setdefault(node.src[0], []).append(node)
-    hoisted = {t.name for ts in after.values() for t in ts}
-    order = []
-    for node in program.nodes:
-      if node.name not in hoisted:
-        order.extend([node, *after.get(node.name, ())])
-    self._orders[id(program)] = (program, tuple(order))
-    return self._orders[id(program)][1]
+    if cached is None or cached[0] is not program:
+      cached = self._orders[id(program)] = (program, dispatch_order(program, self.cluster.islands))
+    return cached[1]
 
   def _enqueue(self, name, island, launch, args, step, scheduler=None, after=None):
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
@@ -386,48 +370,10 @@ def _here(value) -> list:
   return [x for x in jax.tree.leaves(value) if not isinstance(x, jax.Array) or x.addressable_shards]
 
 
-def _has_local_devices(island) -> bool:
-  """Whether some of `island`'s devices belong to this process (always, outside distributed
-  mode; remote islands' stand-ins are local devices)."""
-  here = jax.process_index()
-  return any(getattr(d, "process_index", here) == here for d in island.devices)
-
-
-def _stand_in(info):
-  """An array with `info`'s shape, dtype and sharding whose data all lives on other processes:
-  what this process holds of another process's node output."""
-  if info is None:
-    return None
-  return jax.make_array_from_single_device_arrays(info.shape, info.sharding, [], dtype=info.dtype)
-
-
 def _resolved(value) -> concurrent.futures.Future:
   out: concurrent.futures.Future = concurrent.futures.Future()
   out.set_result(value)
   return out
-
-
-def _device_put(sharding):
-  """Puts a value onto `sharding` (one sharding, or a tree of them matching the value). A host
-  value onto a sharding over several processes (an island that spans them) is read only where
-  this process's devices hold it: each process feeds its own rows of a batch, and the others'
-  rows may be placeholders. Device values go in one jax.device_put call, as before: JAX pairs
-  a cross-process transfer's two sides by counting such calls on each process."""
-  spans_processes = not all(s.is_fully_addressable for s in jax.tree.leaves(sharding))
-
-  def put(x):
-    if not spans_processes or any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
-      return jax.device_put(x, sharding)
-    one = isinstance(sharding, jax.sharding.Sharding)
-    return jax.tree.map(_from_host, x, jax.tree.map(lambda _: sharding, x) if one else sharding)
-
-  return put
-
-
-def _from_host(value, sharding):
-  """The global array `sharding` makes of host `value`, reading only this process's shards."""
-  value = np.asarray(value)
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _select(future: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
