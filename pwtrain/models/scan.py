@@ -20,7 +20,10 @@ periods, so that the init's program does not grow with depth either.
 
 Forward. jax.lax.scan over the periods, the carry being the activation and the summed MoE stats
 (added in layer order, as the unrolled loop adds them). `model.remat` applies inside the scan
-body, to each block as in the unrolled model (jax.checkpoint with the policy of models/remat.py).
+body, to each block as in the unrolled model (jax.checkpoint with the policy of models/remat.py),
+except that at "none" a block is checkpointed too, keeping every matmul's output and recomputing
+the elementwise ops between them in the backward (remat.scanned_policy says why: what a scanned
+block keeps is stacked over the periods, at a cost the unrolled model does not pay).
 Router jitter draws from the caller's `jitter` stream in layer order, as unrolled: the k-th MoE
 layer run draws number c + k (c: the stream's count before the blocks), and the stream's count
 then moves past them.
@@ -147,9 +150,7 @@ def run(
       block_rngs = None if key is None else _rngs_at("jitter", key, count)
       return block.with_stats(x, positions, train=train, rngs=block_rngs)
 
-    if remat == "none":
-      return fn
-    return jax.checkpoint(fn, policy=remat_lib.policy(remat), prevent_cse=False)
+    return jax.checkpoint(fn, policy=remat_lib.scanned_policy(remat), prevent_cse=False)
 
   fns = [block_fn(graphdef) for graphdef, _ in splits]
 
