@@ -285,7 +285,7 @@ def _part_writer(remote: bool, plan):
 def _spans_processes(plan) -> bool:
   """Whether an island of `plan` has devices of several processes (distributed mode allows
   that only for the one island: plan.check_placement)."""
-  return any(len({d.process_index for d in i.devices}) > 1 for i in plan.islands)
+  return any(len(i.processes) > 1 for i in plan.islands)
 
 
 def _saveable(state: dict, remote: bool) -> dict:

@@ -26,6 +26,12 @@ class Island:
   def num_devices(self) -> int:
     return len(self.devices)
 
+  @property
+  def processes(self) -> frozenset:
+    """The indices of the processes whose devices make up this island (distributed mode: one,
+    or several for an island that spans processes; otherwise this process's)."""
+    return frozenset(d.process_index for d in self.devices)
+
   def mesh(self, shape: dict[str, int]) -> Mesh:
     """An SPMD mesh over this island's devices with the given named axis sizes."""
     sizes = tuple(shape.values())

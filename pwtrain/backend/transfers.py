@@ -16,7 +16,7 @@ def dispatch_order(program: Program, islands) -> tuple:
   computation only after that computation (Controller._dispatch_local). A function of the
   program and the islands only: every process gets the same order, as JAX's pairing of a
   cross-host transfer's two sides (by how many each process has issued) needs."""
-  owners = {i.name: {d.process_index for d in i.devices} for i in islands}
+  owners = {i.name: i.processes for i in islands}
   island_of = {n.name: n.island for n in program.nodes}
   after: dict[str, list] = {}
   for node in program.nodes:

@@ -200,7 +200,7 @@ def check_placement(cluster: Cluster, devices: list) -> None:
     f"{len(processes)} processes of {sorted(set(processes.values()))} devices"
   )
   for island in cluster.islands:
-    owners = sorted({d.process_index for d in island.devices})
+    owners = sorted(island.processes)
     if len(owners) > 1 and len(cluster.islands) > 1:
       raise ValueError(
         f"{how}: {island.name} would span processes {owners}; in backend.mode='distributed' "
@@ -208,7 +208,7 @@ def check_placement(cluster: Cluster, devices: list) -> None:
         f"it lies within one process: make parallel.islands a multiple of the "
         f"{len(processes)} processes (or start one process per island)"
       )
-  idle = sorted(set(processes) - {d.process_index for i in cluster.islands for d in i.devices})
+  idle = sorted(set(processes).difference(*(i.processes for i in cluster.islands)))
   if idle:
     raise ValueError(
       f"{how}: process(es) {idle} would hold no island; start as many processes as the "
