@@ -99,11 +99,17 @@ class TrainBatches:
       raise ValueError(f"streams {self.streams} are not all below data.streams={self.num_streams}")
     self._stream = _stream_settings(config)
     seed = config.seed if data_cfg.shuffle else None
-    rows = self.global_batch // self.num_streams
+    self.rows_per_stream = self.global_batch // self.num_streams
     self._iterators = {
       i: iter(
         packed_batches(
-          source, data_cfg.text_key, tokenizer, self.seq_len, rows, seed, (i, self.num_streams)
+          source,
+          data_cfg.text_key,
+          tokenizer,
+          self.seq_len,
+          self.rows_per_stream,
+          seed,
+          (i, self.num_streams),
         )
       )
       for i in self.streams
@@ -114,7 +120,7 @@ class TrainBatches:
 
   def __next__(self) -> dict[str, np.ndarray]:
     parts = {i: _inputs_and_targets(next(it)) for i, it in self._iterators.items()}
-    shape, rows = (self.global_batch, self.seq_len), self.global_batch // self.num_streams
+    shape, rows = (self.global_batch, self.seq_len), self.rows_per_stream
     batch = {"inputs": np.zeros(shape, np.int32), "targets": np.full(shape, NO_TARGET, np.int32)}
     for i, part in parts.items():
       for key in batch:
