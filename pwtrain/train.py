@@ -189,19 +189,18 @@ def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
   """This process's reader of the training batches: the data streams whose rows its islands
   read (every stream, except in distributed mode: loader.py on data.streams)."""
   rows = harness.rows_read_here()
-  streams = streams_of_rows(config, rows)
+  batches = TrainBatches(config, tokenizer, source, streams_of_rows(config, rows))
   if processes.active():
-    me, num = jax.process_index(), config.data.streams
-    per_stream = config.train.global_batch // num
-    log.info("process %d reads data streams %s of data.streams=%d", me, list(streams), num)
-    if len(streams) * per_stream > len(rows):
+    me, num, read = jax.process_index(), batches.num_streams, batches.streams
+    log.info("process %d reads data streams %s of data.streams=%d", me, list(read), num)
+    if len(read) * batches.rows_per_stream > len(rows):
       log.warning(
         "process %d reads %d rows of each batch to use %d of them: data.streams=%d packs them "
         "together; to read only this process's rows, make its rows whole streams (data.streams "
         "= the pods, or the processes of an island that spans them, or a multiple)",
-        me, len(streams) * per_stream, len(rows), num,
+        me, len(read) * batches.rows_per_stream, len(rows), num,
       )  # fmt: skip
-  return TrainBatches(config, tokenizer, source, streams)
+  return batches
 
 
 def _data_state(batches: TrainBatches) -> dict:
