@@ -170,7 +170,7 @@ class Controller:
     # node leaves a stand-in (an array with no data here) that a transfer can read from.
     self._here = {i.name: has_local_devices(i) for i in cluster.islands}
     self._last_cross: concurrent.futures.Future | None = None  # the last one enqueued
-    self._orders: dict = {}  # id(program) -> (program, its dispatch order)
+    self._prepared_programs: dict = {}  # id(program) -> (program, order, puts): _prepared
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -259,7 +259,8 @@ class Controller:
       return _select(futures[node_name], index)
 
     island_of = {n.name: n.island for n in program.nodes}
-    for node in self._dispatch_order(program):
+    order, puts = self._prepared(program)
+    for node in order:
       scheduler = None  # the island's
       if isinstance(node, Node):
         if not self._here[node.island]:  # another process runs it
@@ -280,7 +281,7 @@ class Controller:
         src_here = host_value or self._here[island_of[node.src[0]]]
         if not (self._here[node.island] and src_here):
           scheduler = self._cross
-        launch = device_put(node.sharding)
+        launch = puts[node.name]
         args = [resolve(node.src)]
       if scheduler is self._cross:
         futures[node.name] = self._enqueue(node.name, node.island, launch, args, step, scheduler)
@@ -295,12 +296,15 @@ class Controller:
         )
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
-  def _dispatch_order(self, program: Program) -> tuple:
-    """transfers.dispatch_order of `program`, once per program."""
-    cached = self._orders.get(id(program))
+  def _prepared(self, program: Program) -> tuple:
+    """(transfers.dispatch_order of `program`, {transfer name: its device_put}), made once per
+    program: the dispatch of every step reuses them."""
+    cached = self._prepared_programs.get(id(program))
     if cached is None or cached[0] is not program:
-      cached = self._orders[id(program)] = (program, dispatch_order(program, self.cluster.islands))
-    return cached[1]
+      order = dispatch_order(program, self.cluster.islands)
+      puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
+      cached = self._prepared_programs[id(program)] = (program, order, puts)
+    return cached[1:]
 
   def _enqueue(self, name, island, launch, args, step, scheduler=None, after=None):
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
