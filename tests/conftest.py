@@ -7,6 +7,12 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs a process's matmuls on a thread pool of max($NPROC or the cores, devices) threads,
+# and how Eigen splits a long contraction (a weight gradient over many tokens) between threads
+# decides the order of its sums. The same size in every process the tests start (remote workers
+# of 2 devices, distributed processes of 2 or 4, this one of 8) makes their runs comparable
+# bitwise, as on accelerators of one kind.
+os.environ.setdefault("NPROC", "8")
 # One XLA compilation cache per test session, inherited by the processes tests start (main runs,
 # remote workers): many tests compile the same tiny programs (every train.run of the same small
 # config, a worker's copy of a controller's program). A fresh directory each session, so nothing

@@ -118,8 +118,10 @@ def test_remat_applies_to_each_scanned_block():
     fns = step_lib.model_fns(config({"model.num_layers": 4}, *overrides).model)
     loss = lambda p: lm_loss(fns.module(p)(tokens), tokens)[0]
     residuals = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], fns.abstract_params)
-    # Activations: [batch, ...] unrolled, [layers, batch, ...] stacked by the scan.
-    acts = [x for x in jax.tree.leaves(residuals) if (3,) in (x.shape[:1], x.shape[1:2])]
+    # Activations: [batch, ...] or [batch * length, ...] (SwiGLU's rows) unrolled, with a
+    # leading [layers] stacked by the scan.
+    rows = {(3,), (3 * 32,)}
+    acts = [x for x in jax.tree.leaves(residuals) if rows & {x.shape[:1], x.shape[1:2]}]
     return sum(x.size * x.dtype.itemsize for x in acts)
 
   policies = ("none", "dots", "outputs", "full")
