@@ -19,12 +19,15 @@ state), so it fits by XLA's numbers too; FLOPs 1.02x the analytic count.
 
 Memory plan (the dry run's figures per chip; 3.6 GB is the train state, 3.1 GB FSDP-gathered
 weights and their unreduced gradients, the rest activations): a pod's 1024 sequences over
-fsdp=256 are 4 sequences, 8192 tokens, per chip. Saving every activation takes ~161 GB;
-remat "dots" keeps per token and layer the block input and the q, k, v, gate and up projections
-(64.5 kB instead of 164.9 kB) and recomputes only attention's scores and weighted sum (+0.4% of
-the FLOPs), but at one microbatch that is still 65 GB and at two 33 GB: four microbatches of one
-sequence per chip bring it to ~16 GB. "full" at two microbatches would fit too (~23 GB), at
-+22% FLOPs (every projection but wo and w_down recomputed).
+fsdp=256 are 4 sequences, 8192 tokens, per chip. Saving every activation (unrolled, remat
+"none") takes ~161 GB; remat "dots" keeps per token and layer the block input and the q, k, v,
+gate and up projections (64.5 kB instead of 164.9 kB) and recomputes only attention's scores and
+weighted sum (+0.4% of the FLOPs), but at one microbatch that is still 65 GB and at two 33 GB:
+four microbatches of one sequence per chip bring it to ~16 GB. "full" at two microbatches would
+fit too (~23 GB), at +22% FLOPs (every projection but wo and w_down recomputed). Scanned at
+"none", a block keeps every matmul output (82.9 kB: dots' and attention's scores and weighted
+sum, models/remat.py), ~21 GB at four microbatches by the estimate; the compiled step has
+checked "dots" only.
 
 Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
 vocabulary, sequence length 2048; the rest (optimizer, data, bf16 compute) as palm_62b/palm_8b.

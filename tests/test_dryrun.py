@@ -71,15 +71,21 @@ def test_palm_540b_bytes_per_device(palm540b):
 
 def test_palm_540b_does_not_fit_with_fewer_microbatches_or_no_remat():
   """The configured remat and microbatches are what make it fit: one fewer halving, or saving
-  every activation, does not (and the hint names the configured plan back)."""
+  every activation (unrolled, remat "none"), does not (and the hint names the configured plan
+  back). Scanned at "none", each block keeps only its matmul outputs (remat.scanned_policy):
+  more than "dots" keeps, less than every activation."""
   two = dryrun.estimate(load_config("palm_540b", {"train.num_microbatches": 2}))
   (island,) = two["islands"]
   assert island["fits"] is False and island["bytes"] > 32 * 2**30
   assert island["to_fit"] == {"remat": "dots", "num_microbatches": 4}
-  (none,) = dryrun.estimate(load_config("palm_540b", {"model.remat": "none"}))["islands"]
+  every = {"model.remat": "none", "model.scan_layers": False}
+  (none,) = dryrun.estimate(load_config("palm_540b", every))["islands"]
   assert none["fits"] is False
   assert none["activation_bytes"] == none["activation_bytes_by_remat"]["none"]
   assert none["to_fit"] == {"remat": "dots", "num_microbatches": 4}  # none fits no microbatching
+  (scanned,) = dryrun.estimate(load_config("palm_540b", {"model.remat": "none"}))["islands"]
+  dots = island["activation_bytes_by_remat"]["dots"] / 2  # at 4 microbatches, not 2
+  assert dots < scanned["activation_bytes"] < none["activation_bytes"]
 
 
 def test_palm_540b_cross_pod_bytes_per_host_pair(palm540b):
@@ -148,11 +154,11 @@ def test_palm_540b_report_has_the_key_lines(palm540b):
     "  parameters       728.",
     "  optimizer state  1.46 GB",
     "  activations      16.35 GB (model.remat=dots, train.num_microbatches=4; other policies: "
-    "none 40.27 GB, outputs 13.14 GB, full 9.67 GB)",
+    "none 20.81 GB, outputs 13.14 GB, full 9.67 GB)",
     "  gathered weights 3.09 GB (FSDP: the largest block's and the embedding's, with their "
     "unreduced gradients)",
     "  total            23.08 GB (fits) in 34.36 GB (32 GiB)",
-    "Activations per token a layer keeps, by model.remat: none 164.86 kB, dots 64.51 kB, "
+    "Activations per token a layer keeps, by model.remat: none 82.94 kB, dots 64.51 kB, "
     "outputs 51.20 kB, full 36.86 kB; tokens per device and microbatch: 2,048",
     "assumed 50.0% of peak FLOP/s (275 TFLOP/s per device) on the executed FLOPs, x1.004 the "
     "model's (recomputed by remat=dots)",
@@ -306,10 +312,11 @@ def _dot_flops(jaxpr) -> int:
   return total
 
 
-def _per_layer(remat: str) -> tuple[float, float]:
+def _per_layer(remat: str, scanned: bool = False) -> tuple[float, float]:
   """(activation bytes jax.vjp keeps, dot FLOPs of the loss's gradient) per token of one layer:
   a 2-layer model's minus a 1-layer model's, batch 5 x 32 tokens (160 rows: no parameter's
-  leading dimension, since the params are leaves of the vjp too)."""
+  leading dimension, since the params are leaves of the vjp too). A scanned model's residuals
+  are stacked: [layers, batch, ...]."""
   import jax.numpy as jnp
 
   from pwtrain.models import lm_loss
@@ -317,7 +324,13 @@ def _per_layer(remat: str) -> tuple[float, float]:
   batch, out = 5, []
   for layers in (1, 2):
     config = load_config(
-      "palm_tiny", {**REMAT_SMALL, "model.remat": remat, "model.num_layers": layers}
+      "palm_tiny",
+      {
+        **REMAT_SMALL,
+        "model.remat": remat,
+        "model.num_layers": layers,
+        "model.scan_layers": scanned,
+      },
     )
     fns = step_lib.model_fns(config.model, config.moe)
     params, tokens = fns.init(jax.random.key(0)), jnp.zeros((batch, 32), jnp.int32)
@@ -328,7 +341,8 @@ def _per_layer(remat: str) -> tuple[float, float]:
     _, backward = jax.vjp(loss, params)  # its leaves: the residuals (and the params)
     # Activations lead with the batch, or with batch * length (SwiGLU multiplies token rows).
     rows = {(batch,), (batch * 32,)}
-    kept = sum(x.nbytes for x in jax.tree.leaves(backward) if x.shape[:1] in rows)
+    leading = (lambda x: x.shape[1:2]) if scanned else (lambda x: x.shape[:1])
+    kept = sum(x.nbytes for x in jax.tree.leaves(backward) if leading(x) in rows)
     out.append((kept, _dot_flops(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)))
   (kept1, flops1), (kept2, flops2) = out
   return (kept2 - kept1) / (batch * 32), (flops2 - flops1) / (batch * 32)
@@ -350,6 +364,32 @@ def test_per_policy_arithmetic_is_what_jax_keeps_and_executes(remat):
     assert kept == model
   block, _, _ = arithmetic.layer_costs(m, moe, 32)
   assert flops == block[0] + arithmetic.remat_recompute_flops(m, moe, 32, remat, 0)
+
+
+def test_scanned_model_at_remat_none_keeps_its_matmul_outputs():
+  """A scanned model at remat "none" keeps what remat.scanned_policy keeps: exactly the
+  residuals jax.vjp stacks per layer, less than the unrolled model, more than "dots"; its
+  backward recomputes no matmul (a 1-layer scan's gradient, whose body runs once, has the
+  unrolled model's dot FLOPs)."""
+  import jax.numpy as jnp
+
+  from pwtrain.models import lm_loss
+
+  config = load_config("palm_tiny", {**REMAT_SMALL, "model.scan_layers": True})
+  kept, _ = _per_layer("none", scanned=True)
+  # B (d + 2HK + 2gK + 2F + HT) = 2 (64 + 128 + 32 + 192 + 128)
+  assert arithmetic.remat_kept_bytes(config.model, 1, 32, "none") == kept == 1088
+  assert KEPT["dots"] < kept < KEPT["none"]
+  flops = []
+  for scanned in (False, True):
+    c = load_config(
+      "palm_tiny", {**REMAT_SMALL, "model.scan_layers": scanned, "model.num_layers": 1}
+    )
+    fns = step_lib.model_fns(c.model, c.moe)
+    params, tokens = fns.init(jax.random.key(0)), jnp.zeros((5, 32), jnp.int32)
+    grad = jax.grad(lambda p, fns=fns, tokens=tokens: lm_loss(fns.module(p)(tokens), tokens)[0])
+    flops.append(_dot_flops(jax.make_jaxpr(grad)(params).jaxpr))
+  assert flops[0] == flops[1] > 0
 
 
 def test_recompute_follows_remat_and_pipeline_stages():

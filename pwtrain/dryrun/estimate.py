@@ -12,7 +12,8 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
   activations   tokens per device and microbatch (train.num_microbatches, as configured) x
                 (layers x what a block keeps under model.remat, models/arithmetic.py, + one block's
                 whole set (arithmetic.layer_activation_bytes: the one being recomputed for its
-                backward; with remat "none" every block keeps it) + the head's, on the last
+                backward; with remat "none" every block of an unrolled model keeps it, a
+                scanned model's keep their matmul outputs) + the head's, on the last
                 stage) + the stage inputs a pipeline stage holds for its backward
                 (schedule.peak_live_inputs).
   compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
@@ -166,7 +167,7 @@ def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: s
       input_bytes = 4 if stage.first else arithmetic.layer_input_bytes(m)
       live += pipeline.peak_live_inputs(order) * input_bytes
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
-    if remat == "none":
+    if remat == "none" and not m.get("scan_layers", False):
       working = max(working, stage.num_layers * layer + head)
     else:  # every block keeps its share; the one in its backward has its whole set live
       kept += stage.num_layers * kept_per_layer

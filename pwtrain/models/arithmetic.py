@@ -107,7 +107,10 @@ def layer_input_bytes(m) -> float:
 # wraps each block in `jax.checkpoint`, so the block's input (B d) is always kept, and the rest is
 # what the policy saves of what the backward needs:
 #   none     everything autodiff saves: arithmetic.layer_activation_bytes (an estimate of what
-#            survives XLA's fusion; the jaxpr itself saves more float32 temporaries)
+#            survives XLA's fusion; the jaxpr itself saves more float32 temporaries). A scanned
+#            model (model.scan_layers) keeps only the block input and every matmul output the
+#            backward needs (remat.scanned_policy): dots' set, and attention's scores and weighted
+#            sum, B (d + 2HK/t + 2gK + 2F/t + HT/t)
 #   full     the block input only: B d
 #   dots     the block input and the outputs of the matmuls with no batch dimension that the
 #            backward needs: the q, k and v projections (before RoPE) and the MLP's gate and up
@@ -135,9 +138,13 @@ def layer_input_bytes(m) -> float:
 
 
 def remat_kept_bytes(m, tensor: int, seq_len: int, remat: str) -> float:
-  """Bytes per token one block keeps for its backward under `remat`, split `tensor` ways."""
+  """Bytes per token one block keeps for its backward under `remat`, split `tensor` ways (at
+  "none", what the unrolled or the scanned model keeps, as `m.scan_layers` says)."""
   b = jnp.dtype(m.dtype).itemsize
   heads = m.num_heads / tensor
+  if remat == "none" and m.get("scan_layers", False):
+    dots = remat_kept_bytes(m, tensor, seq_len, "dots")
+    return dots + b * heads * (m.head_dim + seq_len)
   if remat == "none":
     return layer_activation_bytes(m, tensor, seq_len)
   if remat == "full":
