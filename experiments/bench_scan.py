@@ -21,9 +21,9 @@ d_ff 1024, seq 256, global batch 16, AdamW, float32) as one pwtrain step program
 Harness (data parallel over the devices), scan off and on, each remat policy. Every side is
 built first; then timed blocks of --steps steps go round all sides, --repeats times, so that
 machine noise hits all alike. Reported: median tokens/s per side, and scanned over unrolled for
-each policy (target at remat=none: >= 0.95, i.e. scan costs at most 5%). Measured since aa60f7e
-(`--skip_compile --devices=1,8 --remats=none`, load 5.4): 0.88 on 1 device, 1.10 on 8 (before:
-0.80, 0.93).
+each policy (target at remat=none: >= 0.95, i.e. scan costs at most 5%). Measured with
+`--skip_compile --devices=1,8` (load up to 7.8): 0.96 on 1 device, 1.06 on 8 (0.88 / 1.10 with
+the scanned policy alone, 0.80 / 0.93 before either change; README).
 
 Caveat: CPU devices simulated by XLA on 2 shared cores; compile times are XLA:CPU's, and the
 throughput ratios, not the absolute figures, are what carries over.
