@@ -1,11 +1,13 @@
-"""Checkpoints of a distributed run (backend.mode="distributed"): each process writes the
-parts it holds and reads a checkpoint on the host.
+"""Checkpoints of a distributed run (backend.mode="distributed"): each island's processes
+write its part and every process reads a checkpoint on the host.
 
-Orbax's multi-process save and restore take only arrays whose shardings span every process; an
-island here lives on one process, so each process writes its islands' arrays as parts
-(checkpoint_parts' format, committed by process 0) with an Orbax checkpointer of its own, and
-reads any checkpoint, parts or a whole-state item, on the host before putting each array onto
-its island.
+Orbax's multi-process save and restore take only arrays with data on every process (its
+save reads each array's first local shard); an island here lives on one process or spans a few,
+so each island's arrays are one part (checkpoint_parts' format, committed by process 0): an
+island of one process writes its arrays as host arrays with an Orbax checkpointer of that
+process alone, an island spanning processes with an Orbax checkpointer of those processes (each
+writes its shards). Any checkpoint, parts or a whole-state item, is read on the host and each
+array put onto its island.
 """
 
 import asyncio
@@ -55,6 +57,27 @@ class _ThisProcessNumpy(ocp.type_handlers.NumpyHandler):
     await asyncio.gather(*writes)
 
 
+def _these_processes(owners, name: str) -> ocp.options.MultiprocessingOptions:
+  return ocp.options.MultiprocessingOptions(
+    primary_host=min(owners), active_processes=set(owners), barrier_sync_key_prefix=name
+  )
+
+
+def island_checkpointer(owners, name: str) -> ocp.AsyncCheckpointer:
+  """An asynchronous Orbax pytree checkpointer of the processes `owners` together (barriers
+  among them only), for the jax.Arrays of an island spanning them: `save` copies each process's
+  shards to its host and returns, each process then writes its own, the lowest creates the
+  arrays and finalises the part (`wait_until_finished`). Its array handler is told that primary
+  process: Orbax's own creates an array from process 0, which need not be among `owners`."""
+  options = _these_processes(owners, name)
+  arrays = ocp.type_handlers.ArrayHandler(primary_host=min(owners))
+  registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+  handler = ocp.PyTreeCheckpointHandler(
+    multiprocessing_options=options, type_handler_registry=registry
+  )
+  return ocp.AsyncCheckpointer(handler, multiprocessing_options=options)
+
+
 def process_checkpointer() -> ocp.Checkpointer:
   """An Orbax pytree checkpointer of this process alone (no barriers with the run's other
   processes), for the numpy parts that one process writes by itself (save with
@@ -79,21 +102,26 @@ def read_on_host(directory: str, abstract: dict) -> dict:
   out = {}
   for path, value in jax.tree_util.tree_flatten_with_path(values)[0]:
     name = path_name(path)
-    out[name] = jax.device_put(np.asarray(value), abstract[name].sharding)
+    value, sharding = np.asarray(value), abstract[name].sharding
+    if sharding.is_fully_addressable:
+      out[name] = jax.device_put(value, sharding)
+    else:  # this process puts its own shards, if any (an island spanning processes)
+      out[name] = jax.make_array_from_callback(
+        value.shape, sharding, lambda i, v=value: v[i], dtype=value.dtype
+      )
   return out
 
 
 class ProcessParts:
-  """Distributed mode's part writer (Checkpointer's `part_writer`): this process writes the
-  arrays of the islands it holds, one part per island, as host arrays with an Orbax checkpointer
-  of its own (Orbax's multi-process save takes only arrays spread over every process, and an
-  island here lives on one); the commit then moves every process's parts into the step.
+  """Distributed mode's part writer (Checkpointer's `part_writer`): one part per island (the
+  leaves on one set of devices), written by the island's processes: by its one process as host
+  arrays with an Orbax checkpointer of its own, or by the processes it spans together
+  (`island_checkpointer`); the commit then moves every part into the step.
 
   Every process writes into the same `pending` directory; `wait()` returns once all have
   written (a barrier), with the whole state's fingerprints, which every process computes alike
-  (integrity.fingerprint asks the other processes for theirs). Then `parts` names every
-  process's parts on process 0, which commits them, and none elsewhere. Islands that span
-  processes are not supported yet."""
+  (integrity.fingerprint asks the other processes for theirs). Then `parts` names every part on
+  process 0, which commits them, and none elsewhere."""
 
   writes_arrays = True  # saves a state of jax.Arrays (PendingSave saves workers' references)
 
@@ -104,22 +132,22 @@ class ProcessParts:
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
       devices = frozenset(leaf.sharding.device_set)
       groups.setdefault(devices, {})[path_name(path)] = leaf
-    self.parts, trees = {}, []
-    for n, (devices, leaves) in enumerate(groups.items()):
-      owners = {d.process_index for d in devices}
+    self.parts, trees, self._islands = {}, [], []
+    for n, (devices, leaves) in enumerate(groups.items()):  # in the same order on every process
+      owners = frozenset(d.process_index for d in devices)
       if me not in owners:
         continue
-      if len(owners) > 1:
-        raise NotImplementedError(
-          "checkpoints in backend.mode='distributed' need every island within one process; "
-          f"an island here spans processes {sorted(owners)}"
-        )
+      name = f"process{me}-{n}" if len(owners) == 1 else f"processes{min(owners)}-{n}"
+      self.parts[name] = path = os.path.join(pending, name)
       tree: dict = {}
-      for name, leaf in leaves.items():
-        insert(tree, name, np.asarray(leaf))
-      name = f"process{me}-{n}"
-      self.parts[name] = os.path.join(pending, name)
-      trees.append((self.parts[name], tree))
+      for leaf_name, leaf in leaves.items():
+        insert(tree, leaf_name, np.asarray(leaf) if len(owners) == 1 else leaf)
+      if len(owners) == 1:
+        trees.append((path, tree))
+      else:  # its shards reach the host now (a later step may donate them), written meanwhile
+        writer = island_checkpointer(owners, f"{os.path.basename(pending)}-{name}")
+        writer.save(path, args=ocp.args.PyTreeSave(tree))
+        self._islands.append(writer)
     self._fingerprints = fingerprint(state)
     self._writer = threading.Thread(target=self._write, args=(trees,), daemon=True)
     self._error: BaseException | None = None
@@ -135,6 +163,9 @@ class ProcessParts:
 
   def wait(self) -> dict:
     self._writer.join()
+    for writer in self._islands:
+      writer.wait_until_finished()
+      writer.close()
     if self._error is not None:
       raise self._error
     processes.barrier(f"parts/{os.path.basename(self.pending)}")

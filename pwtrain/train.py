@@ -269,22 +269,16 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
 
 def _part_writer(remote: bool, plan):
   """Remote mode: each island worker writes its own part of a checkpoint; distributed mode:
-  each process its islands' parts, unless the one island spans every process (then Orbax's own
-  multi-process save, every process writing its shards). Embedded: None (one Orbax save of the
-  whole state)."""
+  each island's processes its part (process_parts), unless one island spans every process (then
+  Orbax's own multi-process save, every process writing its shards). Embedded: None (one Orbax
+  save of the whole state)."""
   if remote:
     from pwtrain.backend.remote.saves import PendingSave
 
     return PendingSave
-  if jax.process_count() == 1 or _spans_processes(plan):
+  if jax.process_count() == 1 or len(plan.islands) == 1:  # check_placement: over every process
     return None
   return ProcessParts
-
-
-def _spans_processes(plan) -> bool:
-  """Whether an island of `plan` has devices of several processes (distributed mode allows
-  that only for the one island: plan.check_placement)."""
-  return any(len(i.processes) > 1 for i in plan.islands)
 
 
 def _saveable(state: dict, remote: bool) -> dict:

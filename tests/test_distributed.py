@@ -49,13 +49,15 @@ def flags_of(overrides: dict) -> list[str]:
   return [f"--config.{k}={v}" for k, v in base.items()]
 
 
-def launch(workdir, nproc: int, overrides: dict, *, timeout=300, background=False, extra=()):
+def launch(
+  workdir, nproc: int, overrides: dict, *, timeout=300, background=False, extra=(), devices=2
+):
   command = [
     sys.executable,
     "-m",
     "pwtrain.launch",
     f"--nproc={nproc}",
-    "--devices_per_process=2",
+    f"--devices_per_process={devices}",
     *extra,
     "--",
     f"--config={REPO / 'configs' / 'palm_tiny.py'}",
@@ -222,12 +224,10 @@ def test_bad_distributed_settings_are_one_clear_line(tmp_path):
   assert lonely.returncode != 0 and time.monotonic() - start < 60
   assert "could not join the run at backend.coordinator='127.0.0.1:9' within 3 s" in lonely.stderr
   assert "Traceback" not in lonely.stderr
-  # Two islands of 3 devices on 3 processes of 2: island0 would span processes 0 and 1.
+  # Two islands of 3 devices on 3 processes of 2: island0 and island1 would share process 1.
   mismatch = launch(tmp_path / "c", 3, {"parallel.islands": 2, "parallel.devices_per_island": 3})
   assert mismatch.returncode != 0
-  assert "island0 would span processes [0, 1]; in backend.mode='distributed' an island" in (
-    mismatch.stdout
-  )
+  assert "island0 would span processes [0, 1], which also hold island1" in mismatch.stdout
   for name in ("a", "b"):
     assert not os.path.exists(tmp_path / name / "checkpoints")
   assert not os.path.exists(tmp_path / "c" / "checkpoints" / "4")
@@ -315,6 +315,34 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   restored = final_state(config_of(layout), tmp_path / "dist")
   assert restored.start_step == 6
   assert_trees_close(jax.device_get(restored.state), jax.device_get(embedded.state), "state")
+
+
+def test_pipeline_of_islands_that_span_processes_equals_embedded(tmp_path):
+  """A 2-stage pipeline on 4 processes of 1 device: each stage's island spans 2 processes
+  (data parallel over them, gloo collectives), and activations and gradients cross between
+  islands of different process pairs. Each process feeds the batch rows its device holds (one
+  of 2 data streams); each island's processes write its checkpoint part together. Equal to the
+  embedded run bitwise (gloo's sum of 2 processes' gradients is the same sum as one process's of
+  2 devices); resumes in distributed mode and restores in embedded mode."""
+  layout = {**STAGES, "parallel.data": 2, "data.streams": 2, "train.eval_every": 0, **SGD}
+  embedded = train.run(
+    config_of({**layout, "train.num_steps": 6}), str(tmp_path / "embedded"), show_progress=False
+  )
+  first = launch(tmp_path / "dist", 4, {**layout, "train.num_steps": 4}, devices=1)
+  assert first.returncode == 0, first.stdout[-3000:]
+  parts = tmp_path / "dist" / "checkpoints" / "4" / "parts"
+  islands = sorted(p.split("-")[0] for p in os.listdir(parts) if os.path.isdir(parts / p))
+  assert islands == ["processes0", "processes2"], islands  # one part per island
+  second = launch(tmp_path / "dist", 4, {**layout, "train.num_steps": 6}, devices=1)
+  assert second.returncode == 0, second.stdout[-3000:]
+  assert "resumed from step 4" in second.stdout
+  for p in range(4):  # process p holds rows of stream p % 2 on either stage
+    assert f"process {p} reads data streams [{p % 2}] of data.streams=2" in second.stdout
+  got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
+  assert got == want and sorted(got) == list(range(1, 7))
+  restored = final_state(config_of({**layout, "train.num_steps": 6}), tmp_path / "dist")
+  assert restored.start_step == 6
+  assert_same_state(embedded.state, restored.state)
 
 
 def _running(pid: int) -> bool:

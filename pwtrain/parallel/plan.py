@@ -189,8 +189,10 @@ def make_cluster(config, devices=None) -> Cluster:
 
 def check_placement(cluster: Cluster, devices: list) -> None:
   """Distributed mode: every process holds devices of an island, and an island either lies
-  within one process or is the only island (one SPMD mesh over every process: multi-controller
-  SPMD, each process launching the island's computations on its own devices)."""
+  within one process or spans processes that hold no other island's devices (one SPMD mesh
+  over them: multi-controller SPMD, each of them launching the island's computations on its own
+  devices). JAX moves an array between islands of different processes only when no process
+  holds part of both (found with islands of 3 devices on 3 processes of 2: the transfer fails)."""
   processes: dict = {}
   for d in devices:
     processes[d.process_index] = processes.get(d.process_index, 0) + 1
@@ -201,12 +203,17 @@ def check_placement(cluster: Cluster, devices: list) -> None:
   )
   for island in cluster.islands:
     owners = sorted(island.processes)
-    if len(owners) > 1 and len(cluster.islands) > 1:
+    shared = [
+      other.name
+      for other in cluster.islands
+      if other is not island and island.processes & other.processes
+    ]
+    if len(owners) > 1 and shared:
       raise ValueError(
-        f"{how}: {island.name} would span processes {owners}; in backend.mode='distributed' "
-        "an island spans processes only when it is the only one (parallel.islands=1), else "
-        f"it lies within one process: make parallel.islands a multiple of the "
-        f"{len(processes)} processes (or start one process per island)"
+        f"{how}: {island.name} would span processes {owners}, which also hold {shared[0]}; "
+        "in backend.mode='distributed' an island lies within one process or spans whole "
+        f"processes of its own: make parallel.islands a multiple of the {len(processes)} "
+        "processes, or the processes a multiple of parallel.islands"
       )
   idle = sorted(set(processes).difference(*(i.processes for i in cluster.islands)))
   if idle:
