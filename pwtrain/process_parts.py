@@ -22,6 +22,7 @@ from orbax.checkpoint._src.serialization import ocdbt_utils, type_handler_regist
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from pwtrain import processes
+from pwtrain.backend.transfers import stand_in
 from pwtrain.checkpoint_parts import insert
 from pwtrain.integrity import fingerprint, path_name
 
@@ -75,7 +76,12 @@ def island_checkpointer(owners, name: str) -> ocp.AsyncCheckpointer:
   handler = ocp.PyTreeCheckpointHandler(
     multiprocessing_options=options, type_handler_registry=registry
   )
-  return ocp.AsyncCheckpointer(handler, multiprocessing_options=options)
+  # Directories made before `save` returns: created asynchronously, Orbax signals their
+  # creation under keys that hold no process set, which two islands' saves share (seen hanging).
+  synchronous_directories = ocp.options.AsyncOptions(create_directories_asynchronously=False)
+  return ocp.AsyncCheckpointer(
+    handler, multiprocessing_options=options, async_options=synchronous_directories
+  )
 
 
 def process_checkpointer() -> ocp.Checkpointer:
@@ -93,9 +99,14 @@ def read_on_host(directory: str, abstract: dict) -> dict:
   """{path: array} of the Orbax pytree checkpoint (a part, or a whole state item) in
   `directory`, read by this process alone as host arrays and put into `abstract`'s shardings
   ({path: ShapeDtypeStruct}). Distributed mode reads this way: Orbax's multi-process restore
-  takes only shardings that span every process, and an island here lives on one."""
+  takes only shardings with devices on every process, and an island here lives on one or a few.
+  A part none of whose arrays has a device here is not read: its arrays are stand-ins
+  (transfers.stand_in), as every other process's node outputs are."""
   handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_this_process_only())
   tree = handler.metadata(epath.Path(directory)).tree
+  names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if not any(abstract[name].sharding.addressable_devices for name in names):
+    return {name: stand_in(abstract[name]) for name in names}  # another process's island
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as reader:
     values = reader.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
