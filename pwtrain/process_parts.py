@@ -22,16 +22,21 @@ from orbax.checkpoint._src.serialization import ocdbt_utils, type_handler_regist
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from pwtrain import processes
-from pwtrain.backend.transfers import stand_in
 from pwtrain.checkpoint_parts import insert
 from pwtrain.integrity import fingerprint, path_name
 
 
+def _these_processes(owners, name: str) -> ocp.options.MultiprocessingOptions:
+  """Orbax's options for a checkpointer of the processes `owners` alone: the lowest is the
+  primary, barriers are among them only, under keys prefixed `name`."""
+  return ocp.options.MultiprocessingOptions(
+    primary_host=min(owners), active_processes=set(owners), barrier_sync_key_prefix=name
+  )
+
+
 def _this_process_only() -> ocp.options.MultiprocessingOptions:
   me = jax.process_index()
-  return ocp.options.MultiprocessingOptions(
-    primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}"
-  )
+  return _these_processes({me}, f"process{me}")
 
 
 class _ThisProcessNumpy(ocp.type_handlers.NumpyHandler):
@@ -56,12 +61,6 @@ class _ThisProcessNumpy(ocp.type_handlers.NumpyHandler):
       )
       writes.append(self._open_and_write(value, spec.json, info.ts_context))
     await asyncio.gather(*writes)
-
-
-def _these_processes(owners, name: str) -> ocp.options.MultiprocessingOptions:
-  return ocp.options.MultiprocessingOptions(
-    primary_host=min(owners), active_processes=set(owners), barrier_sync_key_prefix=name
-  )
 
 
 def island_checkpointer(owners, name: str) -> ocp.AsyncCheckpointer:
@@ -100,27 +99,33 @@ def read_on_host(directory: str, abstract: dict) -> dict:
   `directory`, read by this process alone as host arrays and put into `abstract`'s shardings
   ({path: ShapeDtypeStruct}). Distributed mode reads this way: Orbax's multi-process restore
   takes only shardings with devices on every process, and an island here lives on one or a few.
-  A part none of whose arrays has a device here is not read: its arrays are stand-ins
-  (transfers.stand_in), as every other process's node outputs are."""
+  A part none of whose arrays has a device here is not read: its arrays are stand-ins, as
+  every other process's node outputs are."""
   handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_this_process_only())
   tree = handler.metadata(epath.Path(directory)).tree
   names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   if not any(abstract[name].sharding.addressable_devices for name in names):
-    return {name: stand_in(abstract[name]) for name in names}  # another process's island
+    return {name: _onto(None, abstract[name]) for name in names}  # other processes' island
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as reader:
     values = reader.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
   out = {}
   for path, value in jax.tree_util.tree_flatten_with_path(values)[0]:
     name = path_name(path)
-    value, sharding = np.asarray(value), abstract[name].sharding
-    if sharding.is_fully_addressable:
-      out[name] = jax.device_put(value, sharding)
-    else:  # this process puts its own shards, if any (an island spanning processes)
-      out[name] = jax.make_array_from_callback(
-        value.shape, sharding, lambda i, v=value: v[i], dtype=value.dtype
-      )
+    out[name] = _onto(np.asarray(value), abstract[name])
   return out
+
+
+def _onto(value, info):
+  """Host `value` put onto `info`'s sharding (a ShapeDtypeStruct's). Onto devices of other
+  processes too (an island spanning processes, or another process's), this process puts only
+  its own shards, if any: with none, `value` is never read (None will do) and the array is a
+  stand-in with no data here."""
+  if info.sharding.is_fully_addressable:
+    return jax.device_put(value, info.sharding)
+  return jax.make_array_from_callback(
+    info.shape, info.sharding, lambda index: value[index], dtype=info.dtype
+  )
 
 
 class ProcessParts:
