@@ -123,6 +123,10 @@ def _onto(value, info):
   stand-in with no data here."""
   if info.sharding.is_fully_addressable:
     return jax.device_put(value, info.sharding)
+  if not info.sharding.addressable_devices:  # make_array_from_callback would read a replicated
+    return jax.make_array_from_single_device_arrays(  # value anyway (None here)
+      info.shape, info.sharding, [], dtype=info.dtype
+    )
   return jax.make_array_from_callback(
     info.shape, info.sharding, lambda index: value[index], dtype=info.dtype
   )
