@@ -32,8 +32,11 @@ from pwtrain import checkpoint_parts, process_parts, processes
 from pwtrain.integrity import (
   CorruptCheckpoint,
   IncompatibleCheckpoint,
+  agree,
   check_compatible,
   fingerprint,
+  is_damage,
+  one_line,
   path_name,
   saved_leaves,
 )
@@ -176,8 +179,30 @@ class Checkpointer:
     """Restores (state, data_state) of `step` into the shardings carried by `abstract_state`.
 
     Raises IncompatibleCheckpoint if the saved arrays do not match `abstract_state`, and
-    CorruptCheckpoint if they cannot be read or fail their fingerprint.
+    CorruptCheckpoint if they cannot be read or fail their fingerprint. An error that says
+    nothing about the files (`integrity.is_damage`: a TypeError and the like from reading
+    code, ours or a library's, or a device error) is raised as it is: taking it for damage
+    would set a good checkpoint aside. In distributed mode each process reads what its islands
+    hold, so the processes agree before any of them raises (`integrity.agree`): when one finds
+    the checkpoint damaged, every one raises CorruptCheckpoint (all set it aside together), and
+    none waits for another in the fingerprint exchange.
     """
+    try:
+      state, restored = self._read(step, abstract_state)
+      failure = None
+    except Exception as e:  # noqa: BLE001 - every process hears of it first (agree)
+      failure = e
+    agree(step, failure)
+    if "integrity" in restored:
+      expected = restored["integrity"]["fingerprint"]
+      actual = fingerprint(state)  # the same on every process: each island's processes tell
+      bad = sorted(k for k in expected if actual.get(k) != expected[k])
+      if bad or set(actual) != set(expected):
+        raise CorruptCheckpoint(f"step {step}: fingerprint mismatch in {bad[:5] or 'its keys'}")
+    return state, restored["data"]
+
+  def _read(self, step: int, abstract_state):
+    """(state, {"data": ..., "integrity": ... if saved}) as read from `step`'s files."""
     parts_dir = os.path.join(self.directory, str(step), "parts")
     in_parts = os.path.isdir(parts_dir)
     try:
@@ -186,7 +211,9 @@ class Checkpointer:
       else:
         saved = saved_leaves(self._manager.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
-      raise CorruptCheckpoint(f"step {step}: metadata unreadable: {_one_line(e)}") from e
+      if not is_damage(e):
+        raise
+      raise CorruptCheckpoint(f"step {step}: metadata unreadable: {one_line(e)}") from e
     try:
       check_compatible(saved, abstract_state)
     except IncompatibleCheckpoint as e:
@@ -213,7 +240,9 @@ class Checkpointer:
           for part in checkpoint_parts.part_dirs(parts_dir) if in_parts else [self._item(step)]:
             values.update(process_parts.read_on_host(part, abstract))
       except Exception as e:  # dropped here, so the reads it abandoned die inside the guard
-        failure = CorruptCheckpoint(f"step {step}: {type(e).__name__}: {_one_line(e)}")
+        if not is_damage(e):
+          raise
+        failure = CorruptCheckpoint(f"step {step}: {type(e).__name__}: {one_line(e)}")
       if failure is not None:
         raise failure
     if on_host:
@@ -222,13 +251,7 @@ class Checkpointer:
       state = jax.tree.unflatten(treedef, [restored.parts[n] for n in abstract])
     else:
       state = restored.state
-    if has_integrity:
-      expected = restored.integrity["fingerprint"]
-      actual = fingerprint(state)
-      bad = sorted(k for k in expected if actual.get(k) != expected[k])
-      if bad or set(actual) != set(expected):
-        raise CorruptCheckpoint(f"step {step}: fingerprint mismatch in {bad[:5] or 'its keys'}")
-    return state, restored.data
+    return state, {k: restored[k] for k in ("data", "integrity") if k in items}
 
   def _item(self, step: int) -> str:
     return os.path.join(self.directory, str(step), "state")
@@ -335,10 +358,3 @@ def _drop_abandoned_reads() -> None:
 
   hook.drops_abandoned_reads = True
   sys.unraisablehook = hook
-
-
-def _one_line(error: BaseException, limit: int = 200) -> str:
-  """An error's first line, shortened: library errors (TensorStore's) run to pages."""
-  lines = str(error).strip().splitlines() or [""]
-  first = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + "..."
-  return first + (" ..." if len(lines) > 1 else "")

@@ -5,7 +5,8 @@ same for every layout and for the parts island workers write. `fingerprint` is a
 position-weighted sum of its bits (mod 2**32): exact and associative, so it does not depend on
 how the array is sharded, and a flipped, swapped or zeroed element changes it. `check_compatible`
 tells a checkpoint of another model (an error) from a damaged one (`CorruptCheckpoint`, which
-restore falls back past).
+restore falls back past); `is_damage` tells a damaged one from an error of reading code, and
+`agree` makes the processes of a distributed run take the same view of a checkpoint.
 """
 
 import jax
@@ -94,3 +95,57 @@ def fingerprint(state) -> dict:
     for (path, _), v in zip(members, values, strict=True):
       result[path_name(path)] = int(np.asarray(v))
   return result
+
+
+# Errors of code, not of files. Reading a damaged checkpoint raises OSError, ValueError
+# (TensorStore, JSON) or Orbax's plain Exception; the errors below come from a bug in reading
+# code, ours or a library's, or from a device, and must not set a good checkpoint aside (a bug
+# of ours once did, and training began again from step 0).
+_NOT_DAMAGE = (
+  TypeError,
+  AttributeError,
+  NameError,
+  AssertionError,
+  NotImplementedError,
+  ImportError,
+  RecursionError,
+  MemoryError,
+  jax.errors.JaxRuntimeError,  # a device's error (out of memory), not the files'
+)
+
+
+def is_damage(error: Exception) -> bool:
+  """Whether an error raised while reading a checkpoint says that its files are damaged."""
+  return isinstance(error, CorruptCheckpoint) or not isinstance(error, _NOT_DAMAGE)
+
+
+_SEVERITY = {CorruptCheckpoint: 1, IncompatibleCheckpoint: 2}  # anything else: 3
+
+
+def agree(step: int, failure: Exception | None) -> None:
+  """Raises on every process when reading `step` failed on any (a no-op outside distributed
+  mode when it did not fail here). The worst failure wins (damaged < another model's < an
+  error): a process that failed that way raises its own exception, the others one naming the
+  process, of the same kind, so that all set the checkpoint aside or all stop."""
+  mine = None
+  if failure is not None:
+    mine = {"severity": _SEVERITY.get(type(failure), 3), "message": one_line(failure)}
+  said = processes.gather(processes.next_key(f"restore/{step}"), mine)
+  failed = [(s["severity"], p, s["message"]) for p, s in enumerate(said) if s is not None]
+  if not failed:
+    return
+  severity, process, message = max(failed, key=lambda f: (f[0], -f[1]))
+  if mine is not None and mine["severity"] == severity:
+    raise failure
+  if severity == 1:
+    raise CorruptCheckpoint(f"step {step}: process {process} could not read it: {message}")
+  if severity == 2:
+    raise IncompatibleCheckpoint(f"step {step}: on process {process}: {message}")
+  raise RuntimeError(f"checkpoint {step}: process {process} failed reading it: {message}")
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+  """An error's first line, shortened: library errors (TensorStore's) run to pages."""
+  lines = str(error).strip().splitlines() or [""]
+  first = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + "..."
+  return first + (" ..." if len(lines) > 1 else "")

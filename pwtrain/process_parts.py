@@ -24,6 +24,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from pwtrain import processes
 from pwtrain.checkpoint_parts import insert
 from pwtrain.integrity import fingerprint, path_name
+from pwtrain.sharding import from_host
 
 
 def _these_processes(owners, name: str) -> ocp.options.MultiprocessingOptions:
@@ -105,31 +106,15 @@ def read_on_host(directory: str, abstract: dict) -> dict:
   tree = handler.metadata(epath.Path(directory)).tree
   names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   if not any(abstract[name].sharding.addressable_devices for name in names):
-    return {name: _onto(None, abstract[name]) for name in names}  # other processes' island
+    return {name: from_host(None, abstract[name]) for name in names}  # other processes' island
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as reader:
     values = reader.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
   out = {}
   for path, value in jax.tree_util.tree_flatten_with_path(values)[0]:
     name = path_name(path)
-    out[name] = _onto(np.asarray(value), abstract[name])
+    out[name] = from_host(np.asarray(value), abstract[name])
   return out
-
-
-def _onto(value, info):
-  """Host `value` put onto `info`'s sharding (a ShapeDtypeStruct's). Onto devices of other
-  processes too (an island spanning processes, or another process's), this process puts only
-  its own shards, if any: with none, `value` is never read (None will do) and the array is a
-  stand-in with no data here."""
-  if info.sharding.is_fully_addressable:
-    return jax.device_put(value, info.sharding)
-  if not info.sharding.addressable_devices:  # make_array_from_callback would read a replicated
-    return jax.make_array_from_single_device_arrays(  # value anyway (None here)
-      info.shape, info.sharding, [], dtype=info.dtype
-    )
-  return jax.make_array_from_callback(
-    info.shape, info.sharding, lambda index: value[index], dtype=info.dtype
-  )
 
 
 class ProcessParts:

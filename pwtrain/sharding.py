@@ -1,4 +1,4 @@
-"""Logical axes -> mesh axes -> NamedShardings.
+"""Logical axes -> mesh axes -> NamedShardings, and arrays on shardings that span processes.
 
 Models name logical dimensions ("batch", "embed", "heads", ...). The rules here say which mesh
 axis (data, fsdp, tensor, expert) each one is split over. A mesh axis is used at most once per
@@ -84,3 +84,29 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return x
   mesh, rules = active
   return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))
+
+
+# -- arrays over several processes (distributed mode) ---------------------------------------
+
+
+def stand_in(info):
+  """An array of `info`'s shape, dtype and sharding (a ShapeDtypeStruct's) with no data on this
+  process: what a process of a distributed run holds of an array whose shards all live on other
+  processes' devices. None for None."""
+  if info is None:
+    return None
+  return jax.make_array_from_single_device_arrays(info.shape, info.sharding, [], dtype=info.dtype)
+
+
+def from_host(value, info):
+  """Host `value` as an array of `info`'s shape, dtype and sharding. Only the shards on this
+  process's devices are read from `value`; when it has none, `value` is not read at all (None
+  will do) and the result is a `stand_in` (jax.make_array_from_callback would still read a
+  replicated value once)."""
+  if info.sharding.is_fully_addressable:
+    return jax.device_put(value, info.sharding)
+  if not info.sharding.addressable_devices:
+    return stand_in(info)
+  return jax.make_array_from_callback(
+    info.shape, info.sharding, lambda index: value[index], dtype=info.dtype
+  )

@@ -8,6 +8,7 @@ and the comparison is bitwise: the same programs run on the same values, only th
 between islands cross a process boundary.
 """
 
+import glob
 import json
 import os
 import re
@@ -126,6 +127,23 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   config = config_of(STAGES)
   config.train.num_steps = 6
   assert final_state(config, tmp_path / "dist").start_step == 6
+
+  # Damage stage 1's part of step 6, which only process 1 reads: both processes set step 6
+  # aside together (none waits for the other's fingerprint) and resume from step 4.
+  part = sorted(glob.glob(str(tmp_path / "dist" / "checkpoints" / "6" / "parts" / "*")))[-1]
+  files = [f for f in glob.glob(f"{part}/**/d/*", recursive=True) if os.path.isfile(f)]
+  biggest = max(files, key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+  result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 8}, timeout=240)
+  assert result.returncode == 0, result.stdout[-3000:]
+  damaged = [line for line in result.stdout.splitlines() if "checkpoint 6 is damaged" in line]
+  assert {line[:4] for line in damaged} == {"[p0]", "[p1]"}, result.stdout[-3000:]
+  assert "process 1 could not read it" in next(d for d in damaged if d.startswith("[p0]"))
+  assert os.listdir(tmp_path / "dist" / "checkpoints.corrupt") == ["6"]
+  assert "resumed from step 4" in result.stdout
+  got = losses(tmp_path / "dist")
+  assert all(got[s] == want[s] for s in range(5, 9)), (got, want)
 
 
 def _process_pid(launcher: subprocess.Popen, index: int) -> int | None:

@@ -245,6 +245,28 @@ ckpt.close()
   assert len(lines) == 1 and "checkpoint 2 is damaged" in lines[0], out.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+  "error",
+  [TypeError("'NoneType' object is not subscriptable"), jax.errors.JaxRuntimeError("no memory")],
+)
+def test_an_error_of_reading_code_is_raised_and_the_checkpoint_kept(error, tmp_path):
+  """A bug in reading code (ours or a library's) or a device's error says nothing about the
+  files: it is raised as it is, and the good checkpoint is neither set aside nor skipped (such
+  a bug once moved a good checkpoint to checkpoints.corrupt and training began again)."""
+  directory = str(tmp_path / "checkpoints")
+  _two_checkpoints(directory)
+  ckpt = Checkpointer(directory, keep=3, every=1)
+
+  def failing_restore(*args, **kwargs):
+    raise error
+
+  ckpt._manager.restore = failing_restore
+  with pytest.raises(type(error), match=str(error)):
+    ckpt.restore_latest(_abstract())
+  assert ckpt.all_steps() == [1, 2] and not os.path.exists(directory + ".corrupt")
+  ckpt.close()
+
+
 def test_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
   directory = str(tmp_path / "checkpoints")
   _two_checkpoints(directory)

@@ -27,7 +27,8 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
 from pwtrain.backend.trace import Trace
-from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices, stand_in
+from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
+from pwtrain.sharding import stand_in
 
 CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
 

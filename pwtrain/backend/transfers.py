@@ -1,12 +1,14 @@
-"""How values move between islands and processes: a transfer's put onto its island, what a
-process holds of another process's output, and the order in which the processes of a
-distributed run issue the transfers between them.
+"""How values move between islands and processes: a transfer's put onto its island, whether a
+process holds part of an island, and the order in which the processes of a distributed run
+issue the transfers between them. (What a process holds of another process's output is
+`sharding.stand_in`.)
 """
 
 import jax
 import numpy as np
 
 from pwtrain.backend.program import Program, Transfer
+from pwtrain.sharding import from_host
 
 
 def dispatch_order(program: Program, islands) -> tuple:
@@ -43,23 +45,14 @@ def device_put(sharding):
     if not spans_processes or any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
       return jax.device_put(x, sharding)
     one = isinstance(sharding, jax.sharding.Sharding)
-    return jax.tree.map(from_host, x, jax.tree.map(lambda _: sharding, x) if one else sharding)
+    return jax.tree.map(_from_host, x, jax.tree.map(lambda _: sharding, x) if one else sharding)
 
   return put
 
 
-def from_host(value, sharding):
-  """The global array `sharding` makes of host `value`, reading only this process's shards."""
+def _from_host(value, sharding):
   value = np.asarray(value)
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-def stand_in(info):
-  """An array with `info`'s shape, dtype and sharding whose data all lives on other processes:
-  what this process holds of another process's node output."""
-  if info is None:
-    return None
-  return jax.make_array_from_single_device_arrays(info.shape, info.sharding, [], dtype=info.dtype)
+  return from_host(value, jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
 
 
 def has_local_devices(island) -> bool:
