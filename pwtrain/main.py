@@ -81,22 +81,40 @@ def main(argv):
     std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   if _COMPILE.value and not _DRY_RUN.value:
     raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
-  if _DRY_RUN.value:
-    print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
-    return
   try:
+    if _DRY_RUN.value:
+      print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
+      return
     train.run(_CONFIG.value, _WORKDIR.value)
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
-    if _CONFIG.value.backend.mode != "distributed":
+    distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value
+    if isinstance(e, ValueError) and _raised_by_pwtrain(e):
+      e = SystemExit(f"error: {e}")  # a bad setting or file, named by pwtrain: one line
+    if not distributed:
+      if isinstance(e, SystemExit):
+        raise e from None
       raise
     # A failed process exits at once: an orderly exit would wait for threads blocked on the
     # other processes and for jax.distributed's shutdown barrier, which they never reach.
-    code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
     if not isinstance(e, SystemExit):
       traceback.print_exc()
+    elif not isinstance(e.code, int):
+      print(e.code, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
+
+
+def _raised_by_pwtrain(error: ValueError) -> bool:
+  """Whether pwtrain's own code raised `error`: its ValueErrors are about the user's input (a
+  config value, naming the key, the value and what is valid; a damaged data file, naming the
+  file and the fix) and read best as one line. A ValueError raised inside a library keeps its
+  traceback: it may be a bug."""
+  tb = error.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  package = os.path.dirname(os.path.abspath(__file__))
+  return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     sizes = plan_lib.island_sizes(config, jax.device_count())  # for launched workers
     run_once = lambda c, w: _run(c, w, show_progress)
     return supervisor.run_remote(config, workdir, run_once, island_sizes=sizes)
+  # The layout against these devices, checked before anything is written (a plan on paper:
+  # Harness.build lays the same one out again once the data is ready).
+  plan_lib.build(config, plan_lib.make_cluster(config))
   return _run(config, workdir, show_progress)
 
 

@@ -12,7 +12,7 @@ from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 
 
-@pytest.mark.parametrize("name", ["palm_tiny", "palm_8b", "palm_62b", "palm_540b"])
+@pytest.mark.parametrize("name", ["palm_tiny", "palm_1b", "palm_8b", "palm_62b", "palm_540b"])
 def test_shipped_configs_validate(name):
   config = load_config(name)
   config_lib.validate(config)
@@ -126,7 +126,20 @@ def test_unknown_key_on_the_command_line_is_refused(tmp_path):
   assert not list(tmp_path.iterdir())  # nothing was written
 
 
-def test_bad_value_on_the_command_line_names_the_key(tmp_path):
-  result = run_main(f"--workdir={tmp_path}", "--config.parallel.tensor=3")
-  assert result.returncode != 0
-  assert "parallel.tensor=3 does not divide model.num_heads=8" in result.stderr
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["--config.parallel.tensor=3"], "error: parallel.tensor=3 does not divide model.num_heads=8"),
+    (["--config.train.global_batch=12"], "error: train.global_batch=12 must be divisible by"),
+    (["--config.train.global_batch=12", "--dry_run"], "error: train.global_batch=12 must be"),
+  ],
+)
+def test_bad_value_on_the_command_line_is_one_line_naming_the_key(args, message, tmp_path):
+  """Training and the dry run alike: one line naming the key and what is valid, no traceback,
+  nothing written (the layout is checked against the devices before the data is prepared)."""
+  result = run_main(f"--workdir={tmp_path / 'run'}", *args)
+  assert result.returncode == 1
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert lines and lines[-1].startswith(message), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert not (tmp_path / "run").exists()

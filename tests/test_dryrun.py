@@ -88,6 +88,18 @@ def test_palm_540b_does_not_fit_with_fewer_microbatches_or_no_remat():
   assert dots < scanned["activation_bytes"] < none["activation_bytes"]
 
 
+def test_palm_1b_fits_one_h100_with_dots_not_without_remat():
+  """configs/palm_1b.py, the MFU config: ~1B parameters on one 80 GB H100, which remat "dots"
+  makes fit in one pass and unrolled remat "none" does not (its docstring's numbers)."""
+  e = dryrun.estimate(load_config("palm_1b"))
+  assert abs(e["params"] / 0.949e9 - 1) < 1e-3
+  (island,) = e["islands"]
+  assert island["fits"] is True and 40 * GB < island["bytes"] < 50 * GB
+  every = {"model.remat": "none", "model.scan_layers": False}
+  (none,) = dryrun.estimate(load_config("palm_1b", every))["islands"]
+  assert none["fits"] is False and none["bytes"] > 80 * GB
+
+
 def test_palm_540b_cross_pod_bytes_per_host_pair(palm540b):
   _, e = palm540b
   x = e["exchange"]

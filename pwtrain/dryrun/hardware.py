@@ -57,6 +57,18 @@ HARDWARE = {
     # the dry run's predictions are compared against, never an input to them.
     efficiency=ASSUMED_EFFICIENCY,
   ),
+  "h100": Hardware(
+    name="h100",
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense bf16 (1979 with sparsity), 80 GB HBM3;
+    # DGX H100: 8 GPUs per host, NVLink 4 at 900 GB/s per GPU (450 per direction), and one
+    # 400 Gb/s InfiniBand port per GPU (8 x 50 GB/s per host and direction).
+    peak_flops=989e12,
+    memory_bytes=80e9,
+    devices_per_host=8,
+    ici_bytes_per_s=450e9,
+    dcn_bytes_per_s=8 * 50e9,
+    efficiency=ASSUMED_EFFICIENCY,  # the same assumption as tpu_v4's, not a measurement
+  ),
 }
 
 DEFAULT_EFFICIENCY = ASSUMED_EFFICIENCY  # for local devices: the same assumption
