@@ -221,3 +221,62 @@ def test_resource_manager_spreads_clients_then_shares_islands():
     rm.allocate("d", 5, 2)
   with pytest.raises(ValueError, match="already holds islands"):
     rm.allocate("b", 1, 2)
+
+
+def test_transfers_that_go_by_pull():
+  """Distributed mode moves a value between two processes by pull (backend/pulls.py) only when
+  each island is on one process, the two layouts match, and the value is neither donated by a
+  node (the sender's buffer would be gone before the pull) nor carried into the next program;
+  every other transfer keeps the ordered device_put. Islands here are stand-ins that say which
+  processes hold them: the rule reads only that and the shardings."""
+  from types import SimpleNamespace
+
+  from pwtrain.backend.controller import Executable
+  from pwtrain.backend.pulls import pulls
+
+  def mesh(*devices):
+    return jax.sharding.Mesh(np.array([jax.devices()[d] for d in devices]), ("x",))
+
+  def island(name, processes):
+    return SimpleNamespace(name=name, processes=frozenset(processes))
+
+  islands = [island("a", [0]), island("a2", [0]), island("b", [1]), island("c", [0, 1])]
+  on = {"a": mesh(0), "a2": mesh(1), "b": mesh(2), "c": mesh(3)}
+  wide = mesh(4, 5)
+
+  def info(island_name):
+    sharding = NamedSharding(on[island_name], PartitionSpec())
+    return jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)
+
+  def node(name, island_name, args=(), donate=()):
+    compiled = SimpleNamespace(out_info=(info(island_name), info(island_name)))
+    exe = Executable(name, island_name, compiled, 2, None, donate)
+    return Node(name, exe, args)
+
+  def to(name, src, island_name, spec=None, on_mesh=None):
+    sharding = NamedSharding(on_mesh or on[island_name], spec or PartitionSpec())
+    return Transfer(name, src, island_name, sharding)
+
+  program = Program(
+    nodes=(
+      node("f", "a"),
+      node("h", "a"),
+      to("ok", ("f", 0), "b"),  # the one pull
+      to("donated", ("f", 1), "b"),
+      to("carried", ("h", 0), "b"),
+      to("spans", ("f", 0), "c"),
+      to("same_process", ("f", 0), "a2"),
+      to("other_layout", ("f", 0), "b", PartitionSpec("x"), wide),
+      node("g", "a", (("f", 1),), donate=(0,)),
+    ),
+    outputs={"state": ("h", 0)},
+    carried=("state",),
+  )
+  found = pulls(program, islands)
+  assert set(found) == {"ok"}
+  pull = found["ok"]
+  assert (pull.source, pull.destination, pull.number) == (0, 1, 0)
+  assert pull.spec.sharding == NamedSharding(on["b"], PartitionSpec())
+  assert pull.spec.shape == (4,) and pull.spec.dtype == jnp.float32
+  uuids = {pull.uuid(c, s) for c in range(2) for s in range(3)}
+  assert len(uuids) == 6  # one name per controller, step and transfer, alike on both sides

@@ -118,11 +118,23 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   """A 2-stage 1F1B pipeline, one stage per process: activations and gradients cross between
   the processes every microbatch."""
   embedded = train.run(config_of(STAGES), str(tmp_path / "embedded"), show_progress=False)
-  result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 6})
+  result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 6, "backend.trace": True})
   assert result.returncode == 0, result.stdout[-3000:]
   want = {r["step"]: r["loss"] for r in embedded.history}
   got = losses(tmp_path / "dist")
   assert got and all(got[s] == want[s] for s in got), (got, want)
+  # Every transfer between the stages went by pull (backend/pulls.py): each is offered from the
+  # sending stage's own queue, none waited in the ordered queue of device_puts ("cross-process").
+  sends = {}
+  for path in (tmp_path / "dist" / "trace.json", tmp_path / "dist" / "processes/1/trace.json"):
+    events = json.load(open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    queues = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert "cross-process" not in queues.values()
+    for e in events:
+      if e.get("ph") == "X" and re.fullmatch(r"\d+:(act|grad)\d+\.\d+", e["name"]):
+        sends.setdefault(e["name"].split(":")[1][:3], set()).add(queues[e["pid"]])
+  assert sends == {"act": {"island0"}, "gra": {"island1"}}, sends
   # Each process wrote its stage's part of the step-6 checkpoint: it restores in embedded mode.
   config = config_of(STAGES)
   config.train.num_steps = 6

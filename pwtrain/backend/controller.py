@@ -17,20 +17,24 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import queue
+import functools
+import itertools
 import threading
 from typing import Any
 
 import jax
 
 from pwtrain import sharding as sharding_lib
+from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
+from pwtrain.backend.scheduler import IslandScheduler, here_only
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
 
 CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
+_CONTROLLERS = itertools.count()  # names each controller's pulls alike on every process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,87 +46,10 @@ class Executable:
   compiled: Any  # jax.stages.Compiled (remote: compiled locally only if inspected)
   num_outputs: int
   remote: Any = None  # remote islands: the worker's copy (backend.remote.dispatch)
+  donate_argnums: tuple[int, ...] = ()  # arguments whose buffers it may reuse (then gone)
 
   def memory_analysis(self):
     return self.compiled.memory_analysis()
-
-
-class _IslandScheduler:
-  """One thread, one queue: launches the island's work strictly in enqueue order."""
-
-  def __init__(self, name: str, trace: Trace | None, serial):
-    self.name = name
-    self.trace = trace
-    self.serial = serial
-    self.queue: queue.Queue = queue.Queue()
-    self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
-    self.thread.start()
-    # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
-    # (a lower bound for nodes whose outputs were all donated onwards before it looked).
-    record = trace is not None and trace.record_completion and serial is None
-    self.watcher = _CompletionWatcher(name) if record else None
-
-  def _loop(self):
-    while True:
-      item = self.queue.get()
-      if item is None:
-        return
-      name, launch, args, out, event, after = item
-      if after is not None:  # see Controller._dispatch_local
-        concurrent.futures.wait([after])
-      try:
-        values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
-        if self.serial is None:
-          if event is not None:
-            event.launch = self.trace.now()
-          with jax.profiler.TraceAnnotation(name):  # the node's name in a jax.profiler trace
-            result = launch(*values)
-          if self.watcher:
-            self.watcher.watch(result, event, self.trace)
-        else:
-          with self.serial:  # see Controller: run to completion, one computation at a time
-            if event is not None:
-              event.launch = self.trace.now()
-            with jax.profiler.TraceAnnotation(name):
-              result = launch(*values)
-              _block_ready(result)
-            if event is not None:  # exact: nothing else runs until this has finished
-              event.done = self.trace.now()
-      except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
-        out.set_exception(e)
-        continue
-      out.set_result(result)
-
-  def stop(self):
-    self.queue.put(None)
-    self.thread.join()
-    if self.watcher:
-      self.watcher.stop()
-
-
-class _CompletionWatcher:
-  """Waits for results in launch order and stamps completion times (tracing only)."""
-
-  def __init__(self, name):
-    self.queue: queue.Queue = queue.Queue()
-    self.thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
-    self.thread.start()
-
-  def watch(self, value, event, trace):
-    self.queue.put((value, event, trace))
-
-  def _loop(self):
-    while True:
-      item = self.queue.get()
-      if item is None:
-        return
-      value, event, trace = item
-      _block_ready(value)
-      event.done = trace.now()
-
-  def stop(self):
-    self.queue.put(None)
-    self.thread.join()
 
 
 class Controller:
@@ -159,19 +86,23 @@ class Controller:
 
       self._remote = RemoteDispatcher(cluster, trace)
     self._schedulers = {
-      i.name: _IslandScheduler(i.name, trace, serial)
+      i.name: IslandScheduler(i.name, trace, serial)
       for i in cluster.islands
       if self._remote is None
     }
     # Cross-process transfers, sent and received in program order from one thread (see
     # _dispatch_local: every process issues every one, in the same order).
-    self._cross = _IslandScheduler(CROSS, trace, None) if self._remote is None else None
+    self._cross = IslandScheduler(CROSS, trace, None) if self._remote is None else None
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
     # node leaves a stand-in (an array with no data here) that a transfer can read from.
     self._here = {i.name: has_local_devices(i) for i in cluster.islands}
     self._last_cross: concurrent.futures.Future | None = None  # the last one enqueued
-    self._prepared_programs: dict = {}  # id(program) -> (program, order, puts): _prepared
+    self._prepared_programs: dict = {}  # id(program) -> (program, order, puts, pulls)
+    # Transfers between processes by pull (backend/pulls.py), where they can go that way.
+    self._id = next(_CONTROLLERS)
+    self._distributed = self._remote is None and jax.process_count() > 1
+    self._puller: pulls_lib.Puller | None = None
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -216,7 +147,7 @@ class Controller:
         out_shardings=out_shardings,
         donate_argnums=donate_argnums,
       )
-      return Executable(name, island, local, num_outputs, remote)
+      return Executable(name, island, local, num_outputs, remote, tuple(donate_argnums))
     jitted = jax.jit(
       fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
     )
@@ -227,7 +158,7 @@ class Controller:
       lowered = jitted.lower(*args)
     out_tree = lowered.out_info
     num_outputs = len(out_tree) if isinstance(out_tree, tuple) else 1
-    return Executable(name, island, lowered.compile(), num_outputs)
+    return Executable(name, island, lowered.compile(), num_outputs, None, tuple(donate_argnums))
 
   # -- dispatch -----------------------------------------------------------------------------
 
@@ -260,7 +191,7 @@ class Controller:
       return _select(futures[node_name], index)
 
     island_of = {n.name: n.island for n in program.nodes}
-    order, puts = self._prepared(program)
+    order, puts, pulls = self._prepared(program)
     for node in order:
       scheduler = None  # the island's
       if isinstance(node, Node):
@@ -271,6 +202,9 @@ class Controller:
         args = [resolve(r) for r in node.args]
       else:
         assert isinstance(node, Transfer)
+        if node.name in pulls:
+          futures[node.name] = self._by_pull(node, pulls[node.name], island_of, resolve, step)
+          continue
         host_value = isinstance(node.src, str)
         if not self._here[node.island] and host_value:
           futures[node.name] = _resolved(None)  # a host value: its island's process puts it
@@ -298,14 +232,32 @@ class Controller:
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
   def _prepared(self, program: Program) -> tuple:
-    """(transfers.dispatch_order of `program`, {transfer name: its device_put}), made once per
-    program: the dispatch of every step reuses them."""
+    """(transfers.dispatch_order of `program`, {transfer name: its device_put}, {transfer name:
+    pulls.Pull} of those between processes that go by pull), made once per program: the
+    dispatch of every step reuses them."""
     cached = self._prepared_programs.get(id(program))
     if cached is None or cached[0] is not program:
       order = dispatch_order(program, self.cluster.islands)
       puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
-      cached = self._prepared_programs[id(program)] = (program, order, puts)
+      pulls = pulls_lib.pulls(program, self.cluster.islands) if self._distributed else {}
+      if pulls and self._puller is None:  # every process prepares the same programs
+        self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}")
+      cached = self._prepared_programs[id(program)] = (program, order, puts, pulls)
     return cached[1:]
+
+  def _by_pull(self, node: Transfer, pull, island_of, resolve, step: int):
+    """A transfer between processes by pull: the destination's process pulls it at once (an
+    array that is ready when the data has arrived), the source's offers it from the source
+    island's queue once the value's node has been launched; a future of what this process
+    holds of the result (the others: stand-ins)."""
+    uuid = pull.uuid(self._id, step)
+    here = jax.process_index()
+    if here == pull.destination:
+      return _resolved(self._puller.pull(pull.source, uuid, pull.spec))
+    if here == pull.source:
+      offer = functools.partial(self._puller.offer, uuid)
+      self._enqueue(node.name, island_of[node.src[0]], offer, [resolve(node.src)], step)
+    return _resolved(jax.tree.map(stand_in, pull.spec))
 
   def _enqueue(self, name, island, launch, args, step, scheduler=None, after=None):
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
@@ -346,16 +298,6 @@ class Controller:
     self.close()
 
 
-def _block_ready(value) -> None:
-  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped,
-  and so are those with no data on this process (distributed mode)."""
-  for x in jax.tree.leaves(value):
-    try:
-      jax.block_until_ready(_here(x))
-    except RuntimeError:  # JaxRuntimeError too
-      pass  # donated to a successor: its completion is stamped on the successor's event
-
-
 def _wait_outputs(futures: list) -> None:
   """Waits until a program's outputs are computed or have failed; never raises.
 
@@ -364,15 +306,9 @@ def _wait_outputs(futures: list) -> None:
   """
   for f in futures:
     try:
-      jax.block_until_ready(_here(f.result()))
+      jax.block_until_ready(here_only(f.result()))
     except Exception:  # noqa: BLE001 - reported through `f` to the program's owner
       pass
-
-
-def _here(value) -> list:
-  """The leaves of `value` with data on this process (in distributed mode, another process's
-  node leaves arrays without any here; waiting on them would wait forever)."""
-  return [x for x in jax.tree.leaves(value) if not isinstance(x, jax.Array) or x.addressable_shards]
 
 
 def _resolved(value) -> concurrent.futures.Future:

@@ -1,0 +1,121 @@
+"""Transfers between processes by pull (distributed mode): the sending process offers a value
+under a number, the receiving process pulls it by that number, each when its own schedule gets
+there (`jax.experimental.transfer`: a transfer server per process, on JAX's runtime).
+
+A cross-host `jax.device_put` pairs its two sides by how many such calls each process has made,
+so every process must issue them in one order from one queue, and a receive waiting for its
+sender holds back every transfer behind it (a 1F1B pipeline's sends and receives alternate).
+An offer and a pull block nothing: the offer returns at once (the server sends the value once it
+is computed and asked for), and the pull returns at once with an array that becomes ready when
+the data has arrived, which the receiving island's next computation can already take.
+
+Used for a transfer of a node's output between two islands of one process each, on different
+processes, with the same layout on both sides, whose value no node of the program donates and
+the program does not carry into the next (a donated buffer is gone before the peer may have
+pulled it: the pull would fail). Every other transfer between processes goes by device_put.
+"""
+
+import dataclasses
+import socket
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from pwtrain import processes
+from pwtrain.backend.program import Node, Program, Transfer
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+  """One transfer by pull: from `source` to `destination` (process indices), of `spec` (a tree
+  of ShapeDtypeStructs with the destination's shardings); `number` is its place among the
+  program's transfers, which with the controller and the step names it on both sides."""
+
+  source: int
+  destination: int
+  spec: Any
+  number: int
+
+  def uuid(self, controller: int, step: int) -> int:
+    assert self.number < 1 << 16 and step < 1 << 32 and controller < 1 << 14
+    return (controller << 48) | (step << 16) | self.number
+
+
+def pulls(program: Program, islands) -> dict[str, Pull]:
+  """{transfer name: Pull} for `program`'s transfers that go by pull (the module's rule); the
+  same on every process."""
+  owners = {i.name: i.processes for i in islands}
+  nodes = {n.name: n for n in program.nodes if isinstance(n, Node)}
+  gone = {n.args[i] for n in nodes.values() for i in n.executable.donate_argnums}
+  gone |= {program.outputs[k] for k in program.carried}
+  out = {}
+  transfers = [n for n in program.nodes if isinstance(n, Transfer)]
+  for number, t in enumerate(transfers):
+    if isinstance(t.src, str) or t.src in gone:
+      continue
+    source = nodes[t.src[0]]
+    a, b = owners[source.island], owners[t.island]
+    if len(a) != 1 or len(b) != 1 or a == b:
+      continue
+    info = source.executable.compiled.out_info
+    info = info[t.src[1]] if isinstance(info, tuple) else info
+    to = t.sharding
+    if isinstance(to, jax.sharding.Sharding):
+      to = jax.tree.map(lambda _, s=to: s, info)
+    pairs = list(zip(jax.tree.leaves(info), jax.tree.leaves(to), strict=True))
+    if not all(_same_layout(i.sharding, s) for i, s in pairs):
+      continue
+    spec = jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s), info, to)
+    out[t.name] = Pull(min(a), min(b), spec, number)
+  return out
+
+
+def _same_layout(a, b) -> bool:
+  """Whether shardings `a` and `b` (on other devices) cut an array alike: the k-th device of
+  each holds the same piece, which is how an offer's shards meet a pull's."""
+  if isinstance(a, SingleDeviceSharding) and isinstance(b, SingleDeviceSharding):
+    return True
+  return (
+    isinstance(a, NamedSharding)
+    and isinstance(b, NamedSharding)
+    and dict(a.mesh.shape) == dict(b.mesh.shape)
+    and a.spec == b.spec
+  )
+
+
+class Puller:
+  """This process's transfer server, and its connections to the other processes' (made on first
+  use). `name` names the controller's servers alike on every process: their addresses are
+  shared through the coordination service's key-value store."""
+
+  def __init__(self, name: str):
+    from jax.experimental import transfer
+
+    host = _host()
+    device = jax.local_devices()[0]
+    self._server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
+    self._name = name
+    self._connections: dict[int, Any] = {}
+    processes.share(f"{name}/{jax.process_index()}", self._server.address())
+
+  def offer(self, uuid: int, value) -> None:
+    """Offers `value` (computed or not) to the process that will pull `uuid`; returns at once."""
+    self._server.await_pull(uuid, value)
+
+  def pull(self, process: int, uuid: int, spec):
+    """The value `process` offers as `uuid`, as arrays of `spec` that are ready once it has
+    arrived; returns at once."""
+    connection = self._connections.get(process)
+    if connection is None:
+      address = str(processes.ask(f"{self._name}/{process}"))
+      connection = self._connections[process] = self._server.connect(address)
+    return connection.pull(uuid, spec)
+
+
+def _host() -> str:
+  """The address this process's server listens on: the host of JAX's cross-host transfer socket
+  (backend/distributed.py sets it), as an IP address."""
+  address = jax.config.read("jax_cross_host_transfer_socket_address") or "127.0.0.1:0"
+  host = address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+  return socket.gethostbyname(host)

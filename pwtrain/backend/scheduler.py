@@ -1,0 +1,109 @@
+"""An island's scheduler: one thread draining one FIFO queue, so that every device of the island
+runs the computations of every program in the same order (gang scheduling; backend/controller.py
+enqueues, the scheduler launches).
+"""
+
+import concurrent.futures
+import queue
+import threading
+
+import jax
+
+from pwtrain.backend.trace import Trace
+
+
+class IslandScheduler:
+  """One thread, one queue: launches the island's work strictly in enqueue order."""
+
+  def __init__(self, name: str, trace: Trace | None, serial):
+    self.name = name
+    self.trace = trace
+    self.serial = serial
+    self.queue: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
+    self.thread.start()
+    # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
+    # (a lower bound for nodes whose outputs were all donated onwards before it looked).
+    record = trace is not None and trace.record_completion and serial is None
+    self.watcher = _CompletionWatcher(name) if record else None
+
+  def _loop(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      name, launch, args, out, event, after = item
+      if after is not None:  # see Controller._dispatch_local
+        concurrent.futures.wait([after])
+      try:
+        values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
+        if self.serial is None:
+          if event is not None:
+            event.launch = self.trace.now()
+          with jax.profiler.TraceAnnotation(name):  # the node's name in a jax.profiler trace
+            result = launch(*values)
+          if self.watcher:
+            self.watcher.watch(result, event, self.trace)
+        else:
+          # Inputs pulled from another process are awaited before the lock is taken: the
+          # computation that sends them may wait on one of this process's (no cycle of waits).
+          _block_ready(values)
+          with self.serial:  # see Controller: run to completion, one computation at a time
+            if event is not None:
+              event.launch = self.trace.now()
+            with jax.profiler.TraceAnnotation(name):
+              result = launch(*values)
+              _block_ready(result)
+            if event is not None:  # exact: nothing else runs until this has finished
+              event.done = self.trace.now()
+      except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
+        out.set_exception(e)
+        continue
+      out.set_result(result)
+
+  def stop(self):
+    self.queue.put(None)
+    self.thread.join()
+    if self.watcher:
+      self.watcher.stop()
+
+
+class _CompletionWatcher:
+  """Waits for results in launch order and stamps completion times (tracing only)."""
+
+  def __init__(self, name):
+    self.queue: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
+    self.thread.start()
+
+  def watch(self, value, event, trace):
+    self.queue.put((value, event, trace))
+
+  def _loop(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      value, event, trace = item
+      _block_ready(value)
+      event.done = trace.now()
+
+  def stop(self):
+    self.queue.put(None)
+    self.thread.join()
+
+
+def _block_ready(value) -> None:
+  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped,
+  and so are those with no data on this process (distributed mode)."""
+  for x in jax.tree.leaves(value):
+    try:
+      jax.block_until_ready(here_only(x))
+    except RuntimeError:  # JaxRuntimeError too
+      pass  # donated to a successor: its completion is stamped on the successor's event
+
+
+def here_only(value) -> list:
+  """The leaves of `value` with data on this process (in distributed mode, another process's
+  node leaves arrays without any here; waiting on them would wait forever)."""
+  return [x for x in jax.tree.leaves(value) if not isinstance(x, jax.Array) or x.addressable_shards]
