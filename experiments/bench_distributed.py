@@ -23,19 +23,20 @@ reached (target >= 0.9), and distributed over embedded step time (the overhead o
 and cross-host transfers against in-process transfers, on the same layout).
 
 Measured on 2 cores (`python experiments/bench_distributed.py --sections=pipeline`, 3 blocks of
-3 steps, 8 rows per microbatch, load average 2.7):
-  gpipe M=4: speedup 1.56 of bound 1.60 (0.98); 1f1b M=4: 1.45 (0.90)
-  gpipe M=8: speedup 1.56 of bound 1.78 (0.88); 1f1b M=8: 0.99 (0.56)
-  distributed / embedded step time: 0.60-0.95 (embedded runs one computation at a time)
-Before c21650d: GPipe 0.83 / 0.86, 1F1B 0.67 / 0.66. A device runs a send issued after its next
-computation only after it; the controller now dispatches each transfer between processes right
-after the node it sends and starts a node only once the transfers before it were issued.
-1F1B at M=8 stays short: on XLA:CPU a receive blocks its process's one transfer queue until the
-peer has issued the send, and a send's data moves on the sender's device queue, so a receive
-posted while the sender already computes its next microbatch waits for that computation. The
-order cannot be relaxed: JAX pairs the two sides of a cross-host transfer by how many transfers
-each process has issued before it (which is also why a queue of sends apart from a queue of
-receives hung in a trial).
+3 steps, 8 rows per microbatch, load average 2.0):
+  gpipe M=4: speedup 1.51 of bound 1.60 (0.94); 1f1b M=4: 1.40 (0.87)
+  gpipe M=8: speedup 1.64 of bound 1.78 (0.92); 1f1b M=8: 1.48 (0.83)
+  distributed / embedded step time: 0.54-0.64 (embedded runs one computation at a time)
+The transfers between the stages go by pull (backend/pulls.py): before b8a739d they were
+cross-host device_puts, which JAX pairs by how many each process has issued, so they went from
+one queue in program order and a receive waiting for its sender held back the sends behind it:
+1F1B reached 0.90 / 0.56 at M=4 / 8 that way (GPipe 0.98 / 0.88, load 2.7), and 0.67 / 0.66
+before c21650d (which issues a send before its island's next computation). What limits 1F1B at
+M=8 now is the stages' compute, not the transfers (one traced step, `trace="memory"`): each
+gradient and activation arrives 2-11 ms (median 3) after both sides issued it; stage 0 computes
+F + B = 216 ms per microbatch (B recomputes F) and stage 1 193 ms (203 / 185 ms in an earlier
+trace), against the single device's 175 ms per stage and microbatch (175 / 216 = 0.81), and
+stage 0 waits 150 ms for the first gradient, the (S-1)-microbatch bubble.
 
 --sections=memory: for each schedule at the largest M, one more step of the distributed
 pipeline traced on each process: the bytes of live arrays on the process's device (parameters,
@@ -49,9 +50,11 @@ transfers it takes part in), the fraction of its pod's exchange work (gradients 
 the other pod, the reduction) started and finished before its last backward computation ended,
 and the fraction of the exchange's run time before that moment ("hidden"), averaged over pods.
 
-Measured (`--sections=memory,pods --steps=2`): live bytes before the step 22.9 MB per stage;
-peak GPipe 39.9 / 39.9 MB, 1F1B 27.9 / 27.9 MB (M=8). Pods hidden: sync 0.00 (step 0.645 s,
-exchange 90.7 ms), overlapped 0.74 (0.776 s, 359.9 ms), stale 0.30 (0.624 s, 88.3 ms).
+Measured (`--sections=memory` and `--sections=pods`, transfers by pull): live bytes before the
+step 22.9 MB per stage; peak GPipe 39.9 / 39.9 MB, 1F1B 29.4 / 28.9 MB (M=8). Pods hidden:
+sync 0.00 (step 0.486 s, exchange 29.8 ms), overlapped 0.70 (0.571 s, 50.4 ms), stale 0.13
+(0.507 s, 40.2 ms). With ordered device_puts (`--steps=2`): 1F1B 27.9 / 27.9 MB; sync 0.00
+(0.645 s, 90.7 ms), overlapped 0.74 (0.776 s, 359.9 ms), stale 0.30 (0.624 s, 88.3 ms).
 
 Caveat: 2 cores shared with the OS; each process also has Python threads (schedulers, the
 coordination client), so the machine is slightly oversubscribed.

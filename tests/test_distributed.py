@@ -124,7 +124,8 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   got = losses(tmp_path / "dist")
   assert got and all(got[s] == want[s] for s in got), (got, want)
   # Every transfer between the stages went by pull (backend/pulls.py): each is offered from the
-  # sending stage's own queue, none waited in the ordered queue of device_puts ("cross-process").
+  # sending stage's queue and pulled by the receiving one (traced from the pull to the data's
+  # arrival on "<island>:pulls"); none waited in the ordered queue of device_puts.
   sends = {}
   for path in (tmp_path / "dist" / "trace.json", tmp_path / "dist" / "processes/1/trace.json"):
     events = json.load(open(path))
@@ -134,7 +135,7 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
     for e in events:
       if e.get("ph") == "X" and re.fullmatch(r"\d+:(act|grad)\d+\.\d+", e["name"]):
         sends.setdefault(e["name"].split(":")[1][:3], set()).add(queues[e["pid"]])
-  assert sends == {"act": {"island0"}, "gra": {"island1"}}, sends
+  assert sends == {"act": {"island0", "island1:pulls"}, "gra": {"island1", "island0:pulls"}}
   # Each process wrote its stage's part of the step-6 checkpoint: it restores in embedded mode.
   config = config_of(STAGES)
   config.train.num_steps = 6

@@ -28,7 +28,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
-from pwtrain.backend.scheduler import IslandScheduler, here_only
+from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, here_only
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
@@ -103,6 +103,9 @@ class Controller:
     self._id = next(_CONTROLLERS)
     self._distributed = self._remote is None and jax.process_count() > 1
     self._puller: pulls_lib.Puller | None = None
+    # Traced: a pull's event runs from the pull to the data's arrival (on "<island>:pulls").
+    traced = trace is not None and trace.record_completion and self._distributed
+    self._pull_watcher = CompletionWatcher("pulls") if traced else None
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -246,25 +249,42 @@ class Controller:
     return cached[1:]
 
   def _by_pull(self, node: Transfer, pull, island_of, resolve, step: int):
-    """A transfer between processes by pull: the destination's process pulls it at once (an
-    array that is ready when the data has arrived), the source's offers it from the source
-    island's queue once the value's node has been launched; a future of what this process
-    holds of the result (the others: stand-ins)."""
+    """A transfer between processes by pull, from the two islands' queues at its place in the
+    dispatch order: the source's process offers the value once its node has been launched, the
+    destination's pulls it (an array that is ready when the data has arrived; pulled there, not
+    at dispatch, so that its buffer exists only from then: 1F1B's memory bound). A future of
+    what this process holds of the result (the others: stand-ins)."""
     uuid = pull.uuid(self._id, step)
     here = jax.process_index()
     if here == pull.destination:
-      return _resolved(self._puller.pull(pull.source, uuid, pull.spec))
+      event = None
+      if self._pull_watcher is not None:  # from the pull to the data's arrival
+        event = self.trace.add(node.name, f"{node.island}:pulls", step)
+
+      def receive():
+        value = self._puller.pull(pull.source, uuid, pull.spec)
+        if event is not None:
+          event.launch = self.trace.now()
+          self._pull_watcher.watch(value, event, self.trace)
+        return value
+
+      return self._enqueue(node.name, node.island, receive, [], step, traced=False, computes=False)
     if here == pull.source:
       offer = functools.partial(self._puller.offer, uuid)
-      self._enqueue(node.name, island_of[node.src[0]], offer, [resolve(node.src)], step)
+      args = [resolve(node.src)]
+      self._enqueue(node.name, island_of[node.src[0]], offer, args, step, computes=False)
     return _resolved(jax.tree.map(stand_in, pull.spec))
 
-  def _enqueue(self, name, island, launch, args, step, scheduler=None, after=None):
+  def _enqueue(
+    self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True
+  ):
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
-    `after` (if any) is done; a future of its result."""
+    `after` (if any) is done; a future of its result. `computes=False`: an offer or a pull
+    (scheduler.IslandScheduler)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
-    event = self.trace.add(name, island, step) if self.trace else None
-    (scheduler or self._schedulers[island]).queue.put((name, launch, args, out, event, after))
+    event = self.trace.add(name, island, step) if self.trace and traced else None
+    item = (name, launch, args, out, event, after, computes)
+    (scheduler or self._schedulers[island]).queue.put(item)
     return out
 
   def _bound_inflight(self):
@@ -288,6 +308,8 @@ class Controller:
       scheduler.stop()
     if self._cross is not None:
       self._cross.stop()
+    if self._pull_watcher is not None:
+      self._pull_watcher.stop()
     if self._remote is not None:
       self._remote.close()
 

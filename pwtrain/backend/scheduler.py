@@ -13,7 +13,11 @@ from pwtrain.backend.trace import Trace
 
 
 class IslandScheduler:
-  """One thread, one queue: launches the island's work strictly in enqueue order."""
+  """One thread, one queue: launches the island's work strictly in enqueue order.
+
+  An item is (name, launch, args, out future, trace event, a future to wait for first,
+  computes): an item that does not compute (an offer or a pull of a transfer between processes,
+  backend/pulls.py) is launched outside the CPU lock and not waited on."""
 
   def __init__(self, name: str, trace: Trace | None, serial):
     self.name = name
@@ -25,19 +29,25 @@ class IslandScheduler:
     # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
     # (a lower bound for nodes whose outputs were all donated onwards before it looked).
     record = trace is not None and trace.record_completion and serial is None
-    self.watcher = _CompletionWatcher(name) if record else None
+    self.watcher = CompletionWatcher(name) if record else None
 
   def _loop(self):
     while True:
       item = self.queue.get()
       if item is None:
         return
-      name, launch, args, out, event, after = item
+      name, launch, args, out, event, after, computes = item
       if after is not None:  # see Controller._dispatch_local
         concurrent.futures.wait([after])
       try:
         values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
-        if self.serial is None:
+        if not computes:  # an offer or a pull between processes: returns at once, no lock
+          if event is not None:
+            event.launch = self.trace.now()
+          result = launch(*values)
+          if event is not None:
+            event.done = self.trace.now()
+        elif self.serial is None:
           if event is not None:
             event.launch = self.trace.now()
           with jax.profiler.TraceAnnotation(name):  # the node's name in a jax.profiler trace
@@ -68,7 +78,7 @@ class IslandScheduler:
       self.watcher.stop()
 
 
-class _CompletionWatcher:
+class CompletionWatcher:
   """Waits for results in launch order and stamps completion times (tracing only)."""
 
   def __init__(self, name):
