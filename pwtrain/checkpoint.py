@@ -185,12 +185,17 @@ class Checkpointer:
     would set a good checkpoint aside. In distributed mode each process reads what its islands
     hold, so the processes agree before any of them raises (`integrity.agree`): when one finds
     the checkpoint damaged, every one raises CorruptCheckpoint (all set it aside together), and
-    none waits for another in the fingerprint exchange.
+    none waits for another in Orbax's barrier of the read or in the fingerprint exchange.
     """
+    failure = None
     try:
-      state, restored = self._read(step, abstract_state)
-      failure = None
+      in_parts = self._check(step, abstract_state)
     except Exception as e:  # noqa: BLE001 - every process hears of it first (agree)
+      failure = e
+    agree(step, failure)  # before the read, whose Orbax barrier every process must reach
+    try:
+      state, restored = self._read(step, abstract_state, in_parts)
+    except Exception as e:  # noqa: BLE001 - as above
       failure = e
     agree(step, failure)
     if "integrity" in restored:
@@ -201,13 +206,12 @@ class Checkpointer:
         raise CorruptCheckpoint(f"step {step}: fingerprint mismatch in {bad[:5] or 'its keys'}")
     return state, restored["data"]
 
-  def _read(self, step: int, abstract_state):
-    """(state, {"data": ..., "integrity": ... if saved}) as read from `step`'s files."""
-    parts_dir = os.path.join(self.directory, str(step), "parts")
-    in_parts = os.path.isdir(parts_dir)
+  def _check(self, step: int, abstract_state) -> bool:
+    """Whether `step` is saved in parts, once its metadata matches `abstract_state`."""
+    in_parts = os.path.isdir(os.path.join(self.directory, str(step), "parts"))
     try:
       if in_parts:
-        saved = checkpoint_parts.PartsHandler().metadata(parts_dir)
+        saved = checkpoint_parts.PartsHandler().metadata(self._parts(step))
       else:
         saved = saved_leaves(self._manager.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
@@ -218,6 +222,11 @@ class Checkpointer:
       check_compatible(saved, abstract_state)
     except IncompatibleCheckpoint as e:
       raise IncompatibleCheckpoint(f"step {step}: {e}") from None
+    return in_parts
+
+  def _read(self, step: int, abstract_state, in_parts: bool):
+    """(state, {"data": ..., "integrity": ... if saved}) as read from `step`'s files."""
+    parts_dir = self._parts(step)
     has_integrity = os.path.isdir(os.path.join(self.directory, str(step), "integrity"))
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     abstract = {path_name(path): a for path, a in flat}
@@ -255,6 +264,9 @@ class Checkpointer:
 
   def _item(self, step: int) -> str:
     return os.path.join(self.directory, str(step), "state")
+
+  def _parts(self, step: int) -> str:
+    return os.path.join(self.directory, str(step), "parts")
 
   def restore_latest(self, abstract_state):
     """(step, state, data_state) of the newest readable checkpoint, or None if there is none.

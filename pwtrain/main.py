@@ -3,6 +3,7 @@
 Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`.
 """
 
+import linecache
 import logging as std_logging
 import os
 import sys
@@ -106,15 +107,19 @@ def main(argv):
 
 
 def _raised_by_pwtrain(error: ValueError) -> bool:
-  """Whether pwtrain's own code raised `error`: its ValueErrors are about the user's input (a
-  config value, naming the key, the value and what is valid; a damaged data file, naming the
-  file and the fix) and read best as one line. A ValueError raised inside a library keeps its
-  traceback: it may be a bug."""
+  """Whether a `raise` statement of pwtrain's own code raised `error`: those ValueErrors are
+  about the user's input (a config value, naming the key, the value and what is valid; a
+  damaged data file, naming the file and the fix) and read best as one line. One raised inside
+  a library, or by Python itself in our code (unpacking, int()), keeps its traceback: it may be
+  a bug."""
   tb = error.__traceback__
   while tb is not None and tb.tb_next is not None:
     tb = tb.tb_next
-  package = os.path.dirname(os.path.abspath(__file__))
-  return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+  if tb is None:
+    return False
+  path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+  ours = path.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+  return ours and linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise")
 
 
 if __name__ == "__main__":

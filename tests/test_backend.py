@@ -280,3 +280,27 @@ def test_transfers_that_go_by_pull():
   assert pull.spec.shape == (4,) and pull.spec.dtype == jnp.float32
   uuids = {pull.uuid(c, s) for c in range(2) for s in range(3)}
   assert len(uuids) == 6  # one name per controller, step and transfer, alike on both sides
+
+
+def test_puller_moves_values_and_a_failed_value_fails_the_pull(monkeypatch):
+  """backend/pulls.Puller on a real transfer server, pulling from itself (one process; the
+  server addresses go through a dict instead of the coordination service's store): a value
+  arrives bitwise; a value whose node failed is offered as an error, so its pull raises with
+  the node's message instead of waiting forever."""
+  from pwtrain import processes
+  from pwtrain.backend.pulls import Puller
+
+  store = {}
+  monkeypatch.setattr(processes, "share", lambda key, value: store.__setitem__(key, value))
+  monkeypatch.setattr(processes, "ask", lambda key, timeout_s=600.0: store[key])
+  puller = Puller("test")
+  device = jax.devices()[0]
+  spec = jax.ShapeDtypeStruct(
+    (3, 5), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  x = jax.device_put(np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32), device)
+  puller.offer(7, x)
+  np.testing.assert_array_equal(np.asarray(puller.pull(0, 7, spec)), np.asarray(x))
+  puller.offer_error(8, spec, "0:F0.1: boom")
+  with pytest.raises(Exception, match="0:F0.1: boom"):
+    np.asarray(puller.pull(0, 8, spec))

@@ -17,7 +17,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import itertools
 import threading
 from typing import Any
@@ -270,9 +269,17 @@ class Controller:
 
       return self._enqueue(node.name, node.island, receive, [], step, traced=False, computes=False)
     if here == pull.source:
-      offer = functools.partial(self._puller.offer, uuid)
-      args = [resolve(node.src)]
-      self._enqueue(node.name, island_of[node.src[0]], offer, args, step, computes=False)
+      value = resolve(node.src)
+
+      def offer():
+        try:
+          computed = value.result()
+        except Exception as e:  # noqa: BLE001 - the receiver fails with it, not waits forever
+          self._puller.offer_error(uuid, pull.offered, f"{node.name}: {e}")
+          raise
+        self._puller.offer(uuid, computed)
+
+      self._enqueue(node.name, island_of[node.src[0]], offer, [], step, computes=False)
     return _resolved(jax.tree.map(stand_in, pull.spec))
 
   def _enqueue(

@@ -17,6 +17,7 @@ pulled it: the pull would fail). Every other transfer between processes goes by 
 
 import dataclasses
 import socket
+import threading
 from typing import Any
 
 import jax
@@ -29,12 +30,14 @@ from pwtrain.backend.program import Node, Program, Transfer
 @dataclasses.dataclass(frozen=True)
 class Pull:
   """One transfer by pull: from `source` to `destination` (process indices), of `spec` (a tree
-  of ShapeDtypeStructs with the destination's shardings); `number` is its place among the
-  program's transfers, which with the controller and the step names it on both sides."""
+  of ShapeDtypeStructs with the destination's shardings; `offered`: the same with the source's);
+  `number` is its place among the program's transfers, which with the controller and the step
+  names it on both sides."""
 
   source: int
   destination: int
   spec: Any
+  offered: Any
   number: int
 
   def uuid(self, controller: int, step: int) -> int:
@@ -52,7 +55,7 @@ def pulls(program: Program, islands) -> dict[str, Pull]:
   out = {}
   transfers = [n for n in program.nodes if isinstance(n, Transfer)]
   for number, t in enumerate(transfers):
-    if isinstance(t.src, str) or t.src in gone:
+    if isinstance(t.src, str) or t.src in gone or t.src[0] not in nodes:
       continue
     source = nodes[t.src[0]]
     a, b = owners[source.island], owners[t.island]
@@ -67,7 +70,7 @@ def pulls(program: Program, islands) -> dict[str, Pull]:
     if not all(_same_layout(i.sharding, s) for i, s in pairs):
       continue
     spec = jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s), info, to)
-    out[t.name] = Pull(min(a), min(b), spec, number)
+    out[t.name] = Pull(min(a), min(b), spec, info, number)
   return out
 
 
@@ -79,7 +82,8 @@ def _same_layout(a, b) -> bool:
   return (
     isinstance(a, NamedSharding)
     and isinstance(b, NamedSharding)
-    and dict(a.mesh.shape) == dict(b.mesh.shape)
+    and a.mesh.axis_names == b.mesh.axis_names
+    and a.mesh.devices.shape == b.mesh.devices.shape
     and a.spec == b.spec
   )
 
@@ -97,19 +101,29 @@ class Puller:
     self._server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
     self._name = name
     self._connections: dict[int, Any] = {}
+    self._lock = threading.Lock()  # islands of one process pull from their own threads
     processes.share(f"{name}/{jax.process_index()}", self._server.address())
 
   def offer(self, uuid: int, value) -> None:
     """Offers `value` (computed or not) to the process that will pull `uuid`; returns at once."""
     self._server.await_pull(uuid, value)
 
+  def offer_error(self, uuid: int, offered, message: str) -> None:
+    """Offers arrays of `offered` (ShapeDtypeStructs on this process's devices) that carry
+    `message` as an error: the value could not be computed, and the pull fails with it rather
+    than wait for data that never comes."""
+    from jax.experimental import transfer
+
+    self.offer(uuid, jax.tree.map(lambda a: transfer.make_error_array(a, message), offered))
+
   def pull(self, process: int, uuid: int, spec):
     """The value `process` offers as `uuid`, as arrays of `spec` that are ready once it has
     arrived; returns at once."""
-    connection = self._connections.get(process)
-    if connection is None:
-      address = str(processes.ask(f"{self._name}/{process}"))
-      connection = self._connections[process] = self._server.connect(address)
+    with self._lock:
+      connection = self._connections.get(process)
+      if connection is None:
+        address = str(processes.ask(f"{self._name}/{process}"))
+        connection = self._connections[process] = self._server.connect(address)
     return connection.pull(uuid, spec)
 
 
