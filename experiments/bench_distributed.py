@@ -4,11 +4,13 @@ Run (about 20 minutes on 2 cores):
   python experiments/bench_distributed.py
   python experiments/bench_distributed.py --sections=pipeline --micro=4 --schedules=1f1b
   python experiments/bench_distributed.py --sections=memory,pods --steps=2
+  python experiments/bench_distributed.py --sections=pipeline --stages=4 --micro=8
 
 Each process is pinned to a core of its own (the single-process runs to one core) and holds one
 simulated device per stage, so a process stands in for one accelerator and the two stages
 compute concurrently on the machine's two cores; nothing is replayed or counted from the
-schedule.
+schedule. `--stages=4` runs 4 processes, two to a core on this machine: no stand-in for 4
+accelerators, reported as it is.
 
 For each schedule (GPipe, 1F1B) and microbatch count M:
   single      one process, one device, the same model and global batch as one SPMD step with M
@@ -82,7 +84,13 @@ MODEL = {
   "optim.warmup_steps": 1,
   "train.num_steps": 1000,
 }
-PIPE = {"parallel.islands": 2, "parallel.stages": 2, "parallel.devices_per_island": 1}
+
+
+def pipe(stages: int) -> dict:
+  """A pipeline of `stages` stages, one island of one device each."""
+  return {"parallel.islands": stages, "parallel.stages": stages, "parallel.devices_per_island": 1}
+
+
 PODS = {
   "parallel.islands": 2,
   "parallel.pods": 2,
@@ -95,6 +103,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--micro", default="4,8", help="microbatch counts M")
   p.add_argument("--schedules", default="gpipe,1f1b")
+  p.add_argument("--stages", type=int, default=2, help="pipeline stages S, one process each")
   p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=3, help="timed blocks")
@@ -249,16 +258,16 @@ def pipeline_section(args) -> dict:
     base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
     single = run_job(1, base, args)[0]["blocks"]
     for schedule in args.schedules.split(","):
-      pipe = {**base, **PIPE, "parallel.schedule": schedule}
-      embedded = run_job(1, pipe, args, devices=2)[0]["blocks"]
-      dist = run_job(2, {**pipe, "backend.mode": "distributed"}, args)[0]["blocks"]
+      layout = {**base, **pipe(args.stages), "parallel.schedule": schedule}
+      embedded = run_job(1, layout, args, devices=args.stages)[0]["blocks"]
+      dist = run_job(args.stages, {**layout, "backend.mode": "distributed"}, args)[0]["blocks"]
       s, e, d = (statistics.median(x) for x in (single, embedded, dist))
-      bound = 2 * m / (m + 1)
+      bound = args.stages * m / (m + args.stages - 1)
       key = f"{schedule} M={m}"
       results[key] = {"single": single, "embedded": embedded, "distributed": dist}
       rows.append((schedule, m, s, e, d, s / d, bound, s / d / bound, d / e))
       print(f"  {key}: single {s:.3f} s, embedded {e:.3f} s, distributed {d:.3f} s", flush=True)
-  print("\n2-stage pipeline, one process per stage (median seconds per step):")
+  print(f"\n{args.stages}-stage pipeline, one process per stage (median seconds per step):")
   print("schedule  M  single  embedded  distributed  speedup  bound  of bound  dist/embedded")
   for schedule, m, s, e, d, speedup, bound, frac, over in rows:
     print(
@@ -272,11 +281,14 @@ def memory_section(args) -> dict:
   m = max(int(x) for x in args.micro.split(","))
   base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
   results = {}
-  print(f"\nPeak live bytes per stage during one step (2 processes, M={m}; MB = 2^20 bytes):")
+  processes = f"{args.stages} processes, M={m}; MB = 2^20 bytes"
+  print(f"\nPeak live bytes per stage during one step ({processes}):")
   print("schedule  stage  before step  peak   peak - before")
   for schedule in args.schedules.split(","):
-    pipe = {**base, **PIPE, "parallel.schedule": schedule, "backend.mode": "distributed"}
-    per_stage = run_job(2, pipe, args, trace="memory")
+    layout = {**base, **pipe(args.stages), "parallel.schedule": schedule}
+    per_stage = run_job(
+      args.stages, {**layout, "backend.mode": "distributed"}, args, trace="memory"
+    )
     results[schedule] = per_stage
     for stage, r in enumerate(per_stage):
       before, peak = r["live_bytes_before"] / 2**20, r["peak_live_bytes"] / 2**20
