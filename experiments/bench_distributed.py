@@ -40,6 +40,9 @@ F + B = 216 ms per microbatch (B recomputes F) and stage 1 193 ms (203 / 185 ms 
 trace), against the single device's 175 ms per stage and microbatch (175 / 216 = 0.81), and
 stage 0 waits 150 ms for the first gradient, the (S-1)-microbatch bubble.
 
+With --stages=4 --micro=8 --steps=2 --repeats=2 (4 processes on 2 cores, load 3.7): GPipe
+speedup 1.72 of bound 2.91 (0.59), 1F1B 1.60 (0.55); two cores cap the speedup at 2.0.
+
 --sections=memory: for each schedule at the largest M, one more step of the distributed
 pipeline traced on each process: the bytes of live arrays on the process's device (parameters,
 optimizer state, and the activations and residuals kept between computations; not XLA's
