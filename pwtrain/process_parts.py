@@ -24,7 +24,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from pwtrain import processes
 from pwtrain.checkpoint_parts import insert
 from pwtrain.integrity import fingerprint, path_name
-from pwtrain.sharding import from_host
+from pwtrain.sharding import from_host, stand_in
 
 
 def _these_processes(owners, name: str) -> ocp.options.MultiprocessingOptions:
@@ -106,7 +106,7 @@ def read_on_host(directory: str, abstract: dict) -> dict:
   tree = handler.metadata(epath.Path(directory)).tree
   names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   if not any(abstract[name].sharding.addressable_devices for name in names):
-    return {name: from_host(None, abstract[name]) for name in names}  # other processes' island
+    return {name: stand_in(abstract[name]) for name in names}  # other processes' island
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as reader:
     values = reader.restore(directory, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

@@ -27,7 +27,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.program import Node, Program, Transfer
-from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, here_only
+from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work, here_only
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
@@ -290,8 +290,8 @@ class Controller:
     (scheduler.IslandScheduler)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace and traced else None
-    item = (name, launch, args, out, event, after, computes)
-    (scheduler or self._schedulers[island]).queue.put(item)
+    work = Work(name, launch, args, out, event, after, computes)
+    (scheduler or self._schedulers[island]).queue.put(work)
     return out
 
   def _bound_inflight(self):

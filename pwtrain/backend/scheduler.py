@@ -4,20 +4,34 @@ enqueues, the scheduler launches).
 """
 
 import concurrent.futures
+import dataclasses
 import queue
 import threading
+from typing import Any
 
 import jax
 
-from pwtrain.backend.trace import Trace
+from pwtrain.backend.trace import Event, Trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+  """One item of an island's queue: `launch(*args)` (futures among `args` resolved first), its
+  result into `out`. `after`: a future to wait for before starting; `computes=False`: an offer or
+  a pull of a transfer between processes (backend/pulls.py), launched outside the CPU lock and
+  not waited on."""
+
+  name: str
+  launch: Any
+  args: list
+  out: concurrent.futures.Future
+  event: Event | None = None
+  after: concurrent.futures.Future | None = None
+  computes: bool = True
 
 
 class IslandScheduler:
-  """One thread, one queue: launches the island's work strictly in enqueue order.
-
-  An item is (name, launch, args, out future, trace event, a future to wait for first,
-  computes): an item that does not compute (an offer or a pull of a transfer between processes,
-  backend/pulls.py) is launched outside the CPU lock and not waited on."""
+  """One thread, one queue of `Work`: launches the island's work strictly in enqueue order."""
 
   def __init__(self, name: str, trace: Trace | None, serial):
     self.name = name
@@ -33,25 +47,25 @@ class IslandScheduler:
 
   def _loop(self):
     while True:
-      item = self.queue.get()
-      if item is None:
+      work = self.queue.get()
+      if work is None:
         return
-      name, launch, args, out, event, after, computes = item
-      if after is not None:  # see Controller._dispatch_local
-        concurrent.futures.wait([after])
+      event = work.event
+      if work.after is not None:  # see Controller._dispatch_local
+        concurrent.futures.wait([work.after])
       try:
-        values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in args]
-        if not computes:  # an offer or a pull between processes: returns at once, no lock
+        values = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in work.args]
+        if not work.computes:  # an offer or a pull between processes: returns at once, no lock
           if event is not None:
             event.launch = self.trace.now()
-          result = launch(*values)
+          result = work.launch(*values)
           if event is not None:
             event.done = self.trace.now()
         elif self.serial is None:
           if event is not None:
             event.launch = self.trace.now()
-          with jax.profiler.TraceAnnotation(name):  # the node's name in a jax.profiler trace
-            result = launch(*values)
+          with jax.profiler.TraceAnnotation(work.name):  # the node's name in a profiler trace
+            result = work.launch(*values)
           if self.watcher:
             self.watcher.watch(result, event, self.trace)
         else:
@@ -61,15 +75,15 @@ class IslandScheduler:
           with self.serial:  # see Controller: run to completion, one computation at a time
             if event is not None:
               event.launch = self.trace.now()
-            with jax.profiler.TraceAnnotation(name):
-              result = launch(*values)
+            with jax.profiler.TraceAnnotation(work.name):
+              result = work.launch(*values)
               _block_ready(result)
             if event is not None:  # exact: nothing else runs until this has finished
               event.done = self.trace.now()
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
-        out.set_exception(e)
+        work.out.set_exception(e)
         continue
-      out.set_result(result)
+      work.out.set_result(result)
 
   def stop(self):
     self.queue.put(None)
