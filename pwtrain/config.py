@@ -8,6 +8,7 @@ from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
+from pwtrain.parallel.pipeline.pieces import STAGE_REMAT
 from pwtrain.parallel.pipeline.schedule import SCHEDULES
 
 BACKENDS = ("embedded", "remote", "distributed")
@@ -131,6 +132,11 @@ def validate(config) -> None:
     raise ValueError(
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
       f"{', '.join(SCHEDULES)}"
+    )
+  if config.parallel.stage_remat not in STAGE_REMAT:
+    raise ValueError(
+      f"parallel.stage_remat={config.parallel.stage_remat!r} is not supported; valid: "
+      f"{', '.join(STAGE_REMAT)}"
     )
   exchange.validate(config.exchange)
   if config.train.global_batch % config.train.num_microbatches:

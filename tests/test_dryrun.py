@@ -435,6 +435,20 @@ def test_recompute_follows_remat_and_pipeline_stages():
     assert row["executed_flops_per_token"] == pytest.approx(
       plain["executed_flops_per_token"] + recomputed
     )
+  # Stages that keep their residuals (parallel.stage_remat="none") recompute nothing, and hold
+  # what their blocks keep per microbatch in flight on top of their inputs.
+  config.model.remat, config.parallel.stage_remat = "none", "none"
+  kept = dryrun.estimate(config)["islands"]
+  for row, plain in zip(kept, rows, strict=True):
+    assert row["executed_flops_per_token"] == row["flops_per_token"]
+    assert row["activation_bytes"] >= plain["activation_bytes"]
+  assert config.parallel.schedule == "1f1b" and config.train.num_microbatches == 8
+  tokens = 16 // 8 // 2 * 128  # a microbatch's tokens on one of an island's 2 devices
+  block = arithmetic.layer_activation_bytes(m, 1, config.data.seq_len)
+  extra = kept[0]["activation_bytes"] - rows[0]["activation_bytes"]
+  # Stage 0 of 4 under 1F1B: 4 microbatches in flight, each with its one layer's whole set; at
+  # "full" the one in its backward had it.
+  assert extra == pytest.approx(tokens * (4 - 1) * block)
 
 
 def test_bad_cluster_is_refused_by_the_plan():

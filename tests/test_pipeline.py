@@ -17,6 +17,7 @@ from conftest import (
 
 from pwtrain.backend import Trace
 from pwtrain.harness import Harness
+from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.pipeline import island_order, peak_live_inputs
 from pwtrain.parallel.stages import Stage, balanced_boundaries, make_stages
@@ -49,6 +50,11 @@ LAYOUTS = {
   "2stages_1f1b_m4_tp2": pipe(2, "1f1b", 4, **{"parallel.data": 2, "parallel.tensor": 2}),
   "4stages_gpipe_m4": pipe(4, "gpipe", 4),
   "4stages_1f1b_m8_1dev": pipe(4, "1f1b", 8, **{"parallel.data": 1}),
+  # Stages that keep their forward's residuals for the backward instead of recomputing it.
+  "2stages_1f1b_m4_tp2_keep": pipe(
+    2, "1f1b", 4, **{"parallel.data": 2, "parallel.tensor": 2, "parallel.stage_remat": "none"}
+  ),
+  "4stages_gpipe_m4_keep": pipe(4, "gpipe", 4, **{"parallel.stage_remat": "none"}),
 }
 
 
@@ -107,6 +113,10 @@ def test_balanced_boundaries():
     ),
     (pipe(8, "1f1b", 2, **{"model.num_layers": 4}), "parallel.stages=8 exceeds model.num_layers=4"),
     (pipe(2, "zigzag", 2), "parallel.schedule='zigzag' is not a schedule"),
+    (
+      pipe(2, "1f1b", 2, **{"parallel.stage_remat": "dots"}),
+      "parallel.stage_remat='dots' is not supported; valid: full, none",
+    ),
     (pipe(2, "1f1b", 16), "train.global_batch=16 must be divisible by"),
   ],
 )
@@ -162,6 +172,34 @@ def test_activation_memory_1f1b_below_gpipe():
     one_f = peak_live_inputs(island_order("1f1b", stage, 4, 8)) * out_bytes
     assert one_f < gpipe
     print(f"stage {stage.index}: GPipe {gpipe} B, 1F1B {one_f} B")
+
+
+@pytest.mark.parametrize("remat", ["dots", "none_scanned"])
+def test_stage_remat_none_keeps_residuals_instead_of_recomputing(remat):
+  """parallel.stage_remat="none": F returns its stage's VJP residuals, as many bytes per token
+  as the dry run counts for the stage's blocks under model.remat (estimate.activation_bytes),
+  and B no longer runs the stage's forward again (the compiled pieces' FLOPs)."""
+  overrides = pipe(2, "1f1b", 2, **{"parallel.data": 1, "parallel.devices_per_island": 1})
+  overrides |= {"model.remat": remat.removesuffix("_scanned")}
+  overrides["model.scan_layers"] = remat.endswith("_scanned")
+  pieces = {}
+  for stage_remat in ("full", "none"):
+    config = tiny_test_config(**overrides, **{"parallel.stage_remat": stage_remat})
+    with Harness.build(config) as harness:
+      program = harness.step_program
+      pieces[stage_remat] = {k: program.executables[(k, 0, 0)].compiled for k in ("F", "B")}
+  stage = program.stages[0]
+  tokens = 16 // 2 * 32  # a microbatch: 8 of the 16 rows of 32 tokens
+  act_bytes = tokens * 64 * 4  # the output activation: [8, 32, 64] fp32
+  assert pieces["full"]["F"].memory_analysis().output_size_in_bytes == act_bytes
+  saved = pieces["none"]["F"].memory_analysis().output_size_in_bytes - act_bytes
+  kept = stage.num_layers * arithmetic.remat_kept_bytes(config.model, 1, 32, config.model.remat)
+  assert saved / tokens == pytest.approx(kept, rel=0.02)
+
+  flops = {k: {p: c.cost_analysis()["flops"] for p, c in v.items()} for k, v in pieces.items()}
+  forward = flops["full"]["F"]
+  assert flops["none"]["F"] == pytest.approx(forward, rel=0.05)
+  assert flops["full"]["B"] - flops["none"]["B"] > 0.7 * forward  # the forward, not run again
 
 
 def run(workdir, **overrides):

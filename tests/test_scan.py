@@ -160,7 +160,8 @@ STEP_LAYOUTS = {
       "exchange.buckets": 2,
     },
   ),
-  # Stages cut on periods: layers 0-1 and 2-3, one (dense, MoE) period each.
+  # Stages cut on periods: layers 0-1 and 2-3, one (dense, MoE) period each. Stage 0 keeps its
+  # scanned forward's residuals for its backward.
   "moe_2stages_gpipe_m2": (
     "moe",
     {
@@ -169,6 +170,7 @@ STEP_LAYOUTS = {
       "parallel.islands": 2,
       "parallel.stages": 2,
       "parallel.schedule": "gpipe",
+      "parallel.stage_remat": "none",
       "train.num_microbatches": 2,
     },
   ),

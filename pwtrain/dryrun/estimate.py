@@ -15,12 +15,14 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
                 backward; with remat "none" every block of an unrolled model keeps it, a
                 scanned model's keep their matmul outputs) + the head's, on the last
                 stage) + the stage inputs a pipeline stage holds for its backward
-                (schedule.peak_live_inputs).
+                (schedule.peak_live_inputs), and at parallel.stage_remat="none" what its
+                blocks keep, per microbatch in flight.
   compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
                 the pipeline bubble (M + S - 1) / M. Executed FLOPs = the model's
                 (arithmetic.layer_costs) + what model.remat recomputes (models/arithmetic.py) + a
-                pipeline stage's forward again in its backward (every stage but the last: its B
-                piece recomputes the stage from its input, 1/3 of the stage's training FLOPs).
+                pipeline stage's forward again in its backward (every stage but the last, at
+                parallel.stage_remat="full": its B piece recomputes the stage from its input,
+                1/3 of the stage's training FLOPs).
                 hardware.efficiency is a stated assumption (hardware.py), so the step time and
                 MFU are predictions from it, not measurements fed back.
   collectives   FSDP gathers and scatters and tensor all-reduces inside an island, at the ICI
@@ -46,7 +48,8 @@ from pwtrain.parallel import pipeline
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.stages import Stage, to_stage
 
-# A pipeline stage's backward (its B piece) recomputes the stage's forward from its saved input:
+# A pipeline stage's backward (its B piece) recomputes the stage's forward from its saved input
+# (parallel.stage_remat="full"):
 # forward = 1/3 of the training FLOPs (2 of 6 per parameter and token; 4 of 12 LHKT).
 PIPELINE_RECOMPUTE = 1.0 / 3.0
 # Remat policies from the most activation memory kept to the least (models/remat.py).
@@ -154,23 +157,32 @@ def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
 
 def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: str) -> float:
   """Activation bytes per device of one island's cells at `num_micro` microbatches, when every
-  block keeps what `remat` keeps (activations.kept_bytes_per_token)."""
+  block keeps what `remat` keeps (activations.kept_bytes_per_token).
+
+  A pipeline stage that is not the last holds, per microbatch in flight (schedule's
+  peak_live_inputs), its input (int32 tokens on the first stage) and, at
+  parallel.stage_remat="none", what its blocks keep for the backward; at "full" its B piece
+  recomputes that for one microbatch at a time."""
   m, plan = s.config.model, s.plan
   tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
   layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
   kept_per_layer = arithmetic.remat_kept_bytes(m, tensor, seq_len, remat)
+  keep_all = remat == "none" and not m.get("scan_layers", False)  # every block's whole set
   live, working, kept = 0.0, 0.0, 0.0
   for stage in stage_list:
-    if not stage.last and plan.num_stages > 1:
-      # Stage inputs (int32 tokens on the first stage) saved for the stage's backward.
-      order = pipeline.island_order(s.config.parallel.schedule, stage, plan.num_stages, num_micro)
-      input_bytes = 4 if stage.first else arithmetic.layer_input_bytes(m)
-      live += pipeline.peak_live_inputs(order) * input_bytes
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
-    if remat == "none" and not m.get("scan_layers", False):
-      working = max(working, stage.num_layers * layer + head)
+    blocks = stage.num_layers * (layer if keep_all else kept_per_layer)
+    if not stage.last and plan.num_stages > 1:
+      order = pipeline.island_order(s.config.parallel.schedule, stage, plan.num_stages, num_micro)
+      held = 4 if stage.first else arithmetic.layer_input_bytes(m)
+      if s.config.parallel.stage_remat == "none":
+        held += blocks  # each microbatch's residuals, from its F to its B
+        blocks = 0.0
+      live += pipeline.peak_live_inputs(order) * held
+    if keep_all:
+      working = max(working, blocks + head)
     else:  # every block keeps its share; the one in its backward has its whole set live
-      kept += stage.num_layers * kept_per_layer
+      kept += blocks
       working = max(working, layer + head)
   return s.tokens_per_device(num_micro) * (live + kept + working)
 
@@ -258,7 +270,7 @@ def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
       arithmetic.remat_recompute_flops(m, moe, seq_len, remat, layer)
       for layer in range(st.start, st.stop)
     )
-    if s.plan.num_stages > 1 and not st.last:
+    if s.plan.num_stages > 1 and not st.last and s.config.parallel.stage_remat == "full":
       total += PIPELINE_RECOMPUTE * blocks
   return total
 
@@ -283,7 +295,8 @@ def collectives(s: Setup, rows: list[dict]) -> dict:
   """In-island collective bytes per device and step, and their time at the ICI bandwidth.
 
   Per microbatch, FSDP all-gathers of the parameters in each pass (forward, backward, and a
-  recomputed forward when remat "full" or "outputs" recomputes projections, or on a pipeline)
+  recomputed forward when remat "full" or "outputs" recomputes projections, or on a pipeline
+  whose stages recompute, parallel.stage_remat="full")
   and the gradient reduce-scatter; one tensor all-reduce of the block
   output per layer and pass (PaLM's parallel block sums attention and MLP before reducing); the
   data-parallel gradient all-reduce once per step.
@@ -291,7 +304,8 @@ def collectives(s: Setup, rows: list[dict]) -> dict:
   shape, m, num_micro = s.plan.mesh_shape, s.config.model, s.config.train.num_microbatches
   # Dense parameters are replicated over data and expert (the batch is split over both).
   t, f, dp = shape["tensor"], shape["fsdp"], shape["data"] * shape["expert"]
-  recomputes = m.remat in ("full", "outputs") or s.plan.num_stages > 1
+  stage_recomputes = s.plan.num_stages > 1 and s.config.parallel.stage_remat == "full"
+  recomputes = m.remat in ("full", "outputs") or stage_recomputes
   passes = 3 if recomputes else 2
   param_bytes = max(r["param_bytes"] for r in rows)
   layers = max(sum(st.num_layers for st in stages) for stages in island_stages(s.plan).values())

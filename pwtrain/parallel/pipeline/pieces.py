@@ -7,9 +7,15 @@ wires its node into the step use the same names, so no one slices arguments by p
 
 Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
   F    forward: input activation (or tokens) -> output activation
-  B    backward: recomputes the stage's forward from its saved input (GPipe's
-       re-materialisation), pulls back the next stage's activation gradient and adds the
-       parameter gradients into the stage's running sums
+  B    backward: pulls back the next stage's activation gradient and adds the parameter
+       gradients into the stage's running sums. What it differentiates through depends on
+       `parallel.stage_remat` (STAGE_REMAT):
+         full  B recomputes the stage's forward from its saved input (GPipe's
+               re-materialisation): a stage holds one input per microbatch in flight
+         none  F also returns what the stage's VJP keeps (its residuals: what model.remat
+               keeps of every block), B applies the VJP to them with no recomputation: a
+               stage holds its residuals per microbatch in flight, and does the single
+               device's work
   FB   on the last stage: forward, loss and backward in one piece
 and once per step: init, zeros (the running sums), emb (the shared embedding's gradient half),
 finish (tie the embedding halves; the squared norm), apply (the optimizer update), plus the
@@ -32,6 +38,8 @@ from pwtrain.backend import Controller, Executable
 from pwtrain.models import lm_loss
 from pwtrain.models import moe as moe_lib
 
+# parallel.stage_remat: what a pipeline stage keeps for its backward (see F and B above).
+STAGE_REMAT = ("full", "none")
 ACT = ("batch", "length", "embed")  # logical axes of a stage's input/output activation
 TOKENS = ("batch", "length")
 
@@ -182,15 +190,60 @@ def zero_stats(num_experts: int) -> dict:
   }
 
 
-def compile_stage(cell: CellPieces, moe, z_loss: float) -> None:
+@dataclasses.dataclass
+class Residuals:
+  """How a stage's VJP goes from its F piece to its B piece (`parallel.stage_remat="none"`).
+
+  jax.vjp's function is a pytree whose leaves are what the backward needs. Some of them are
+  F's own inputs (the parameters, the input activation): those B already takes, so F does not
+  return them again (a copy per microbatch). F returns the others, `saved`, as one tuple. Both
+  are recorded while F is traced (`save`), which is before B is (`vjp`).
+  """
+
+  treedef: Any = None
+  sources: tuple = ()  # per leaf of the VJP: ("input", i) into the inputs, or ("saved", i)
+
+  def save(self, vjp, inputs) -> tuple:
+    """The VJP's leaves that are not leaves of `inputs` (F's outputs); records the rest."""
+    leaves, self.treedef = jax.tree.flatten(vjp)
+    flat = jax.tree.leaves(inputs)
+    saved, sources = [], []
+    for leaf in leaves:
+      i = next((i for i, a in enumerate(flat) if a is leaf), None)
+      sources.append(("saved", len(saved)) if i is None else ("input", i))
+      if i is None:
+        saved.append(leaf)
+    self.sources = tuple(sources)
+    return tuple(saved)
+
+  def vjp(self, saved: tuple, inputs):
+    """The VJP function again, from F's `saved` and the same `inputs` (B's)."""
+    assert self.treedef is not None, "F is traced before B"
+    flat = jax.tree.leaves(inputs)
+    leaves = [flat[i] if kind == "input" else saved[i] for kind, i in self.sources]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def f_outputs(moe, stage_remat: str) -> dict:
+  """F's outputs by name -> their positions: "act" (the output activation), "moe" (the running
+  MoE stats, with MoE layers), "saved" (the VJP's residuals, at stage_remat="none")."""
+  names = (
+    ["act"] + (["moe"] if moe is not None else []) + (["saved"] if stage_remat == "none" else [])
+  )
+  return {name: i for i, name in enumerate(names)}
+
+
+def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> None:
   """A stage's F and B pieces, or its FB on the last stage.
 
   F returns the stage's output activation; B is its VJP (a first stage's tokens get no
-  gradient); FB differentiates the LM loss. With MoE layers (`moe` set) a stage also has its
-  weighted aux losses: its objective is (output, aux), B's cotangents are (the next stage's
-  activation gradient, 1) and FB adds its aux losses to the loss. F then also returns the running
-  MoE stats (the previous stages', carried in as `moe_in`, plus its own), so FB's stats cover
-  every stage and its loss_sum every stage's weighted aux losses.
+  gradient), recomputed from F's input or rebuilt from F's residuals as `stage_remat` says
+  (STAGE_REMAT, and the module docstring); FB differentiates the LM loss. With MoE layers
+  (`moe` set) a stage also has its weighted aux losses: its objective is (output, aux), B's
+  cotangents are (the next stage's activation gradient, 1) and FB adds its aux losses to the
+  loss. F then also returns the running MoE stats (the previous stages', carried in as
+  `moe_in`, plus its own), so FB's stats cover every stage and its loss_sum every stage's
+  weighted aux losses. F's outputs are named by f_outputs.
   """
   stage, fns = cell.stage, cell.fns
   act_sharding = cell.act_abs.sharding
@@ -244,33 +297,55 @@ def compile_stage(cell: CellPieces, moe, z_loss: float) -> None:
     )
     return
 
-  def f_fn(state, x, moe_in=None):
-    out, own = forward(state["params"], x)
-    if moe is None:
-      return out
-    if moe_in is not None:
-      own = moe_lib.add_stats(moe_in, own)
-    return out, own
+  keep = stage_remat == "none"
+  residuals = Residuals()
+  cotangent_of = lambda g_out: g_out if moe is None else (g_out, jnp.ones((), jnp.float32))
+  # What B differentiates: (params, x), or only params on the first stage (tokens).
+  function = lambda x: objective if not stage.first else lambda params: objective(params, x)
+  primals = lambda state, x: (state["params"], x)[: len(argnums)]
 
-  cell.compile(
+  def f_fn(state, x, moe_in=None):
+    outputs = {}
+    if keep:
+      out, vjp, own = jax.vjp(function(x), *primals(state, x), has_aux=True)
+      outputs["act"] = out if moe is None else out[0]  # objective's (output, aux)
+      outputs["saved"] = residuals.save(vjp, (state["params"], x))
+    else:
+      outputs["act"], own = forward(state["params"], x)
+    if moe is not None:
+      outputs["moe"] = own if moe_in is None else moe_lib.add_stats(moe_in, own)
+    result = tuple(outputs[name] for name in f_outputs(moe, stage_remat))
+    return result[0] if len(result) == 1 else result
+
+  shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": None}
+  out_shardings = tuple(shardings[name] for name in f_outputs(moe, stage_remat))
+  f_piece = cell.compile(
     "F",
     f_fn,
     {"state": cell.state_abs, "x": cell.x_abs, **moe_in},
-    out_shardings=act_sharding if moe is None else (act_sharding, cell.sharding_of(cell.moe_abs)),
+    out_shardings=out_shardings[0] if len(out_shardings) == 1 else out_shardings,
   )
 
-  def b_fn(state, x, g_out, grads):
-    cotangent = g_out if moe is None else (g_out, jnp.ones((), jnp.float32))
-    fn = objective if not stage.first else lambda params: objective(params, x)
-    primals = (state["params"], x)[: len(argnums)]
-    _, vjp, _ = jax.vjp(fn, *primals, has_aux=True)
-    g_params, *g_in = vjp(cotangent)
+  def b_fn(state, x, g_out, grads, saved=None):
+    if keep:
+      vjp = residuals.vjp(saved, (state["params"], x))
+    else:
+      _, vjp, _ = jax.vjp(function(x), *primals(state, x), has_aux=True)
+    g_params, *g_in = vjp(cotangent_of(g_out))
     return (jax.tree.map(jnp.add, grads, g_params), *g_in)
 
+  inputs = {
+    "state": cell.state_abs,
+    "x": cell.x_abs,
+    "g_out": cell.act_abs,
+    "grads": cell.grads_abs,
+  }
+  if keep:
+    inputs["saved"] = f_piece.out_abstract[f_outputs(moe, stage_remat)["saved"]]
   cell.compile(
     "B",
     b_fn,
-    {"state": cell.state_abs, "x": cell.x_abs, "g_out": cell.act_abs, "grads": cell.grads_abs},
+    inputs,
     out_shardings=(cell.grads_sharding,) + (() if stage.first else (act_sharding,)),
     donate=("grads",),
   )
