@@ -106,6 +106,9 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--micro", default="4,8", help="microbatch counts M")
   p.add_argument("--schedules", default="gpipe,1f1b")
+  p.add_argument(
+    "--stage_remats", default="full,none", help="parallel.stage_remat values (pipeline, memory)"
+  )
   p.add_argument("--stages", type=int, default=2, help="pipeline stages S, one process each")
   p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
@@ -255,27 +258,36 @@ def run_job(nproc: int, overrides: dict, args, devices: int = 1, trace: str = ""
   return results
 
 
+def layouts(args, base: dict):
+  """(name, overrides) of the pipeline for every schedule and parallel.stage_remat asked for."""
+  for schedule in args.schedules.split(","):
+    for stage_remat in args.stage_remats.split(","):
+      overrides = {"parallel.schedule": schedule, "parallel.stage_remat": stage_remat}
+      yield f"{schedule} {stage_remat}", {**base, **pipe(args.stages), **overrides}
+
+
 def pipeline_section(args) -> dict:
   rows, results = [], {}
   for m in [int(x) for x in args.micro.split(",")]:
     base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
     single = run_job(1, base, args)[0]["blocks"]
-    for schedule in args.schedules.split(","):
-      layout = {**base, **pipe(args.stages), "parallel.schedule": schedule}
+    for name, layout in layouts(args, base):
       embedded = run_job(1, layout, args, devices=args.stages)[0]["blocks"]
       dist = run_job(args.stages, {**layout, "backend.mode": "distributed"}, args)[0]["blocks"]
       s, e, d = (statistics.median(x) for x in (single, embedded, dist))
       bound = args.stages * m / (m + args.stages - 1)
-      key = f"{schedule} M={m}"
+      key = f"{name} M={m}"
       results[key] = {"single": single, "embedded": embedded, "distributed": dist}
-      rows.append((schedule, m, s, e, d, s / d, bound, s / d / bound, d / e))
+      rows.append((name, m, s, e, d, s / d, bound, s / d / bound, d / e))
       print(f"  {key}: single {s:.3f} s, embedded {e:.3f} s, distributed {d:.3f} s", flush=True)
   print(f"\n{args.stages}-stage pipeline, one process per stage (median seconds per step):")
-  print("schedule  M  single  embedded  distributed  speedup  bound  of bound  dist/embedded")
-  for schedule, m, s, e, d, speedup, bound, frac, over in rows:
+  print(
+    "schedule stage_remat  M  single  embedded  distributed  speedup  bound  of bound  dist/emb"
+  )
+  for name, m, s, e, d, speedup, bound, frac, over in rows:
     print(
-      f"{schedule:8s} {m:2d} {s:7.3f} {e:9.3f} {d:12.3f} {speedup:8.2f} {bound:6.2f} "
-      f"{frac:9.2f} {over:14.2f}"
+      f"{name:20s} {m:2d} {s:7.3f} {e:9.3f} {d:12.3f} {speedup:8.2f} {bound:6.2f} "
+      f"{frac:9.2f} {over:9.2f}"
     )
   return results
 
@@ -286,16 +298,15 @@ def memory_section(args) -> dict:
   results = {}
   processes = f"{args.stages} processes, M={m}; MB = 2^20 bytes"
   print(f"\nPeak live bytes per stage during one step ({processes}):")
-  print("schedule  stage  before step  peak   peak - before")
-  for schedule in args.schedules.split(","):
-    layout = {**base, **pipe(args.stages), "parallel.schedule": schedule}
+  print("schedule stage_remat  stage  before step  peak   peak - before")
+  for name, layout in layouts(args, base):
     per_stage = run_job(
       args.stages, {**layout, "backend.mode": "distributed"}, args, trace="memory"
     )
-    results[schedule] = per_stage
+    results[name] = per_stage
     for stage, r in enumerate(per_stage):
       before, peak = r["live_bytes_before"] / 2**20, r["peak_live_bytes"] / 2**20
-      print(f"{schedule:8s} {stage:6d} {before:11.1f} {peak:6.1f} {peak - before:15.1f}")
+      print(f"{name:20s} {stage:6d} {before:11.1f} {peak:6.1f} {peak - before:15.1f}")
   return results
 
 

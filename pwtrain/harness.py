@@ -70,6 +70,7 @@ class Harness:
     devices=None,
     *,
     cluster: Cluster | None = None,
+    plan: plan_lib.Plan | None = None,
     resources: ResourceManager | None = None,
     controller: Controller | None = None,
     trace: Trace | None = None,
@@ -79,8 +80,9 @@ class Harness:
     (config.validate; train.run checks it before remote workers are launched and listed in it).
 
     The cluster is `plan_lib.make_cluster(config, devices)` (devices: default all local ones)
-    unless `cluster` is given; the plan's islands are allocated from `resources` (default: a
-    fresh manager for the cluster). The controller is a new `Controller(cluster,
+    unless `cluster` is given; the plan is `plan_lib.build(config, cluster, resources)` unless
+    `plan` (laid out on the given `cluster`) is: its islands are allocated from `resources`
+    (default: a fresh manager for the cluster). The controller is a new `Controller(cluster,
     max_inflight=backend.max_inflight_steps, trace=trace, serialize_execution=...)` unless
     `controller` is given (then `trace` and `serialize_execution` must be left unset).
     """
@@ -88,12 +90,14 @@ class Harness:
       raise ValueError("Harness.build: give `devices` or a `cluster`, not both")
     if controller is not None and (trace is not None or serialize_execution is not None):
       raise ValueError("Harness.build: `trace`/`serialize_execution` are for a new controller")
+    if plan is not None and (cluster is None or resources is not None):
+      raise ValueError("Harness.build: a `plan` comes with the `cluster` it was laid out on")
     owns_cluster = cluster is None
     if owns_cluster:
       cluster = plan_lib.make_cluster(config, devices)
     owns_controller = controller is None
     try:
-      plan = plan_lib.build(config, cluster, resources)
+      plan = plan or plan_lib.build(config, cluster, resources)
       if owns_controller:
         controller = Controller(
           cluster,

@@ -174,11 +174,13 @@ def test_activation_memory_1f1b_below_gpipe():
     print(f"stage {stage.index}: GPipe {gpipe} B, 1F1B {one_f} B")
 
 
-@pytest.mark.parametrize("remat", ["dots", "none_scanned"])
+@pytest.mark.parametrize("remat", ["dots", "none_scanned", "none"])
 def test_stage_remat_none_keeps_residuals_instead_of_recomputing(remat):
   """parallel.stage_remat="none": F returns its stage's VJP residuals, as many bytes per token
-  as the dry run counts for the stage's blocks under model.remat (estimate.activation_bytes),
-  and B no longer runs the stage's forward again (the compiled pieces' FLOPs)."""
+  as the dry run counts for the stage's blocks under model.remat (estimate.activation_bytes;
+  unrolled at "none" more: the jaxpr's whole set, where the dry run counts what survives XLA's
+  fusion and says it is a lower bound), and B no longer runs the stage's forward again (the
+  compiled pieces' FLOPs)."""
   overrides = pipe(2, "1f1b", 2, **{"parallel.data": 1, "parallel.devices_per_island": 1})
   overrides |= {"model.remat": remat.removesuffix("_scanned")}
   overrides["model.scan_layers"] = remat.endswith("_scanned")
@@ -194,7 +196,10 @@ def test_stage_remat_none_keeps_residuals_instead_of_recomputing(remat):
   assert pieces["full"]["F"].memory_analysis().output_size_in_bytes == act_bytes
   saved = pieces["none"]["F"].memory_analysis().output_size_in_bytes - act_bytes
   kept = stage.num_layers * arithmetic.remat_kept_bytes(config.model, 1, 32, config.model.remat)
-  assert saved / tokens == pytest.approx(kept, rel=0.02)
+  if remat == "none":
+    assert saved / tokens > kept
+  else:
+    assert saved / tokens == pytest.approx(kept, rel=0.02)
 
   flops = {k: {p: c.cost_analysis()["flops"] for p, c in v.items()} for k, v in pieces.items()}
   forward = flops["full"]["F"]

@@ -381,6 +381,8 @@ def estimate(config) -> dict:
     "num_microbatches": train.num_microbatches,
     "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
     "remat": m.remat,
+    "stage_remat": config.parallel.stage_remat,
+    "scan_layers": m.get("scan_layers", False),
     # Executed / model FLOPs over all islands: what remat and pipeline stages recompute.
     "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
     / sum(r["flops_per_token"] for r in rows),

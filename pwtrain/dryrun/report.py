@@ -85,8 +85,15 @@ def island_lines(r: dict, e: dict) -> list[str]:
       f"  gathered weights {size_text(r['gathered_bytes'])} (FSDP: the largest block's and the "
       "embedding's, with their unreduced gradients)"
     )
+  stages = ""
+  if num_stages > 1:
+    stages = f", parallel.stage_remat={e['stage_remat']}"
+    keeps = any(not last for *_, last in r["stages"])  # a stage with an F piece
+    if keeps and e["stage_remat"] == "none" and remat == "none" and not e["scan_layers"]:
+      # F returns the jaxpr's residuals, which XLA cannot fuse away (arithmetic.py: "none").
+      stages += " (a lower bound: stages keep the forward's whole residual set)"
   lines += [
-    f"  activations      {size_text(r['activation_bytes'])} (model.remat={remat}, "
+    f"  activations      {size_text(r['activation_bytes'])} (model.remat={remat}{stages}, "
     f"train.num_microbatches={micro}; other policies: {others})",
     f"  total            {size_text(r['bytes'])} ({fits_text(r['fits'])}) in {capacity}",
   ]
@@ -113,7 +120,9 @@ def compute_lines(e: dict, config) -> list[str]:
       f"Compute: {e['compute_s']:.3g} s per step, assumed {hw['efficiency']:.1%} of peak FLOP/s "
       f"({hw['peak_flops'] / 1e12:g} TFLOP/s per device) on the executed FLOPs, "
       f"x{e['recompute_factor']:.4g} the model's (recomputed by remat={e['remat']}"
-      + (" and the pipeline's backward)" if e["num_stages"] > 1 else ")")
+      + (
+        " and the stages' backward)" if e["num_stages"] > 1 and e["stage_remat"] == "full" else ")"
+      )
     )
   hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
   kept = ", ".join(f"{p} {size_text(n)}" for p, n in e["kept_bytes_per_token"].items())
