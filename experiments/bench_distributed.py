@@ -24,21 +24,27 @@ block), speedup single/distributed, the ideal S*M/(M+S-1) for S=2 stages, the fr
 reached (target >= 0.9), and distributed over embedded step time (the overhead of processes
 and cross-host transfers against in-process transfers, on the same layout).
 
+Each schedule runs at each parallel.stage_remat (`--stage_remats`): "full" recomputes a stage's
+forward in its backward, "none" keeps the forward's residuals instead, so the stages do exactly
+the single device's work.
+
 Measured on 2 cores (`python experiments/bench_distributed.py --sections=pipeline`, 3 blocks of
-3 steps, 8 rows per microbatch, load average 2.0):
-  gpipe M=4: speedup 1.51 of bound 1.60 (0.94); 1f1b M=4: 1.40 (0.87)
-  gpipe M=8: speedup 1.64 of bound 1.78 (0.92); 1f1b M=8: 1.48 (0.83)
-  distributed / embedded step time: 0.54-0.64 (embedded runs one computation at a time)
+3 steps, 8 rows per microbatch, load average 2.1), fraction of the bound:
+  stage_remat  gpipe M=4  1f1b M=4  gpipe M=8  1f1b M=8
+  full         0.93       0.90      0.90       0.85
+  none         1.02       1.02      0.94       0.91
+  distributed / embedded step time: 0.55-0.65 (embedded runs one computation at a time)
+Above 1.0 at M=4: the single run itself is slower than the pipeline's pieces run one after
+another (embedded, none: 1.394 s against single 1.487 s); against embedded, 1F1B none is 1.53x
+(0.96 of the bound). At "full" a stage computes its forward twice per microbatch: by one traced
+1F1B M=8 step (before stage_remat existed), stage 0 took F + B = 216 ms per microbatch against
+the single device's 175 ms per stage and microbatch, a cap near 0.81, and every transfer
+arrived 2-11 ms (median 3) after both sides issued it: compute, not transfers, held 1F1B back.
 The transfers between the stages go by pull (backend/pulls.py): before b8a739d they were
 cross-host device_puts, which JAX pairs by how many each process has issued, so they went from
 one queue in program order and a receive waiting for its sender held back the sends behind it:
 1F1B reached 0.90 / 0.56 at M=4 / 8 that way (GPipe 0.98 / 0.88, load 2.7), and 0.67 / 0.66
-before c21650d (which issues a send before its island's next computation). What limits 1F1B at
-M=8 now is the stages' compute, not the transfers (one traced step, `trace="memory"`): each
-gradient and activation arrives 2-11 ms (median 3) after both sides issued it; stage 0 computes
-F + B = 216 ms per microbatch (B recomputes F) and stage 1 193 ms (203 / 185 ms in an earlier
-trace), against the single device's 175 ms per stage and microbatch (175 / 216 = 0.81), and
-stage 0 waits 150 ms for the first gradient, the (S-1)-microbatch bubble.
+before c21650d (which issues a send before its island's next computation).
 
 With --stages=4 --micro=8 --steps=2 --repeats=2 (4 processes on 2 cores, load 3.7): GPipe
 speedup 1.72 of bound 2.91 (0.59), 1F1B 1.60 (0.55); two cores cap the speedup at 2.0.
@@ -55,8 +61,10 @@ transfers it takes part in), the fraction of its pod's exchange work (gradients 
 the other pod, the reduction) started and finished before its last backward computation ended,
 and the fraction of the exchange's run time before that moment ("hidden"), averaged over pods.
 
-Measured (`--sections=memory` and `--sections=pods`, transfers by pull): live bytes before the
-step 22.9 MB per stage; peak GPipe 39.9 / 39.9 MB, 1F1B 29.4 / 28.9 MB (M=8). Pods hidden:
+Measured (`--sections=memory --steps=2` and `--sections=pods`, transfers by pull): live bytes
+before the step 22.9 MB per stage; peak at stage_remat full GPipe 39.9 / 39.9 MB, 1F1B 29.4 /
+28.9 MB; at none (stage 0 keeps 91 MB of residuals per microbatch in flight: model.remat=none,
+unrolled) GPipe 753.1 / 39.9 MB, 1F1B 207.7 / 28.9 MB (M=8). Pods hidden:
 sync 0.00 (step 0.486 s, exchange 29.8 ms), overlapped 0.70 (0.571 s, 50.4 ms), stale 0.13
 (0.507 s, 40.2 ms). With ordered device_puts (`--steps=2`): 1F1B 27.9 / 27.9 MB; sync 0.00
 (0.645 s, 90.7 ms), overlapped 0.74 (0.776 s, 359.9 ms), stale 0.30 (0.624 s, 88.3 ms).
