@@ -97,6 +97,11 @@ MODEL = {
 }
 
 
+def model(args) -> dict:
+  """The benchmark's model at `--remat`."""
+  return {**MODEL, "model.remat": args.remat}
+
+
 def pipe(stages: int) -> dict:
   """A pipeline of `stages` stages, one island of one device each."""
   return {"parallel.islands": stages, "parallel.stages": stages, "parallel.devices_per_island": 1}
@@ -117,6 +122,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--stage_remats", default="full,none", help="parallel.stage_remat values (pipeline, memory)"
   )
+  p.add_argument("--remat", default="none", help="model.remat of every run (single too)")
   p.add_argument("--stages", type=int, default=2, help="pipeline stages S, one process each")
   p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
@@ -277,7 +283,8 @@ def layouts(args, base: dict):
 def pipeline_section(args) -> dict:
   rows, results = [], {}
   for m in [int(x) for x in args.micro.split(",")]:
-    base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
+    base = {**model(args), "train.global_batch": m * args.rows_per_micro}
+    base["train.num_microbatches"] = m
     single = run_job(1, base, args)[0]["blocks"]
     for name, layout in layouts(args, base):
       embedded = run_job(1, layout, args, devices=args.stages)[0]["blocks"]
@@ -302,7 +309,8 @@ def pipeline_section(args) -> dict:
 
 def memory_section(args) -> dict:
   m = max(int(x) for x in args.micro.split(","))
-  base = {**MODEL, "train.global_batch": m * args.rows_per_micro, "train.num_microbatches": m}
+  base = {**model(args), "train.global_batch": m * args.rows_per_micro}
+  base["train.num_microbatches"] = m
   results = {}
   processes = f"{args.stages} processes, M={m}; MB = 2^20 bytes"
   print(f"\nPeak live bytes per stage during one step ({processes}):")
@@ -323,7 +331,7 @@ def pods_section(args) -> dict:
   print("\n2 pods as 2 processes: exchange time hidden behind the backward (traced step):")
   print("exchange    step s  exchange ms  started before  finished before  hidden")
   for mode in args.exchanges.split(","):
-    overrides = {**MODEL, **PODS, "exchange.mode": mode, "backend.mode": "distributed"}
+    overrides = {**model(args), **PODS, "exchange.mode": mode, "backend.mode": "distributed"}
     per_pod = run_job(2, overrides, args, trace="overlap")
     overlap = exchange_overlap(per_pod)
     results[mode] = {"blocks": per_pod[0]["blocks"], **overlap}

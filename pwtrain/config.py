@@ -138,6 +138,12 @@ def validate(config) -> None:
       f"parallel.stage_remat={config.parallel.stage_remat!r} is not supported; valid: "
       f"{', '.join(STAGE_REMAT)}"
     )
+  if config.parallel.stage_remat == "none" and config.backend.mode == "remote":
+    raise ValueError(
+      "parallel.stage_remat='none' is not supported with backend.mode='remote' (a remote "
+      "worker's pieces have every output's sharding fixed, and a stage's residuals are laid out "
+      "by the compiler); set parallel.stage_remat='full'"
+    )
   exchange.validate(config.exchange)
   if config.train.global_batch % config.train.num_microbatches:
     raise ValueError(

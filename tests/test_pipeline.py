@@ -117,6 +117,11 @@ def test_balanced_boundaries():
       pipe(2, "1f1b", 2, **{"parallel.stage_remat": "dots"}),
       "parallel.stage_remat='dots' is not supported; valid: full, none",
     ),
+    (
+      pipe(2, "1f1b", 2, **{"parallel.stage_remat": "none", "backend.mode": "remote"})
+      | {"backend.launch_workers": True},
+      "parallel.stage_remat='none' is not supported with backend.mode='remote'",
+    ),
     (pipe(2, "1f1b", 16), "train.global_batch=16 must be divisible by"),
   ],
 )
