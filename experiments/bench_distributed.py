@@ -34,6 +34,9 @@ Measured on 2 cores (`python experiments/bench_distributed.py --sections=pipelin
   full         0.93       0.90      0.90       0.85
   none         1.02       1.02      0.94       0.91
   distributed / embedded step time: 0.55-0.65 (embedded runs one computation at a time)
+A second run at none (`--stage_remats=none`, load 2.2): 1f1b 0.97 / 0.97, gpipe 1.00 / 0.95 at
+M=4 / 8. With `--remat=dots` (load 2.6): 1f1b full 0.93 / 0.85, none 0.97 / 0.89; gpipe full
+0.96 / 0.90, none 0.99 / 0.91.
 Above 1.0 at M=4: the single run itself is slower than the pipeline's pieces run one after
 another (embedded, none: 1.394 s against single 1.487 s); against embedded, 1F1B none is 1.53x
 (0.96 of the bound). At "full" a stage computes its forward twice per microbatch: by one traced
@@ -64,7 +67,8 @@ and the fraction of the exchange's run time before that moment ("hidden"), avera
 Measured (`--sections=memory --steps=2` and `--sections=pods`, transfers by pull): live bytes
 before the step 22.9 MB per stage; peak at stage_remat full GPipe 39.9 / 39.9 MB, 1F1B 29.4 /
 28.9 MB; at none (stage 0 keeps 91 MB of residuals per microbatch in flight: model.remat=none,
-unrolled) GPipe 753.1 / 39.9 MB, 1F1B 207.7 / 28.9 MB (M=8). Pods hidden:
+unrolled) GPipe 753.1 / 39.9 MB, 1F1B 207.7 / 28.9 MB (M=8); with `--remat=dots` GPipe 204.0 /
+39.9 MB, 1F1B 70.4 / 28.9 MB. Pods hidden:
 sync 0.00 (step 0.486 s, exchange 29.8 ms), overlapped 0.70 (0.571 s, 50.4 ms), stale 0.13
 (0.507 s, 40.2 ms). With ordered device_puts (`--steps=2`): 1F1B 27.9 / 27.9 MB; sync 0.00
 (0.645 s, 90.7 ms), overlapped 0.74 (0.776 s, 359.9 ms), stale 0.30 (0.624 s, 88.3 ms).
