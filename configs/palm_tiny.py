@@ -127,9 +127,10 @@ def get_config(arg=None):
   c.parallel.expert = 1  # expert parallelism: experts split over it (tokens too, like data)
   c.parallel.stages = 1  # pipeline stages, one island each (parallel.islands must match)
   c.parallel.schedule = "1f1b"  # "gpipe" or "1f1b"; microbatches: train.num_microbatches
-  # What a stage keeps for its backward per microbatch in flight: "full" keeps only its input
-  # and recomputes its forward in the backward (GPipe's re-materialisation: least memory, a
-  # third more compute); "none" keeps what model.remat keeps of each block (no extra compute).
+  # What a stage (or an overlapped exchange's chunk) keeps for its backward per microbatch in
+  # flight: "full" keeps only its input and recomputes its forward in the backward (GPipe's
+  # re-materialisation: least memory, a third more compute); "none" keeps what autodiff keeps
+  # under model.remat (no extra compute; unrolled at remat "none", every intermediate).
   c.parallel.stage_remat = "full"
   # Layer index where each stage starts, plus num_layers at the end, e.g. (0, 1, 3, 4);
   # None: the planner balances stages by FLOPs (embedding/head counted to their stages).

@@ -49,7 +49,8 @@ one queue in program order and a receive waiting for its sender held back the se
 1F1B reached 0.90 / 0.56 at M=4 / 8 that way (GPipe 0.98 / 0.88, load 2.7), and 0.67 / 0.66
 before c21650d (which issues a send before its island's next computation).
 
-With --stages=4 --micro=8 --steps=2 --repeats=2 (4 processes on 2 cores, load 3.7): GPipe
+With --stages=4 --micro=8 --steps=2 --repeats=2 --stage_remats=full (4 processes on 2 cores,
+load 3.7): GPipe
 speedup 1.72 of bound 2.91 (0.59), 1F1B 1.60 (0.55); two cores cap the speedup at 2.0.
 
 --sections=memory: for each schedule at the largest M, one more step of the distributed

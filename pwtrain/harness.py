@@ -97,7 +97,8 @@ class Harness:
       cluster = plan_lib.make_cluster(config, devices)
     owns_controller = controller is None
     try:
-      plan = plan or plan_lib.build(config, cluster, resources)
+      if plan is None:
+        plan = plan_lib.build(config, cluster, resources)
       if owns_controller:
         controller = Controller(
           cluster,

@@ -50,14 +50,14 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     run_once = lambda c, w: _run(c, w, show_progress)
     return supervisor.run_remote(config, workdir, run_once, island_sizes=sizes)
   # Laid out on these devices once, before anything is written: a bad layout writes nothing.
-  cluster = plan_lib.make_cluster(config)
-  layout = {"cluster": cluster, "plan": plan_lib.build(config, cluster)}
-  return _run(config, workdir, show_progress, layout)
+  with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
+    plan = plan_lib.build(config, cluster)
+    return _run(config, workdir, show_progress, cluster=cluster, plan=plan)
 
 
-def _run(config, workdir: str, show_progress: bool, layout: dict | None = None) -> RunResult:
-  """One run in `workdir`; `layout`: the {"cluster", "plan"} to train on (default: laid out
-  by Harness.build; remote mode, whose workers the supervisor starts for each run)."""
+def _run(config, workdir: str, show_progress: bool, *, cluster=None, plan=None) -> RunResult:
+  """One run in `workdir` on `plan` over `cluster` (default: laid out by Harness.build, as in
+  remote mode, whose workers the supervisor starts for each run)."""
   workdir = workdir_lib.prepare(workdir)
   # Distributed mode: process 0 holds the workdir and builds the data first; every process
   # writes its checkpoint shards to <workdir>/checkpoints and its own logs (metrics, traces) to
@@ -74,9 +74,8 @@ def _run(config, workdir: str, show_progress: bool, layout: dict | None = None) 
       processes.barrier("data")
     trace = Trace() if config.backend.trace else None
     try:
-      with Harness.build(
-        config, trace=trace, **(layout or {})
-      ) as harness:  # closed last: waits for every step
+      # Closed last: waits for every step.
+      with Harness.build(config, cluster=cluster, plan=plan, trace=trace) as harness:
         batches = _train_batches(config, tokenizer, source, harness)
         return _train(
           config, harness, batches, eval_set, workdir, host_dir, show_progress and primary

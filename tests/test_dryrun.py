@@ -77,12 +77,13 @@ def test_palm_540b_does_not_fit_with_fewer_microbatches_or_no_remat():
   two = dryrun.estimate(load_config("palm_540b", {"train.num_microbatches": 2}))
   (island,) = two["islands"]
   assert island["fits"] is False and island["bytes"] > 32 * 2**30
-  assert island["to_fit"] == {"remat": "dots", "num_microbatches": 4}
+  assert island["to_fit"] == {"remat": "dots", "num_microbatches": 4, "stage_remat": "full"}
   every = {"model.remat": "none", "model.scan_layers": False}
   (none,) = dryrun.estimate(load_config("palm_540b", every))["islands"]
   assert none["fits"] is False
   assert none["activation_bytes"] == none["activation_bytes_by_remat"]["none"]
-  assert none["to_fit"] == {"remat": "dots", "num_microbatches": 4}  # none fits no microbatching
+  # "none" fits at no microbatching
+  assert none["to_fit"] == {"remat": "dots", "num_microbatches": 4, "stage_remat": "full"}
   (scanned,) = dryrun.estimate(load_config("palm_540b", {"model.remat": "none"}))["islands"]
   dots = island["activation_bytes_by_remat"]["dots"] / 2  # at 4 microbatches, not 2
   assert dots < scanned["activation_bytes"] < none["activation_bytes"]
@@ -449,6 +450,23 @@ def test_recompute_follows_remat_and_pipeline_stages():
   # Stage 0 of 4 under 1F1B: 4 microbatches in flight, each with its one layer's whole set; at
   # "full" the one in its backward had it.
   assert extra == pytest.approx(tokens * (4 - 1) * block)
+  # Stage 1: 3 in flight, each holding its layer's set, whose block input is the stage's input
+  # (held at "full" too); at "full" the one in its backward had the whole set.
+  extra = kept[1]["activation_bytes"] - rows[1]["activation_bytes"]
+  stage_input = arithmetic.layer_input_bytes(m)
+  assert extra == pytest.approx(tokens * (3 * (block - stage_input) - block))
+  # Where no remat policy makes the residuals fit and the stages' recomputation does, the hint
+  # says so: at remat "full" a microbatch's residuals are its blocks' inputs, which stage 0
+  # holds for each one in flight, and at stage_remat "full" for one at a time.
+  config.model.remat, config.parallel.stage_remat = "full", "full"
+  memory = dryrun.estimate(config)["islands"][0]["bytes"]
+  config.parallel.stage_remat = "none"
+  with config.unlocked():
+    del config["hardware"]
+    config.hardware = {"name": "tpu_v4", "memory_bytes": int(memory)}
+  (first, *_) = dryrun.estimate(config)["islands"]
+  assert first["fits"] is False
+  assert first["to_fit"] == {"remat": "full", "num_microbatches": 8, "stage_remat": "full"}
 
 
 def test_bad_cluster_is_refused_by_the_plan():

@@ -372,19 +372,19 @@ def test_expert_parallel_dispatch_is_an_all_to_all():
 PIPE_SGD = {**SGD, "model.num_layers": 4}
 PIPELINES = {
   # Stage 1 holds layers 1-3: its local blocks 0 and 2 are the global MoE layers 1 and 3.
-  # Stage 0 keeps its forward's residuals for its backward (the chunks below recompute).
   "2stages_1f1b_m2_ep2": {
     "parallel.islands": 2,
     "parallel.stages": 2,
-    "parallel.stage_remat": "none",
     "parallel.stage_boundaries": (0, 1, 4),
     "parallel.data": 2,
     "parallel.expert": 2,
     "train.num_microbatches": 2,
   },
   # 2 pods, each model cut into 2 chunks (layers 0-1, 2-3) on its island: MoE stats pass from
-  # chunk to chunk, and the pods' stats add up.
+  # chunk to chunk, and the pods' stats add up. Chunk 0 keeps its forward's residuals (MoE
+  # layer 1's among them) for its backward instead of recomputing it.
   "2pods_overlapped_ep4": {
+    "parallel.stage_remat": "none",
     "parallel.islands": 2,
     "parallel.pods": 2,
     "parallel.data": 1,

@@ -201,8 +201,8 @@ def test_stage_remat_none_keeps_residuals_instead_of_recomputing(remat):
   assert pieces["full"]["F"].memory_analysis().output_size_in_bytes == act_bytes
   saved = pieces["none"]["F"].memory_analysis().output_size_in_bytes - act_bytes
   kept = stage.num_layers * arithmetic.remat_kept_bytes(config.model, 1, 32, config.model.remat)
-  if remat == "none":
-    assert saved / tokens > kept
+  if remat == "none":  # 1.80x measured; a copy of the stage's parameters would add 0.17x
+    assert kept < saved / tokens < 1.9 * kept
   else:
     assert saved / tokens == pytest.approx(kept, rel=0.02)
 

@@ -155,14 +155,16 @@ def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
 # -- activations ---------------------------------------------------------------------------------
 
 
-def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: str) -> float:
+def activation_bytes(
+  s: Setup, stage_list: list[Stage], num_micro: int, remat: str, stage_remat: str
+) -> float:
   """Activation bytes per device of one island's cells at `num_micro` microbatches, when every
   block keeps what `remat` keeps (activations.kept_bytes_per_token).
 
   A pipeline stage that is not the last holds, per microbatch in flight (schedule's
-  peak_live_inputs), its input (int32 tokens on the first stage) and, at
-  parallel.stage_remat="none", what its blocks keep for the backward; at "full" its B piece
-  recomputes that for one microbatch at a time."""
+  peak_live_inputs), its input (int32 tokens on the first stage) and, at `stage_remat`="none",
+  what its blocks keep for the backward (less the first block's input on a later stage: that
+  is the stage's input); at "full" its B piece recomputes that for one microbatch at a time."""
   m, plan = s.config.model, s.plan
   tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
   layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
@@ -171,18 +173,20 @@ def activation_bytes(s: Setup, stage_list: list[Stage], num_micro: int, remat: s
   live, working, kept = 0.0, 0.0, 0.0
   for stage in stage_list:
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
-    blocks = stage.num_layers * (layer if keep_all else kept_per_layer)
+    blocks = stage.num_layers * (layer if keep_all else kept_per_layer)  # one microbatch's
+    once = blocks  # kept for the one microbatch in its backward
     if not stage.last and plan.num_stages > 1:
       order = pipeline.island_order(s.config.parallel.schedule, stage, plan.num_stages, num_micro)
-      held = 4 if stage.first else arithmetic.layer_input_bytes(m)
-      if s.config.parallel.stage_remat == "none":
-        held += blocks  # each microbatch's residuals, from its F to its B
-        blocks = 0.0
-      live += pipeline.peak_live_inputs(order) * held
+      stage_input = 4 if stage.first else arithmetic.layer_input_bytes(m)
+      per_micro = stage_input  # held from the microbatch's F to its B
+      if stage_remat == "none":
+        per_micro += blocks - (0.0 if stage.first else stage_input)
+        once = 0.0
+      live += pipeline.peak_live_inputs(order) * per_micro
     if keep_all:
-      working = max(working, blocks + head)
+      working = max(working, once + head)
     else:  # every block keeps its share; the one in its backward has its whole set live
-      kept += blocks
+      kept += once
       working = max(working, layer + head)
   return s.tokens_per_device(num_micro) * (live + kept + working)
 
@@ -204,17 +208,24 @@ def gathered(s: Setup, stage_list: list[Stage]) -> float:
 
 def to_fit(s: Setup, stage_list: list[Stage], state: int) -> dict | None:
   """The first remat policy, from the configured one towards "full" (in REMAT_BY_MEMORY order),
-  with a number of microbatches that fits, and the smallest such train.num_microbatches:
-  {"remat", "num_microbatches"}; None when none fits or the capacity is unknown."""
+  with a number of microbatches that fits, and the smallest such train.num_microbatches, at the
+  configured parallel.stage_remat, then (a pipeline at "none") at "full": {"remat",
+  "num_microbatches", "stage_remat"}; None when none fits or the capacity is unknown."""
   if s.hw.memory_bytes is None:
     return None
   per_pod = s.config.train.global_batch // s.plan.num_pods // s.plan.batch_shards
   order = REMAT_BY_MEMORY[REMAT_BY_MEMORY.index(s.config.model.remat) :]
-  for remat in order:
-    for micro in range(1, per_pod + 1):
-      if per_pod % micro == 0:
-        if state + activation_bytes(s, stage_list, micro, remat) <= s.hw.memory_bytes:
-          return {"remat": remat, "num_microbatches": micro}
+  stage_remats = [s.config.parallel.stage_remat]
+  if s.plan.num_stages > 1 and stage_remats[0] == "none":
+    stage_remats.append("full")
+  for stage_remat in stage_remats:
+    for remat in order:
+      for micro in range(1, per_pod + 1):
+        if per_pod % micro:
+          continue
+        activations = activation_bytes(s, stage_list, micro, remat, stage_remat)
+        if state + activations <= s.hw.memory_bytes:
+          return {"remat": remat, "num_microbatches": micro, "stage_remat": stage_remat}
   return None
 
 
@@ -229,8 +240,10 @@ def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
     **state_bytes(s, stage_list),
   }
   # Every policy at the configured microbatches, for comparison; the plan's is `remat`'s.
+  stage_remat = s.config.parallel.stage_remat
   row["activation_bytes_by_remat"] = {
-    policy: activation_bytes(s, stage_list, micro, policy) for policy in REMAT_BY_MEMORY
+    policy: activation_bytes(s, stage_list, micro, policy, stage_remat)
+    for policy in REMAT_BY_MEMORY
   }
   row["activation_bytes"] = row["activation_bytes_by_remat"][remat]
   row["gathered_bytes"] = gathered(s, stage_list)

@@ -103,6 +103,11 @@ def island_lines(r: dict, e: dict) -> list[str]:
       "  to fit           "
       + (
         f"model.remat={hint['remat']} and train.num_microbatches={hint['num_microbatches']}"
+        + (
+          f" and parallel.stage_remat={hint['stage_remat']}"
+          if hint["stage_remat"] != e["stage_remat"]
+          else ""
+        )
         if hint
         else "more devices (no remat policy and microbatching fits)"
       )

@@ -109,7 +109,8 @@ def layer_input_bytes(m) -> float:
 #   none     everything autodiff saves: arithmetic.layer_activation_bytes (an estimate of what
 #            survives XLA's fusion; the jaxpr itself saves more float32 temporaries, and a
 #            pipeline stage at parallel.stage_remat="none" returns all of them from its forward:
-#            1.8x this on the test model). A scanned
+#            1.8x this on the test model, and with bf16 compute on float32 weights the weights'
+#            bf16 casts too). A scanned
 #            model (model.scan_layers) keeps only the block input and every matmul output the
 #            backward needs (remat.scanned_policy): dots' set, and attention's scores and weighted
 #            sum, B (d + 2HK/t + 2gK + 2F/t + HT/t)

@@ -188,8 +188,6 @@ class ProgramBuilder:
     self.num_micro = config.train.num_microbatches
     self.schedule = config.parallel.schedule
     self.moe = moe_lib.enabled(config.moe)
-    # F's outputs by name (pieces.f_outputs): its activation, MoE stats and residuals.
-    self.f_out = pieces_lib.f_outputs(config.moe if self.moe else None, config.parallel.stage_remat)
     self.per_cell: dict = {c: [] for c in self.cells}
 
   def piece(self, cell: tuple, kind: str) -> pieces_lib.Piece:
@@ -293,22 +291,19 @@ class ProgramBuilder:
           x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
           src = (f"{pre}FB{last}.{m}", 2) if s + 1 == last else (f"{pre}B{s + 1}.{m}", 1)
           g = self.move(cell, f"{pre}grad{s}.{m}", src, act)
-          saved = (
-            {"saved": (f"{pre}F{s}.{m}", self.f_out["saved"])} if "saved" in self.f_out else {}
-          )
-          grads = (
-            self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads, **saved),
-            0,
-          )
+          f = self.piece(cell, "F")  # its residuals, where it keeps them for B
+          saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
+          b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads, **saved)
+          grads = (b, 0)
           continue
         moe_in = {}  # MoE: the running MoE stats of the stages before
         if stage.first:
           x = self.move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
         else:
-          f_prev = f"{pre}F{s - 1}.{m}"
-          x = self.move(cell, f"{pre}act{s}.{m}", (f_prev, self.f_out["act"]), act)
+          f, name = self.piece((p, s - 1), "F"), f"{pre}F{s - 1}.{m}"
+          x = self.move(cell, f"{pre}act{s}.{m}", (name, f.output("act")), act)
           if self.moe:
-            moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (f_prev, self.f_out["moe"]), ())
+            moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (name, f.output("moe")), ())
         if kind == "F":
           self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
         else:

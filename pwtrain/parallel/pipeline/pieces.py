@@ -13,9 +13,11 @@ Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
          full  B recomputes the stage's forward from its saved input (GPipe's
                re-materialisation): a stage holds one input per microbatch in flight
          none  F also returns what the stage's VJP keeps (its residuals: what model.remat
-               keeps of every block), B applies the VJP to them with no recomputation: a
-               stage holds its residuals per microbatch in flight, and does the single
-               device's work
+               keeps of every block; an unrolled model at remat "none" keeps every
+               intermediate autodiff saves, more than XLA's fusion leaves in one program), B
+               applies the VJP to them with no recomputation: a stage holds its residuals per
+               microbatch in flight, and does the single device's work
+       The chunks of exchange.mode="overlapped" are stages too.
   FB   on the last stage: forward, loss and backward in one piece
 and once per step: init, zeros (the running sums), emb (the shared embedding's gradient half),
 finish (tie the embedding halves; the squared norm), apply (the optimizer update), plus the
@@ -46,10 +48,16 @@ TOKENS = ("batch", "length")
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """An executable and the names of its inputs: (name, list length, or None for one value)."""
+  """An executable, the names of its inputs: (name, list length, or None for one value), and
+  the names of its outputs where a node's consumers pick them by name (F's: f_outputs)."""
 
   executable: Executable
   signature: tuple[tuple[str, int | None], ...]
+  outputs: tuple[str, ...] = ()
+
+  def output(self, name: str) -> int:
+    """The position of output `name` (the index of a Ref to it)."""
+    return self.outputs.index(name)
 
   def args(self, refs: dict) -> tuple:
     """The node's positional refs from {input name: ref, or a list of refs}."""
@@ -85,10 +93,10 @@ class Piece:
 
 
 def compile_piece(
-  controller: Controller, name, fn, island: str, mesh, inputs: dict, *, donate=(), **kw
+  controller: Controller, name, fn, island: str, mesh, inputs: dict, *, donate=(), outputs=(), **kw
 ) -> Piece:
   """Compiles `fn(**inputs)` for abstract `inputs` ({name: value or list of values}); `donate`
-  names the inputs whose buffers the piece may reuse."""
+  names the inputs whose buffers the piece may reuse, `outputs` the outputs of its tuple."""
   signature = tuple((k, len(v) if isinstance(v, list) else None) for k, v in inputs.items())
   flat, donate_argnums = [], []
   for key, value in inputs.items():
@@ -106,7 +114,7 @@ def compile_piece(
   exe = controller.compile(
     name, positional, island, tuple(flat), mesh=mesh, donate_argnums=tuple(donate_argnums), **kw
   )
-  return Piece(exe, signature)
+  return Piece(exe, signature, tuple(outputs))
 
 
 @dataclasses.dataclass
@@ -195,9 +203,10 @@ class Residuals:
   """How a stage's VJP goes from its F piece to its B piece (`parallel.stage_remat="none"`).
 
   jax.vjp's function is a pytree whose leaves are what the backward needs. Some of them are
-  F's own inputs (the parameters, the input activation): those B already takes, so F does not
-  return them again (a copy per microbatch). F returns the others, `saved`, as one tuple. Both
-  are recorded while F is traced (`save`), which is before B is (`vjp`).
+  F's own inputs (the parameters, the input activation), matched by identity while F is
+  traced: those B already takes, so F does not return them again (a copy per microbatch). F
+  returns the others, `saved`, as one tuple. Both are recorded by tracing F (`save`), so B can be
+  traced (`vjp`) only after F has been, in this process: compile_stage compiles F first.
   """
 
   treedef: Any = None
@@ -224,13 +233,12 @@ class Residuals:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
-def f_outputs(moe, stage_remat: str) -> dict:
-  """F's outputs by name -> their positions: "act" (the output activation), "moe" (the running
-  MoE stats, with MoE layers), "saved" (the VJP's residuals, at stage_remat="none")."""
-  names = (
-    ["act"] + (["moe"] if moe is not None else []) + (["saved"] if stage_remat == "none" else [])
+def f_outputs(moe, stage_remat: str) -> tuple[str, ...]:
+  """The names of F's outputs, in order: "act" (the output activation), "moe" (the running MoE
+  stats, with MoE layers), "saved" (the VJP's residuals, at stage_remat="none")."""
+  return (
+    ("act",) + (("moe",) if moe is not None else ()) + (("saved",) if stage_remat == "none" else ())
   )
-  return {name: i for i, name in enumerate(names)}
 
 
 def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> None:
@@ -243,7 +251,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
   cotangents are (the next stage's activation gradient, 1) and FB adds its aux losses to the
   loss. F then also returns the running MoE stats (the previous stages', carried in as
   `moe_in`, plus its own), so FB's stats cover every stage and its loss_sum every stage's
-  weighted aux losses. F's outputs are named by f_outputs.
+  weighted aux losses. F's outputs are a tuple named by f_outputs (Piece.output).
   """
   stage, fns = cell.stage, cell.fns
   act_sharding = cell.act_abs.sharding
@@ -299,38 +307,42 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
 
   keep = stage_remat == "none"
   residuals = Residuals()
+  outputs = f_outputs(moe, stage_remat)
   cotangent_of = lambda g_out: g_out if moe is None else (g_out, jnp.ones((), jnp.float32))
-  # What B differentiates: (params, x), or only params on the first stage (tokens).
-  function = lambda x: objective if not stage.first else lambda params: objective(params, x)
   primals = lambda state, x: (state["params"], x)[: len(argnums)]
 
-  def f_fn(state, x, moe_in=None):
-    outputs = {}
-    if keep:
-      out, vjp, own = jax.vjp(function(x), *primals(state, x), has_aux=True)
-      outputs["act"] = out if moe is None else out[0]  # objective's (output, aux)
-      outputs["saved"] = residuals.save(vjp, (state["params"], x))
-    else:
-      outputs["act"], own = forward(state["params"], x)
-    if moe is not None:
-      outputs["moe"] = own if moe_in is None else moe_lib.add_stats(moe_in, own)
-    result = tuple(outputs[name] for name in f_outputs(moe, stage_remat))
-    return result[0] if len(result) == 1 else result
+  def differentiated(x):
+    """What B differentiates: the objective of (params, x), or of params on the first stage
+    (its input is tokens)."""
+    return (lambda params: objective(params, x)) if stage.first else objective
 
+  def f_fn(state, x, moe_in=None):
+    named = {}
+    if keep:
+      out, vjp, own = jax.vjp(differentiated(x), *primals(state, x), has_aux=True)
+      named["act"] = out if moe is None else out[0]  # objective's (output, aux)
+      named["saved"] = residuals.save(vjp, (state["params"], x))
+    else:
+      named["act"], own = forward(state["params"], x)
+    if moe is not None:
+      named["moe"] = own if moe_in is None else moe_lib.add_stats(moe_in, own)
+    return tuple(named[name] for name in outputs)
+
+  # None: the residuals' shardings are the compiler's choice.
   shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": None}
-  out_shardings = tuple(shardings[name] for name in f_outputs(moe, stage_remat))
   f_piece = cell.compile(
     "F",
     f_fn,
     {"state": cell.state_abs, "x": cell.x_abs, **moe_in},
-    out_shardings=out_shardings[0] if len(out_shardings) == 1 else out_shardings,
+    out_shardings=tuple(shardings[name] for name in outputs),
+    outputs=outputs,
   )
 
   def b_fn(state, x, g_out, grads, saved=None):
     if keep:
       vjp = residuals.vjp(saved, (state["params"], x))
     else:
-      _, vjp, _ = jax.vjp(function(x), *primals(state, x), has_aux=True)
+      _, vjp, _ = jax.vjp(differentiated(x), *primals(state, x), has_aux=True)
     g_params, *g_in = vjp(cotangent_of(g_out))
     return (jax.tree.map(jnp.add, grads, g_params), *g_in)
 
@@ -341,7 +353,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
     "grads": cell.grads_abs,
   }
   if keep:
-    inputs["saved"] = f_piece.out_abstract[f_outputs(moe, stage_remat)["saved"]]
+    inputs["saved"] = f_piece.out_abstract[f_piece.output("saved")]
   cell.compile(
     "B",
     b_fn,
