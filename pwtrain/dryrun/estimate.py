@@ -34,18 +34,15 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
 """
 
 import dataclasses
-import math
+import itertools
 
 import jax
 
 from pwtrain import config as config_lib
-from pwtrain import optim
-from pwtrain import step as step_lib
 from pwtrain.dryrun import shapes
-from pwtrain.dryrun.hardware import Hardware, hardware
+from pwtrain.dryrun.inputs import Setup, island_stages, setup
 from pwtrain.models import arithmetic
 from pwtrain.parallel import pipeline
-from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.stages import Stage, to_stage
 
 # A pipeline stage's backward (its B piece) recomputes the stage's forward from its saved input
@@ -57,49 +54,6 @@ REMAT_BY_MEMORY = ("none", "dots", "outputs", "full")
 
 MODEL_STATE_KEYS = ("params", "opt_state")
 OTHER_STATE_KEYS = ("step", "rng")  # every other key of the train state is the exchange's
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-  """What every part of the estimate reads: the config, its hardware, its plan, the model's
-  shape-only fns and the abstract whole-model train state (the plan's exchange's included)."""
-
-  config: object
-  hw: Hardware
-  plan: plan_lib.Plan
-  fns: step_lib.ModelFns
-  whole: dict
-
-  @property
-  def devices_per_island(self) -> int:
-    return self.plan.islands[0].num_devices
-
-  @property
-  def hosts_per_island(self) -> int:
-    return math.ceil(self.devices_per_island / self.hw.devices_per_host)
-
-  def tokens_per_device(self, num_micro: int) -> int:
-    """Tokens one device processes per microbatch at `num_micro` microbatches."""
-    train, p = self.config.train, self.plan
-    return (
-      train.global_batch // p.num_pods // num_micro // p.batch_shards * self.config.data.seq_len
-    )
-
-
-def setup(config) -> Setup:
-  plan = shapes.build_plan(config)
-  tx, _ = optim.build(config.optim, config.train.num_steps)
-  fns = shapes.model_fns(config.model, config.moe)
-  whole = shapes.abstract_state(fns, tx, config.seed, plan.exchange)
-  return Setup(config, hardware(config), plan, fns, whole)
-
-
-def island_stages(plan: plan_lib.Plan) -> dict[str, list[Stage]]:
-  """Pod 0's islands, each with the cells (stages, or exchange chunks) placed on it."""
-  islands = {}
-  for stage in plan.stages:
-    islands.setdefault(plan.cells[(0, stage.index)].name, []).append(stage)
-  return islands
 
 
 # -- per-island state bytes ----------------------------------------------------------------------
@@ -218,14 +172,10 @@ def to_fit(s: Setup, stage_list: list[Stage], state: int) -> dict | None:
   stage_remats = [s.config.parallel.stage_remat]
   if s.plan.num_stages > 1 and stage_remats[0] == "none":
     stage_remats.append("full")
-  for stage_remat in stage_remats:
-    for remat in order:
-      for micro in range(1, per_pod + 1):
-        if per_pod % micro:
-          continue
-        activations = activation_bytes(s, stage_list, micro, remat, stage_remat)
-        if state + activations <= s.hw.memory_bytes:
-          return {"remat": remat, "num_microbatches": micro, "stage_remat": stage_remat}
+  micros = [micro for micro in range(1, per_pod + 1) if per_pod % micro == 0]
+  for stage_remat, remat, micro in itertools.product(stage_remats, order, micros):
+    if state + activation_bytes(s, stage_list, micro, remat, stage_remat) <= s.hw.memory_bytes:
+      return {"remat": remat, "num_microbatches": micro, "stage_remat": stage_remat}
   return None
 
 
@@ -395,7 +345,10 @@ def estimate(config) -> dict:
     "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
     "remat": m.remat,
     "stage_remat": config.parallel.stage_remat,
-    "scan_layers": m.get("scan_layers", False),
+    # Stages keep every intermediate autodiff saves, more than layer_activation_bytes counts.
+    "residuals_lower_bound": config.parallel.stage_remat == "none"
+    and m.remat == "none"
+    and not m.get("scan_layers", False),
     # Executed / model FLOPs over all islands: what remat and pipeline stages recompute.
     "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
     / sum(r["flops_per_token"] for r in rows),

@@ -89,7 +89,7 @@ def island_lines(r: dict, e: dict) -> list[str]:
   if num_stages > 1:
     stages = f", parallel.stage_remat={e['stage_remat']}"
     keeps = any(not last for *_, last in r["stages"])  # a stage with an F piece
-    if keeps and e["stage_remat"] == "none" and remat == "none" and not e["scan_layers"]:
+    if keeps and e["residuals_lower_bound"]:
       # F returns the jaxpr's residuals, which XLA cannot fuse away (arithmetic.py: "none").
       stages += " (a lower bound: stages keep the forward's whole residual set)"
   lines += [
