@@ -109,6 +109,12 @@ def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
 # -- activations ---------------------------------------------------------------------------------
 
 
+def keeps_every_intermediate(m, remat: str) -> bool:
+  """Whether every block keeps its whole set (arithmetic.layer_activation_bytes): unrolled at
+  remat "none"."""
+  return remat == "none" and not m.get("scan_layers", False)
+
+
 def activation_bytes(
   s: Setup, stage_list: list[Stage], num_micro: int, remat: str, stage_remat: str
 ) -> float:
@@ -123,7 +129,7 @@ def activation_bytes(
   tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
   layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
   kept_per_layer = arithmetic.remat_kept_bytes(m, tensor, seq_len, remat)
-  keep_all = remat == "none" and not m.get("scan_layers", False)  # every block's whole set
+  keep_all = keeps_every_intermediate(m, remat)
   live, working, kept = 0.0, 0.0, 0.0
   for stage in stage_list:
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
@@ -196,6 +202,12 @@ def island_row(s: Setup, name: str, stage_list: list[Stage]) -> dict:
     for policy in REMAT_BY_MEMORY
   }
   row["activation_bytes"] = row["activation_bytes_by_remat"][remat]
+  # Stages that return their residuals keep every intermediate autodiff saves, more than
+  # layer_activation_bytes counts: the figure is a lower bound (arithmetic.py: "none").
+  forwards = s.plan.num_stages > 1 and any(not st.last for st in stage_list)
+  row["residuals_lower_bound"] = (
+    forwards and stage_remat == "none" and keeps_every_intermediate(s.config.model, remat)
+  )
   row["gathered_bytes"] = gathered(s, stage_list)
   held = row["state_bytes"] + row["gathered_bytes"]  # whatever the remat and microbatches
   row["bytes"] = held + row["activation_bytes"]
@@ -233,7 +245,7 @@ def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
       arithmetic.remat_recompute_flops(m, moe, seq_len, remat, layer)
       for layer in range(st.start, st.stop)
     )
-    if s.plan.num_stages > 1 and not st.last and s.config.parallel.stage_remat == "full":
+    if s.stages_recompute and not st.last:
       total += PIPELINE_RECOMPUTE * blocks
   return total
 
@@ -267,8 +279,7 @@ def collectives(s: Setup, rows: list[dict]) -> dict:
   shape, m, num_micro = s.plan.mesh_shape, s.config.model, s.config.train.num_microbatches
   # Dense parameters are replicated over data and expert (the batch is split over both).
   t, f, dp = shape["tensor"], shape["fsdp"], shape["data"] * shape["expert"]
-  stage_recomputes = s.plan.num_stages > 1 and s.config.parallel.stage_remat == "full"
-  recomputes = m.remat in ("full", "outputs") or stage_recomputes
+  recomputes = m.remat in ("full", "outputs") or s.stages_recompute
   passes = 3 if recomputes else 2
   param_bytes = max(r["param_bytes"] for r in rows)
   layers = max(sum(st.num_layers for st in stages) for stages in island_stages(s.plan).values())
@@ -345,10 +356,7 @@ def estimate(config) -> dict:
     "flops_per_token": arithmetic.flops_per_token(m, config.moe, config.data.seq_len),
     "remat": m.remat,
     "stage_remat": config.parallel.stage_remat,
-    # Stages keep every intermediate autodiff saves, more than layer_activation_bytes counts.
-    "residuals_lower_bound": config.parallel.stage_remat == "none"
-    and m.remat == "none"
-    and not m.get("scan_layers", False),
+    "stages_recompute": s.stages_recompute,
     # Executed / model FLOPs over all islands: what remat and pipeline stages recompute.
     "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
     / sum(r["flops_per_token"] for r in rows),

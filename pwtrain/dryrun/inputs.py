@@ -29,6 +29,11 @@ class Setup:
     return self.plan.islands[0].num_devices
 
   @property
+  def stages_recompute(self) -> bool:
+    """Whether a pipeline stage's B piece recomputes its forward (parallel.stage_remat="full")."""
+    return self.plan.num_stages > 1 and self.config.parallel.stage_remat == "full"
+
+  @property
   def hosts_per_island(self) -> int:
     return math.ceil(self.devices_per_island / self.hw.devices_per_host)
 

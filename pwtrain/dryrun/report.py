@@ -88,9 +88,7 @@ def island_lines(r: dict, e: dict) -> list[str]:
   stages = ""
   if num_stages > 1:
     stages = f", parallel.stage_remat={e['stage_remat']}"
-    keeps = any(not last for *_, last in r["stages"])  # a stage with an F piece
-    if keeps and e["residuals_lower_bound"]:
-      # F returns the jaxpr's residuals, which XLA cannot fuse away (arithmetic.py: "none").
+    if r["residuals_lower_bound"]:
       stages += " (a lower bound: stages keep the forward's whole residual set)"
   lines += [
     f"  activations      {size_text(r['activation_bytes'])} (model.remat={remat}{stages}, "
@@ -125,9 +123,7 @@ def compute_lines(e: dict, config) -> list[str]:
       f"Compute: {e['compute_s']:.3g} s per step, assumed {hw['efficiency']:.1%} of peak FLOP/s "
       f"({hw['peak_flops'] / 1e12:g} TFLOP/s per device) on the executed FLOPs, "
       f"x{e['recompute_factor']:.4g} the model's (recomputed by remat={e['remat']}"
-      + (
-        " and the stages' backward)" if e["num_stages"] > 1 and e["stage_remat"] == "full" else ")"
-      )
+      + (" and the stages' backward)" if e["stages_recompute"] else ")")
     )
   hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
   kept = ", ".join(f"{p} {size_text(n)}" for p, n in e["kept_bytes_per_token"].items())
