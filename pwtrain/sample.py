@@ -36,10 +36,9 @@ from ml_collections import config_flags
 from pwtrain import optim
 from pwtrain import step as step_lib
 from pwtrain import workdir as workdir_lib
-from pwtrain.checkpoint import Checkpointer
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import build_tokenizer
 from pwtrain.data.tokenizer import sentencepiece_path
-from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.models import scan
 from pwtrain.models.sampling import Sampling, generate
 from pwtrain.parallel import exchange as exchange_lib

@@ -12,7 +12,7 @@ from pwtrain import guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace
-from pwtrain.checkpoint import Checkpointer
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint, ProcessParts
 from pwtrain.data import (
   TrainBatches,
   build_eval_set,
@@ -21,12 +21,10 @@ from pwtrain.data import (
   streams_of_rows,
 )
 from pwtrain.harness import Harness
-from pwtrain.integrity import IncompatibleCheckpoint
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
-from pwtrain.process_parts import ProcessParts
 from pwtrain.profiling import StepProfiler
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,6 @@ LAYERS = (
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
-    "integrity",
-    "checkpoint_parts",
     "preemption",
     "workdir",
     "profiling",
@@ -29,9 +27,9 @@ LAYERS = (
     "guard",
     "metrics",
   ),
-  ("process_parts",),  # checkpoints written and read by each process of a distributed run
-  # The model, the runtime, the data and the checkpoint store: independent of each other.
-  ("models", "backend", "data", "checkpoint"),
+  ("checkpoint",),  # the checkpoint store: Orbax saves, parts, integrity (remote workers use it)
+  # The model, the runtime and the data: independent of each other.
+  ("models", "backend", "data"),
   ("step",),  # the train step as pure functions of a model
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)

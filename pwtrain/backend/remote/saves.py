@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import jax
 
-from pwtrain import integrity
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient, WorkerLost
+from pwtrain.checkpoint import integrity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,10 @@ class SaveFailed(RuntimeError):
 
 
 class PendingSave:
-  """Queues, on each worker, a Save of its leaves of `whole` into `directory/<island>`."""
+  """Queues, on each worker, a Save of its leaves of `whole` into `directory/<island>` (a
+  checkpoint.PartWriter of references to the workers' arrays)."""
+
+  local_arrays = False
 
   def __init__(self, whole, directory: str):
     self.directory = directory

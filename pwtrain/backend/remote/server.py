@@ -21,11 +21,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pwtrain import checkpoint_parts, integrity
 from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
+from pwtrain.checkpoint import integrity
+from pwtrain.checkpoint import parts as checkpoint_parts
 
 # How long an operation waits for a handle that has not been announced yet (its Put or the
 # Enqueue that produces it may still be on the way).

@@ -22,8 +22,8 @@ from orbax.checkpoint._src.serialization import ocdbt_utils, type_handler_regist
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from pwtrain import processes
-from pwtrain.checkpoint_parts import insert
-from pwtrain.integrity import fingerprint, path_name
+from pwtrain.checkpoint.integrity import fingerprint, path_name
+from pwtrain.checkpoint.parts import insert
 from pwtrain.sharding import from_host, stand_in
 
 
@@ -128,7 +128,7 @@ class ProcessParts:
   (integrity.fingerprint asks the other processes for theirs). Then `parts` names every part on
   process 0, which commits them, and none elsewhere."""
 
-  writes_arrays = True  # saves a state of jax.Arrays (PendingSave saves workers' references)
+  local_arrays = True  # parts.PartWriter: saves this process's jax.Arrays
 
   def __init__(self, state, pending: str):
     me = jax.process_index()

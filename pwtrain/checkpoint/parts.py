@@ -16,10 +16,38 @@ any layout, embedded or remote, restores it (see Checkpointer.restore).
 import dataclasses
 import os
 import shutil
+from typing import ClassVar, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
+
+
+@runtime_checkable
+class PendingParts(Protocol):
+  """Phase one of a save in parts, under way: the parts it writes and a wait for them."""
+
+  parts: dict[str, str]  # part name -> its directory; the commit moves each into the step
+
+  def wait(self) -> dict[str, int]:
+    """{array path: fingerprint} once every part is written; raises if one could not be."""
+    ...
+
+
+@runtime_checkable
+class PartWriter(Protocol):
+  """Who writes a state's parts: `writer(state, pending)` starts phase one of a save of
+  `state` into the directory `pending` and returns at once with its `PendingParts`.
+
+  `local_arrays` says what it saves: True for a state of this process's jax.Arrays written by
+  the processes of a distributed run together (every process writes into the same `pending`,
+  saves coming in the same order on every process: `process_parts.ProcessParts`); False for a
+  state of references to arrays held elsewhere, each save in a fresh `pending` (remote island
+  workers: `backend.remote.saves.PendingSave`)."""
+
+  local_arrays: ClassVar[bool]
+
+  def __call__(self, state, pending: str) -> PendingParts: ...
 
 
 def insert(tree: dict, name: str, value) -> None:

@@ -9,6 +9,9 @@ restore falls back past); `is_damage` tells a damaged one from an error of readi
 `agree` makes the processes of a distributed run take the same view of a checkpoint.
 """
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,26 +100,28 @@ def fingerprint(state) -> dict:
   return result
 
 
-# Errors of code, not of files. Reading a damaged checkpoint raises OSError, ValueError
-# (TensorStore, JSON) or Orbax's plain Exception; the errors below come from a bug in reading
-# code, ours or a library's, or from a device, and must not set a good checkpoint aside (a bug
-# of ours once did, and training began again from step 0).
-_NOT_DAMAGE = (
-  TypeError,
-  AttributeError,
-  NameError,
-  AssertionError,
-  NotImplementedError,
-  ImportError,
-  RecursionError,
-  MemoryError,
-  jax.errors.JaxRuntimeError,  # a device's error (out of memory), not the files'
+# What reading damaged files raises; anything else (a KeyError, an IndexError, a plain
+# ValueError or RuntimeError, a device's error) is a bug in reading code, ours or a library's,
+# or a device's failure, and must not set a good checkpoint aside (a bug of ours once did, and
+# training began again from step 0). Orbax wraps a failed array read in a plain Exception
+# raised from TensorStore's error, a ValueError whose message starts with its status code.
+_DAMAGE = (CorruptCheckpoint, OSError, json.JSONDecodeError)
+_TENSORSTORE_STATUS = re.compile(
+  r"^(DATA_LOSS|FAILED_PRECONDITION|NOT_FOUND|OUT_OF_RANGE|INVALID_ARGUMENT|UNKNOWN): "
 )
 
 
-def is_damage(error: Exception) -> bool:
-  """Whether an error raised while reading a checkpoint says that its files are damaged."""
-  return isinstance(error, CorruptCheckpoint) or not isinstance(error, _NOT_DAMAGE)
+def is_damage(error: BaseException) -> bool:
+  """Whether an error raised while reading a checkpoint says that its files are damaged: it,
+  or an error it was raised from, is one that damaged files raise (an OS error, a JSON decode
+  error, a TensorStore read error, a failed fingerprint)."""
+  while error is not None:
+    if isinstance(error, _DAMAGE):
+      return True
+    if type(error) is ValueError and _TENSORSTORE_STATUS.match(str(error)):
+      return True
+    error = error.__cause__
+  return False
 
 
 _SEVERITY = {CorruptCheckpoint: 1, IncompatibleCheckpoint: 2}  # anything else: 3

@@ -29,8 +29,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import flags
 
-from pwtrain import checkpoint_parts, process_parts, processes
-from pwtrain.integrity import (
+from pwtrain import processes
+from pwtrain.checkpoint import parts as checkpoint_parts
+from pwtrain.checkpoint import process_parts
+from pwtrain.checkpoint.integrity import (
   CorruptCheckpoint,
   IncompatibleCheckpoint,
   agree,
@@ -41,6 +43,7 @@ from pwtrain.integrity import (
   path_name,
   saved_leaves,
 )
+from pwtrain.checkpoint.parts import PartWriter
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,10 @@ _LOCAL = (jax.Array, np.ndarray, np.generic, int, float)
 class Checkpointer:
   """Saves and restores the whole-model train state with its data-iterator position.
 
-  `part_writer(state, directory)` starts phase one of a save whose leaves are references to
-  arrays held elsewhere (remote island workers: `backend.remote.saves.PendingSave`); it returns
-  an object with `parts` ({part name: directory}) and `wait()` -> {array path: fingerprint}.
-  Without one, only states this process holds can be saved.
+  `part_writer` (a `parts.PartWriter`) writes a state in parts, one per island, which the
+  Checkpointer then commits as one step: a state of references to arrays held elsewhere (remote
+  island workers) always, and this process's arrays when the writer says it writes those
+  (distributed mode's processes). Without one, states this process holds are saved whole.
   """
 
   def __init__(
@@ -64,7 +67,7 @@ class Checkpointer:
     keep: int,
     every: int,
     async_save: bool = True,
-    part_writer=None,
+    part_writer: PartWriter | None = None,
     read_only: bool = False,
   ):
     """`read_only`: a reader beside a possibly running job (sampling): it neither removes
@@ -77,6 +80,8 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.every = every
     self.read_only = read_only
+    if part_writer is not None and not isinstance(part_writer, PartWriter):
+      raise TypeError(f"part_writer {part_writer!r} is not a checkpoint.parts.PartWriter")
     self._part_writer = part_writer
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -120,7 +125,7 @@ class Checkpointer:
     if self.read_only:
       raise RuntimeError(f"{self.directory} was opened read-only: no saves")
     refs = not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state))  # workers' arrays
-    if refs or getattr(self._part_writer, "writes_arrays", False):  # or distributed mode's
+    if refs or (self._part_writer is not None and self._part_writer.local_arrays):
       self._save_parts(step, state, data_state)
       return
     self._join_commit()
@@ -140,7 +145,7 @@ class Checkpointer:
     # Distributed mode: every process writes into the same pending directory (saves come in
     # the same order on every process); remote: a fresh name per save.
     self._num_saves += 1
-    shared = getattr(self._part_writer, "writes_arrays", False)
+    shared = self._part_writer.local_arrays
     suffix = str(self._num_saves) if shared else uuid.uuid4().hex[:8]
     pending = os.path.join(self.pending_root, f"{step}-{suffix}")
     os.makedirs(pending, exist_ok=shared)
