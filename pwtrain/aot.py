@@ -49,6 +49,7 @@ import jax
 from pwtrain import dryrun
 from pwtrain.backend import Node
 from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.errors import ConfigError
 from pwtrain.harness import Harness
 from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import plan as plan_lib
@@ -77,7 +78,7 @@ def topology_devices(config) -> list:
   """The compile-only devices of `hardware.topology`, one slice per pod (parallel.pods)."""
   hw = dryrun.hardware(config)
   if not hw.topology:
-    raise ValueError(
+    raise ConfigError(
       "--dry_run --compile needs hardware.topology, the TPU topology of one slice (one pod), "
       "e.g. --config.hardware.topology=v4:4x4x4 (needs a `hardware` section; see "
       "configs/palm_540b.py)"
@@ -99,7 +100,7 @@ def topology_devices(config) -> list:
   try:
     return list(topologies.get_topology_desc(hw.topology, "tpu", **kwargs).devices)
   except Exception as e:  # libtpu's message is one line: keep it, name the setting
-    raise ValueError(f"hardware.topology={hw.topology!r} is not a TPU topology: {e}") from None
+    raise ConfigError(f"hardware.topology={hw.topology!r} is not a TPU topology: {e}") from None
 
 
 def _cluster(config, devices) -> Cluster:

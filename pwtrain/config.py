@@ -6,6 +6,7 @@ from pwtrain import optim
 from pwtrain.backend import distributed
 from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
+from pwtrain.errors import ConfigError
 from pwtrain.models import layers, remat
 from pwtrain.parallel import exchange
 from pwtrain.parallel.pipeline.pieces import STAGE_REMAT
@@ -20,55 +21,57 @@ def _positive(config, *keys):
     section, name = key.split(".")
     value = config[section][name]
     if not isinstance(value, int) or value < 1:
-      raise ValueError(f"{key}={value!r} must be a positive integer")
+      raise ConfigError(f"{key}={value!r} must be a positive integer")
 
 
 def validate_moe(config) -> None:
   """moe.*: num_experts=0 (dense) ignores the rest; parallel.expert needs experts to split."""
   moe, expert = config.moe, config.parallel.expert
   if not isinstance(moe.num_experts, int) or moe.num_experts < 0:
-    raise ValueError(f"moe.num_experts={moe.num_experts!r} must be 0 (dense) or a positive integer")
+    raise ConfigError(
+      f"moe.num_experts={moe.num_experts!r} must be 0 (dense) or a positive integer"
+    )
   if moe.num_experts == 0:
     if expert not in (1, -1):
-      raise ValueError(
+      raise ConfigError(
         f"parallel.expert={expert} needs moe.num_experts > 0: a dense model has no experts to "
         "split (use parallel.data for data parallelism)"
       )
     return
   if not isinstance(moe.every, int) or moe.every < 1:
-    raise ValueError(
+    raise ConfigError(
       f"moe.every={moe.every!r} must be a positive integer (1: every layer is MoE, 2: every "
       "second layer, ...)"
     )
   if moe.every > config.model.num_layers:
-    raise ValueError(
+    raise ConfigError(
       f"moe.every={moe.every} exceeds model.num_layers={config.model.num_layers}: no layer "
       "would be MoE"
     )
   if not isinstance(moe.top_k, int) or not 1 <= moe.top_k <= moe.num_experts:
-    raise ValueError(
+    raise ConfigError(
       f"moe.top_k={moe.top_k!r} must be between 1 and moe.num_experts={moe.num_experts} "
       "(1: Switch, 2: GShard)"
     )
   if not isinstance(moe.d_ff, int) or moe.d_ff < 0:
-    raise ValueError(
+    raise ConfigError(
       f"moe.d_ff={moe.d_ff!r} must be a positive integer, or 0 for model.d_ff // moe.top_k"
     )
   if moe.d_ff == 0 and config.model.d_ff % moe.top_k:
-    raise ValueError(
+    raise ConfigError(
       f"moe.d_ff=0 means model.d_ff // moe.top_k, but moe.top_k={moe.top_k} does not divide "
       f"model.d_ff={config.model.d_ff}; set moe.d_ff"
     )
   for key in ("capacity_factor", "eval_capacity_factor"):
     if not moe[key] > 0:
-      raise ValueError(f"moe.{key}={moe[key]!r} must be > 0")
+      raise ConfigError(f"moe.{key}={moe[key]!r} must be > 0")
   if not 0 <= moe.jitter < 1:
-    raise ValueError(f"moe.jitter={moe.jitter!r} must be in [0, 1) (0: no router noise)")
+    raise ConfigError(f"moe.jitter={moe.jitter!r} must be in [0, 1) (0: no router noise)")
   for key in ("aux_loss_weight", "router_z_loss_weight"):
     if not moe[key] >= 0:
-      raise ValueError(f"moe.{key}={moe[key]!r} must be >= 0")
+      raise ConfigError(f"moe.{key}={moe[key]!r} must be >= 0")
   if expert != -1 and (expert < 1 or moe.num_experts % expert):
-    raise ValueError(
+    raise ConfigError(
       f"parallel.expert={expert} does not divide moe.num_experts={moe.num_experts}; valid: "
       + ", ".join(str(n) for n in range(1, moe.num_experts + 1) if moe.num_experts % n == 0)
     )
@@ -95,72 +98,72 @@ def validate(config) -> None:
   validate_moe(config)
   m = config.model
   if m.num_heads % m.num_kv_heads:
-    raise ValueError(
+    raise ConfigError(
       f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}"
     )
   if m.head_dim % 2:
-    raise ValueError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
+    raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE rotates pairs)")
   for key in ("dtype", "param_dtype"):
     if m[key] not in DTYPES:
-      raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(DTYPES)}")
+      raise ConfigError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(DTYPES)}")
   for key, valid in (("remat", remat.REMAT), ("attention", layers.ATTENTION)):
     if m[key] not in valid:
-      raise ValueError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(valid)}")
+      raise ConfigError(f"model.{key}={m[key]!r} is not supported; valid: {', '.join(valid)}")
   validate_scan(config)
   if config.optim.name not in optim.OPTIMIZERS:
-    raise ValueError(
+    raise ConfigError(
       f"optim.name={config.optim.name!r} is not an optimizer; valid: {', '.join(optim.OPTIMIZERS)}"
     )
   if config.optim.schedule not in optim.SCHEDULES:
-    raise ValueError(
+    raise ConfigError(
       f"optim.schedule={config.optim.schedule!r} is not a schedule; valid: "
       f"{', '.join(optim.SCHEDULES)}"
     )
   if not 0 < config.optim.decay_fraction <= 1:
-    raise ValueError(f"optim.decay_fraction={config.optim.decay_fraction!r} must be in (0, 1]")
+    raise ConfigError(f"optim.decay_fraction={config.optim.decay_fraction!r} must be in (0, 1]")
   if config.data.tokenizer not in TOKENIZERS:
-    raise ValueError(
+    raise ConfigError(
       f"data.tokenizer={config.data.tokenizer!r} is not a tokenizer; valid: {', '.join(TOKENIZERS)}"
     )
   check_streams(config.data.streams, config.train.global_batch)
   if config.backend.mode not in BACKENDS:
-    raise ValueError(
+    raise ConfigError(
       f"backend.mode={config.backend.mode!r} is not a backend; valid: {', '.join(BACKENDS)}"
     )
   validate_backend(config)
   if config.parallel.schedule not in SCHEDULES:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
       f"{', '.join(SCHEDULES)}"
     )
   if config.parallel.stage_remat not in STAGE_REMAT:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.stage_remat={config.parallel.stage_remat!r} is not supported; valid: "
       f"{', '.join(STAGE_REMAT)}"
     )
   if config.parallel.stage_remat == "none" and config.backend.mode == "remote":
-    raise ValueError(
+    raise ConfigError(
       "parallel.stage_remat='none' is not supported with backend.mode='remote' (a remote "
       "worker's pieces have every output's sharding fixed, and a stage's residuals are laid out "
       "by the compiler); set parallel.stage_remat='full'"
     )
   exchange.validate(config.exchange)
   if config.train.global_batch % config.train.num_microbatches:
-    raise ValueError(
+    raise ConfigError(
       f"train.num_microbatches={config.train.num_microbatches} does not divide "
       f"train.global_batch={config.train.global_batch}"
     )
   if config.train.eval_every and config.train.eval_batches < 1:
-    raise ValueError(
+    raise ConfigError(
       f"train.eval_batches={config.train.eval_batches!r} must be >= 1 while train.eval_every="
       f"{config.train.eval_every} (set train.eval_every=0 to never evaluate)"
     )
   for key in ("rollback_after", "rollback_skip_batches", "max_rollbacks", "eval_every"):
     value = config.train[key]
     if not isinstance(value, int) or value < 0:
-      raise ValueError(f"train.{key}={value!r} must be a non-negative integer")
+      raise ConfigError(f"train.{key}={value!r} must be a non-negative integer")
   if config.train.rollback_after and not config.train.skip_nonfinite:
-    raise ValueError(
+    raise ConfigError(
       f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
     )
@@ -171,18 +174,18 @@ def validate_scan(config) -> None:
   model; remote island workers cannot unstack a checkpoint's layers (models/scan.py)."""
   scan = config.model.get("scan_layers", False)
   if not isinstance(scan, bool):
-    raise ValueError(f"model.scan_layers={scan!r} must be True or False")
+    raise ConfigError(f"model.scan_layers={scan!r} must be True or False")
   if not scan:
     return
   moe = config.moe
   if moe.num_experts and config.model.num_layers % moe.every:
-    raise ValueError(
+    raise ConfigError(
       f"model.scan_layers=True with MoE scans periods of moe.every={moe.every} layers: "
       f"model.num_layers={config.model.num_layers} must be a multiple of {moe.every} (or set "
       "model.scan_layers=False)"
     )
   if config.backend.mode == "remote":
-    raise ValueError(
+    raise ConfigError(
       "model.scan_layers=True is not supported with backend.mode='remote' (checkpoints hold "
       "layers unrolled, and remote workers' arrays are not unstacked); set "
       "model.scan_layers=False"
@@ -195,39 +198,39 @@ def validate_backend(config) -> None:
   if b.mode == "remote":
     workers = list(b.workers)
     if b.launch_workers and workers:
-      raise ValueError(
+      raise ConfigError(
         f"backend.launch_workers=True starts its own workers; backend.workers={workers} must "
         "then be empty"
       )
     if not b.launch_workers and len(workers) != config.parallel.islands:
-      raise ValueError(
+      raise ConfigError(
         f"backend.mode='remote' needs one worker address per island: backend.workers has "
         f"{len(workers)} ({workers}) but parallel.islands={config.parallel.islands}"
       )
     for address in workers:
       host, _, port = str(address).rpartition(":")
       if not host or not port.isdigit():
-        raise ValueError(f"backend.workers entry {address!r} is not 'host:port'")
+        raise ConfigError(f"backend.workers entry {address!r} is not 'host:port'")
     tls_ca = b.get("tls_ca", "")
     if tls_ca and not os.path.isfile(tls_ca):
-      raise ValueError(
+      raise ConfigError(
         f"backend.tls_ca={tls_ca!r} is not a file: give the PEM certificate that verifies the "
         "workers' TLS (their CA, or a worker's self-signed certificate)"
       )
   elif list(b.workers) or b.launch_workers:
-    raise ValueError(
+    raise ConfigError(
       f"backend.workers/backend.launch_workers are for backend.mode='remote', not {b.mode!r}"
     )
   if b.mode == "distributed":
     distributed.resolve(b)  # names a malformed backend.coordinator/num_processes/process_id
     if b.connect_timeout_s <= 0:
-      raise ValueError(f"backend.connect_timeout_s={b.connect_timeout_s} must be > 0")
+      raise ConfigError(f"backend.connect_timeout_s={b.connect_timeout_s} must be > 0")
   if b.rpc_timeout_s <= 0:
-    raise ValueError(f"backend.rpc_timeout_s={b.rpc_timeout_s} must be > 0")
+    raise ConfigError(f"backend.rpc_timeout_s={b.rpc_timeout_s} must be > 0")
   if not isinstance(f.max_restarts, int) or f.max_restarts < 0:
-    raise ValueError(f"fault.max_restarts={f.max_restarts!r} must be an integer >= 0")
+    raise ConfigError(f"fault.max_restarts={f.max_restarts!r} must be an integer >= 0")
   if f.heartbeat_s <= 0:
-    raise ValueError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
+    raise ConfigError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
 
 
 def load(path, overrides: dict | None = None):
@@ -245,7 +248,7 @@ def load(path, overrides: dict | None = None):
   file, _, arg = str(path).partition(":")
   file = pathlib.Path(file).expanduser().resolve()
   if not file.is_file():
-    raise ValueError(f"config file {str(file)!r} does not exist")
+    raise ConfigError(f"config file {str(file)!r} does not exist")
   spec = importlib.util.spec_from_file_location(f"pwtrain_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -255,14 +258,14 @@ def load(path, overrides: dict | None = None):
     node = config
     for parent in parents:
       if parent not in node or not hasattr(node[parent], "keys"):
-        raise ValueError(f"config override {key!r}: {file.name} has no section {parent!r}")
+        raise ConfigError(f"config override {key!r}: {file.name} has no section {parent!r}")
       node = node[parent]
     if name not in node:
-      raise ValueError(f"config override {key!r}: {file.name} has no key {key!r}")
+      raise ConfigError(f"config override {key!r}: {file.name} has no key {key!r}")
     try:
       node[name] = value
     except (TypeError, ValueError) as e:
-      raise ValueError(f"config override {key}={value!r}: {e}") from e
+      raise ConfigError(f"config override {key}={value!r}: {e}") from e
   return config
 
 

@@ -3,7 +3,6 @@
 Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`.
 """
 
-import linecache
 import logging as std_logging
 import os
 import sys
@@ -21,6 +20,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pwtrain import aot, dryrun, train  # noqa: E402
+from pwtrain.errors import UserError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True
@@ -66,7 +66,7 @@ def _join_distributed(config) -> None:
   distributed.die_with_launcher()
   try:
     distributed.initialize(config.backend)
-  except ValueError as e:
+  except UserError as e:
     raise SystemExit(f"error: {e}") from None
 
 
@@ -89,7 +89,7 @@ def main(argv):
     train.run(_CONFIG.value, _WORKDIR.value)
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
     distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value
-    if isinstance(e, ValueError) and _raised_by_pwtrain(e):
+    if isinstance(e, UserError):
       e = SystemExit(f"error: {e}")  # a bad setting or file, named by pwtrain: one line
     if not distributed:
       if isinstance(e, SystemExit):
@@ -104,22 +104,6 @@ def main(argv):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
-
-
-def _raised_by_pwtrain(error: ValueError) -> bool:
-  """Whether a `raise` statement of pwtrain's own code raised `error`: those ValueErrors are
-  about the user's input (a config value, naming the key, the value and what is valid; a
-  damaged data file, naming the file and the fix) and read best as one line. One raised inside
-  a library, or by Python itself in our code (unpacking, int()), keeps its traceback: it may be
-  a bug."""
-  tb = error.__traceback__
-  while tb is not None and tb.tb_next is not None:
-    tb = tb.tb_next
-  if tb is None:
-    return False
-  path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-  ours = path.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep)
-  return ours and linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise")
 
 
 if __name__ == "__main__":

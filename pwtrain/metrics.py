@@ -24,6 +24,8 @@ import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
+from pwtrain.errors import ConfigError
+
 # Peak dense bf16 FLOP/s per device, for MFU. Devices not listed (e.g. CPU) report no MFU.
 PEAK_FLOPS = {
   "TPU v4": 275e12,
@@ -212,7 +214,7 @@ def start_wandb(project: str, entity: str, workdir: str, config: dict, start_ste
   try:
     import wandb
   except ImportError:
-    raise ValueError(
+    raise ConfigError(
       f"metrics.wandb_project={project!r} needs wandb, which is not installed: "
       "pip install 'pwtrain[wandb]' (or set metrics.wandb_project='')"
     ) from None

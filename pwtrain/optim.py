@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pwtrain.errors import ConfigError
+
 OPTIMIZERS = ("adafactor", "adamw", "sgd")
 
 
@@ -67,7 +69,7 @@ def schedule_for(optim_cfg, num_steps: int) -> optax.Schedule:
       [optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay_steps)], [stable]
     )
     return _warmup_then(lr, warmup, decay)
-  raise ValueError(f"optim.schedule={name!r} is not a schedule; valid: {', '.join(SCHEDULES)}")
+  raise ConfigError(f"optim.schedule={name!r} is not a schedule; valid: {', '.join(SCHEDULES)}")
 
 
 def _warmup_then(lr: float, warmup_steps: int, after: optax.Schedule) -> optax.Schedule:
@@ -114,4 +116,4 @@ def build(optim_cfg, num_steps: int) -> tuple[optax.GradientTransformation, opta
   if name == "sgd":
     tx = optax.sgd(schedule, momentum=optim_cfg.b1)
     return tx, schedule
-  raise ValueError(f"optim.name={name!r} is not an optimizer; valid: {', '.join(OPTIMIZERS)}")
+  raise ConfigError(f"optim.name={name!r} is not an optimizer; valid: {', '.join(OPTIMIZERS)}")

@@ -12,6 +12,8 @@ import os
 
 import jax
 
+from pwtrain.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -19,7 +21,7 @@ class StepProfiler:
   def __init__(self, workdir: str, steps):
     steps = tuple(steps or ())
     if steps and (len(steps) != 2 or not 0 <= steps[0] < steps[1]):
-      raise ValueError(
+      raise ConfigError(
         f"train.profile_steps={steps} must be (start, stop) with 0 <= start < stop, or ()"
       )
     self.start, self.stop = steps if steps else (None, None)

@@ -39,6 +39,7 @@ from pwtrain import workdir as workdir_lib
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import build_tokenizer
 from pwtrain.data.tokenizer import sentencepiece_path
+from pwtrain.errors import ConfigError
 from pwtrain.models import scan
 from pwtrain.models.sampling import Sampling, generate
 from pwtrain.parallel import exchange as exchange_lib
@@ -68,7 +69,7 @@ def load_config(config, workdir: str):
     return config
   path, saved = workdir_lib.saved_config(workdir)
   if saved is None:
-    raise ValueError(
+    raise ConfigError(
       f"{path} does not exist: pass the run's config with --config=<file> (and the "
       "--config.<key>=<value> overrides it was trained with)"
     )
@@ -77,13 +78,13 @@ def load_config(config, workdir: str):
 
 def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
   if (prompt is None) == (prompt_file is None):
-    raise ValueError("give exactly one of --prompt=<text> and --prompt_file=<file>")
+    raise ConfigError("give exactly one of --prompt=<text> and --prompt_file=<file>")
   if prompt is not None:
     return [prompt]
   with open(prompt_file) as f:
     prompts = [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
-    raise ValueError(f"--prompt_file={prompt_file!r} has no non-blank line")
+    raise ConfigError(f"--prompt_file={prompt_file!r} has no non-blank line")
   return prompts
 
 
@@ -97,7 +98,7 @@ def sampling_mesh(config, devices=None):
   )
   needed = int(np.prod(list(shape.values())))
   if not 1 <= needed <= len(devices):
-    raise ValueError(
+    raise ConfigError(
       f"parallel.fsdp * parallel.expert * parallel.tensor = {needed} devices are needed to "
       f"hold the model as it was sharded; this machine has {len(devices)} (with --config, "
       "override them, e.g. --config.parallel.tensor=1)"
@@ -110,7 +111,7 @@ def restore_params(config, workdir: str, mesh):
   <workdir>/checkpoints, the params sharded on `mesh` by their logical axes."""
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
-    raise ValueError(f"{directory} does not exist: is --workdir={workdir!r} a training run's?")
+    raise ConfigError(f"{directory} does not exist: is --workdir={workdir!r} a training run's?")
   fns = step_lib.model_fns(config.model, config.moe)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
@@ -126,14 +127,14 @@ def restore_params(config, workdir: str, mesh):
   try:
     found = ckpt.restore_latest(abstract)
   except IncompatibleCheckpoint as e:
-    raise ValueError(
+    raise ConfigError(
       f"the checkpoints in {directory} do not match this config's model/optimizer ({e}); "
       "pass the config the run was trained with"
     ) from e
   finally:
     ckpt.close()
   if found is None:
-    raise ValueError(f"{directory} holds no readable checkpoint")
+    raise ConfigError(f"{directory} holds no readable checkpoint")
   step, state, _ = found
   if exchange.per_pod_state:
     state = state["pods"][0]
@@ -149,7 +150,7 @@ def run_tokenizer(config, workdir: str):
   if config.data.tokenizer == "sentencepiece":
     path = sentencepiece_path(workdir, config.data.sp_vocab_size)
     if not os.path.exists(path):
-      raise ValueError(f"{path} does not exist: the run's SentencePiece model is missing")
+      raise ConfigError(f"{path} does not exist: the run's SentencePiece model is missing")
   return build_tokenizer(config.data, workdir)
 
 
@@ -177,7 +178,7 @@ def sample(
   """`num_samples` continuations of each prompt, prompt-major, from the run's latest checkpoint
   (see the module docstring), decoded in one batch on `devices` (default: the local ones)."""
   if max_new_tokens < 1 or num_samples < 1:
-    raise ValueError(
+    raise ConfigError(
       f"--max_new_tokens={max_new_tokens} and --num_samples={num_samples} must be >= 1"
     )
   tokenizer = run_tokenizer(config, workdir)

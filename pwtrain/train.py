@@ -11,8 +11,8 @@ from pwtrain import config as config_lib
 from pwtrain import guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
-from pwtrain.backend import Trace
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint, ProcessParts
+from pwtrain.backend import Trace, modes, run_mode
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import (
   TrainBatches,
   build_eval_set,
@@ -20,6 +20,7 @@ from pwtrain.data import (
   open_train_source,
   streams_of_rows,
 )
+from pwtrain.errors import ConfigError
 from pwtrain.harness import Harness
 from pwtrain.metrics import MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
@@ -41,21 +42,21 @@ class RunResult:
 
 def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
   config_lib.validate(config)
-  if config.backend.mode == "remote":  # island workers, launched and restarted by the supervisor
-    from pwtrain.backend.remote import supervisor
+  mode = modes.for_backend(config.backend)
 
-    sizes = plan_lib.island_sizes(config, jax.device_count())  # for launched workers
-    run_once = lambda c, w: _run(c, w, show_progress)
-    return supervisor.run_remote(config, workdir, run_once, island_sizes=sizes)
-  # Laid out on these devices once, before anything is written: a bad layout writes nothing.
-  with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
-    plan = plan_lib.build(config, cluster)
-    return _run(config, workdir, show_progress, cluster=cluster, plan=plan)
+  def run_once(config) -> RunResult:
+    # Laid out once, before anything is written: a bad layout writes nothing.
+    with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
+      plan = plan_lib.build(config, cluster)
+      return _run(config, workdir, show_progress, mode, cluster, plan)
+
+  # Remote mode launches (and after a lost worker restarts) the island workers around it.
+  sizes = plan_lib.island_sizes(config, jax.device_count())
+  return mode.supervise(config, run_once, sizes)
 
 
-def _run(config, workdir: str, show_progress: bool, *, cluster=None, plan=None) -> RunResult:
-  """One run in `workdir` on `plan` over `cluster` (default: laid out by Harness.build, as in
-  remote mode, whose workers the supervisor starts for each run)."""
+def _run(config, workdir: str, show_progress: bool, mode, cluster, plan) -> RunResult:
+  """One start of the run in `workdir` on `plan` over `cluster`."""
   workdir = workdir_lib.prepare(workdir)
   # Distributed mode: process 0 holds the workdir and builds the data first; every process
   # writes its checkpoint shards to <workdir>/checkpoints and its own logs (metrics, traces) to
@@ -76,7 +77,7 @@ def _run(config, workdir: str, show_progress: bool, *, cluster=None, plan=None) 
       with Harness.build(config, cluster=cluster, plan=plan, trace=trace) as harness:
         batches = _train_batches(config, tokenizer, source, harness)
         return _train(
-          config, harness, batches, eval_set, workdir, host_dir, show_progress and primary
+          config, harness, mode, batches, eval_set, workdir, host_dir, show_progress and primary
         )
     finally:
       if trace is not None:
@@ -84,16 +85,15 @@ def _run(config, workdir: str, show_progress: bool, *, cluster=None, plan=None) 
 
 
 def _train(
-  config, harness, batches, eval_set, workdir: str, host_dir: str, show_progress: bool
+  config, harness, mode, batches, eval_set, workdir: str, host_dir: str, show_progress: bool
 ) -> RunResult:
   step_program, plan = harness.step_program, harness.plan
-  remote = harness.cluster.remote
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
-    part_writer=_part_writer(remote, plan),
+    part_writer=mode.part_writer(plan.islands),
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
   workdir_lib.save_config(host_dir, config)  # what this start of the run used
@@ -139,14 +139,14 @@ def _train(
           continue
         stopping = agreement.at(step, stop.requested) if agreement else stop.requested
         if ckpt.should_save(step, num_steps) or stopping:
-          whole = step_program.to_checkpoint(_saveable(state, remote))
+          whole = step_program.to_checkpoint(mode.saveable(state))
           ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
         if eval_set is not None and _eval_due(step, config.train.eval_every, num_steps):
           _evaluate(harness, state, eval_set, step, logger)
-    state = step_program.to_checkpoint(_results(state))
+    state = step_program.to_checkpoint(run_mode.results(state))
   finally:
     profiler.close()
     logger.close()
@@ -218,14 +218,14 @@ def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
   if latest is None:
     return step_program.init(), 0
   if not config.train.resume:
-    raise ValueError(
+    raise ConfigError(
       f"train.resume=False but {ckpt.directory} already holds checkpoints (latest step "
       f"{latest}); use a fresh --workdir, or train.resume=True to continue from it"
     )
   try:
     step, state, data_state = _latest_or_init(ckpt, step_program)
   except IncompatibleCheckpoint as e:
-    raise ValueError(
+    raise ConfigError(
       f"a checkpoint in {ckpt.directory} does not match this config's model/optimizer (was it "
       f"written by another model?): {e}. Nothing was changed; use another --workdir."
     ) from e
@@ -269,33 +269,3 @@ def _roll_back(config, first_bad, step, ckpt, step_program, batches, logger):
   )
   logger.rewind(target, rollback_from=step, first_bad_step=first_bad, batches_skipped=skipped)
   return state, target
-
-
-def _part_writer(remote: bool, plan):
-  """Remote mode: each island worker writes its own part of a checkpoint; distributed mode:
-  each island's processes its part (process_parts), unless one island spans every process (then
-  Orbax's own multi-process save, every process writing its shards). Embedded: None (one Orbax
-  save of the whole state)."""
-  if remote:
-    from pwtrain.backend.remote.saves import PendingSave
-
-    return PendingSave
-  if jax.process_count() == 1 or len(plan.islands) == 1:  # check_placement: over every process
-    return None
-  return ProcessParts
-
-
-def _saveable(state: dict, remote: bool) -> dict:
-  """What a checkpoint saves: embedded arrays as they are, and for remote values references to
-  the workers' arrays (each worker writes its own; nothing is fetched)."""
-  if remote:
-    from pwtrain.backend.remote.dispatch import RemoteValue
-    from pwtrain.backend.remote.saves import leaf_refs
-
-    if all(isinstance(v, RemoteValue) for v in state.values()):
-      return {k: leaf_refs(v) for k, v in state.items()}
-  return _results(state)
-
-
-def _results(state: dict) -> dict:
-  return {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}

@@ -14,6 +14,8 @@ import json
 import os
 import socket
 
+from pwtrain.errors import ConfigError
+
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
 
@@ -24,9 +26,9 @@ def prepare(workdir: str) -> str:
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
-    raise ValueError(f"--workdir={workdir!r} cannot be created: {e}") from e
+    raise ConfigError(f"--workdir={workdir!r} cannot be created: {e}") from e
   if not os.access(workdir, os.W_OK):
-    raise ValueError(f"--workdir={workdir!r} is not writable")
+    raise ConfigError(f"--workdir={workdir!r} is not writable")
   return workdir
 
 
@@ -45,7 +47,7 @@ class WorkdirLock:
     except BlockingIOError:
       holder = _read_holder(fd)
       os.close(fd)
-      raise ValueError(
+      raise ConfigError(
         f"--workdir={self.workdir} is in use by another run: {holder} (lock file {self.path}); "
         "wait for it to finish, stop it, or use another --workdir"
       ) from None

@@ -231,7 +231,7 @@ def test_transfers_that_go_by_pull():
   processes hold them: the rule reads only that and the shardings."""
   from types import SimpleNamespace
 
-  from pwtrain.backend.controller import Executable
+  from pwtrain.backend.program import Executable
   from pwtrain.backend.pulls import pulls
 
   def mesh(*devices):

@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, load_config, tiny_test_config
 
 from pwtrain import config as config_lib
+from pwtrain.errors import ConfigError, DataError, UserError
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 
@@ -143,3 +144,13 @@ def test_bad_value_on_the_command_line_is_one_line_naming_the_key(args, message,
   assert lines and lines[-1].startswith(message), result.stderr[-2000:]
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
   assert not (tmp_path / "run").exists()
+
+
+def test_user_errors_are_value_errors_and_name_the_key():
+  """main prints a UserError as one line; code that catches ValueError keeps working."""
+  config = tiny_test_config()
+  config.train.log_every = 0
+  with pytest.raises(ConfigError, match=r"train\.log_every=0 must be a positive integer"):
+    config_lib.validate(config)
+  assert issubclass(ConfigError, UserError) and issubclass(DataError, UserError)
+  assert issubclass(UserError, ValueError)

@@ -16,7 +16,8 @@ FILE_LINES = 400
 # Lowest first. A component may import its own modules and those of lower layers only; the
 # components of one layer do not import each other.
 LAYERS = (
-  ("processes",),  # what a distributed run's processes say to each other on the host
+  # What a distributed run's processes say to each other on the host; the errors a user fixes.
+  ("processes", "errors"),
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",

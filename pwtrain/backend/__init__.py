@@ -1,8 +1,9 @@
 """The Pathways-style single-controller runtime: islands, compiled pieces, async dispatch."""
 
 from pwtrain.backend.cluster import Cluster, Island
-from pwtrain.backend.controller import Controller, Executable
-from pwtrain.backend.program import Node, Program, Transfer
+from pwtrain.backend.controller import Controller
+from pwtrain.backend.dispatch import LocalDispatcher
+from pwtrain.backend.program import Executable, Node, Program, Transfer
 from pwtrain.backend.resources import ResourceManager
 from pwtrain.backend.trace import Trace
 
@@ -11,6 +12,7 @@ __all__ = [
   "Controller",
   "Executable",
   "Island",
+  "LocalDispatcher",
   "Node",
   "Program",
   "ResourceManager",

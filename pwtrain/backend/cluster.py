@@ -15,6 +15,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from pwtrain.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Island:
@@ -36,7 +38,7 @@ class Island:
     """An SPMD mesh over this island's devices with the given named axis sizes."""
     sizes = tuple(shape.values())
     if int(np.prod(sizes)) != self.num_devices:
-      raise ValueError(
+      raise ConfigError(
         f"mesh {dict(shape)} has {int(np.prod(sizes))} devices but island {self.name!r} "
         f"has {self.num_devices}"
       )
@@ -84,7 +86,7 @@ def _carve_slices(groups: list[list], sizes: list[int]) -> tuple[Island, ...]:
     or len(slice_sizes) > 1
     or per_slice * size > slice_sizes[0]
   ):
-    raise ValueError(
+    raise ConfigError(
       f"parallel.islands={len(sizes)} of {size} devices cannot be placed on {len(groups)} "
       f"slices of {slice_sizes} devices: an island must lie within one slice, so use a "
       f"multiple of {len(groups)} islands, each at most a slice (e.g. parallel.islands="
@@ -110,14 +112,14 @@ class Cluster:
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(islands, int):
       if islands < 1 or len(devices) % islands:
-        raise ValueError(
+        raise ConfigError(
           f"parallel.islands={islands} must be >= 1 and divide the {len(devices)} local devices"
         )
       sizes = [len(devices) // islands] * islands
     else:
       sizes = list(islands)
     if sum(sizes) > len(devices) or min(sizes, default=0) < 1:
-      raise ValueError(f"islands of sizes {sizes} do not fit {len(devices)} local devices")
+      raise ConfigError(f"islands of sizes {sizes} do not fit {len(devices)} local devices")
     groups = slices(devices)
     if len(groups) > 1:
       return cls(_carve_slices(groups, sizes))
@@ -150,7 +152,7 @@ class Cluster:
     for address in addresses:
       worker = WorkerClient(address, token, timeout_s=timeout_s, tls_ca=tls_ca)
       if worker.num_devices > len(local):
-        raise ValueError(
+        raise ConfigError(
           f"worker {address} has {worker.num_devices} devices; the controller needs as many "
           f"local stand-in devices to trace for it and has {len(local)} (on CPU, set "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={worker.num_devices})"
@@ -158,7 +160,7 @@ class Cluster:
       islands.append(Island(worker.island, tuple(local[: worker.num_devices]), worker))
     names = [i.name for i in islands]
     if len(set(names)) != len(names):
-      raise ValueError(f"workers {list(addresses)} serve islands {names}: names must be unique")
+      raise ConfigError(f"workers {list(addresses)} serve islands {names}: names must be unique")
     monitor = Monitor([i.worker for i in islands], heartbeat_s)
     for island in islands:
       island.worker.monitor = monitor

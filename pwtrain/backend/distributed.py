@@ -31,6 +31,8 @@ import time
 
 import jax
 
+from pwtrain.errors import ConfigError
+
 ENV = {
   "coordinator": "PWTRAIN_COORDINATOR",
   "num_processes": "PWTRAIN_NUM_PROCESSES",
@@ -65,20 +67,22 @@ def resolve(backend) -> Place | None:
     return None
   missing = [f"backend.{k} (or ${ENV[k]})" for k in ENV if k not in values]
   if missing:
-    raise ValueError(
+    raise ConfigError(
       f"backend.mode='distributed' needs all of coordinator, num_processes and process_id "
       f"when any is given; missing {', '.join(missing)}"
     )
   coordinator, where = values["coordinator"]
   host, _, port = str(coordinator).rpartition(":")
   if not host or not port.isdigit():
-    raise ValueError(f"{where}={coordinator!r} is not 'host:port' (process 0 serves it)")
+    raise ConfigError(f"{where}={coordinator!r} is not 'host:port' (process 0 serves it)")
   n, where_n = _integer(*values["num_processes"])
   i, where_i = _integer(*values["process_id"])
   if n < 1:
-    raise ValueError(f"{where_n}={n} must be >= 1")
+    raise ConfigError(f"{where_n}={n} must be >= 1")
   if not 0 <= i < n:
-    raise ValueError(f"{where_i}={i} is out of range: process ids are 0..{n - 1} for {n} processes")
+    raise ConfigError(
+      f"{where_i}={i} is out of range: process ids are 0..{n - 1} for {n} processes"
+    )
   return Place(str(coordinator), n, i)
 
 
@@ -86,7 +90,7 @@ def _integer(value, where: str) -> tuple[int, str]:
   try:
     return int(value), where
   except (TypeError, ValueError):
-    raise ValueError(f"{where}={value!r} is not an integer") from None
+    raise ConfigError(f"{where}={value!r} is not an integer") from None
 
 
 def initialize(backend) -> Place:
@@ -102,7 +106,7 @@ def initialize(backend) -> Place:
   if place is not None and place.process_id != 0 and not _reachable(place.coordinator, timeout):
     # JAX's client aborts the whole process (a fatal C++ log) when registration times out, so
     # an absent coordinator is found here first.
-    raise ValueError(
+    raise ConfigError(
       f"process {place.process_id} of {place.num_processes} could not join the run at "
       f"backend.coordinator={place.coordinator!r} within {timeout} s "
       f"(backend.connect_timeout_s): nothing answers there; is process 0 running?"
@@ -118,12 +122,12 @@ def initialize(backend) -> Place:
   except (RuntimeError, ValueError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if place is None:
-      raise ValueError(
+      raise ConfigError(
         "backend.mode='distributed' found no cluster to join (JAX's auto-detection: "
         f"{first[:200]}): set backend.coordinator, backend.num_processes and "
         "backend.process_id, or start the run with python -m pwtrain.launch"
       ) from None
-    raise ValueError(
+    raise ConfigError(
       f"process {place.process_id} of {place.num_processes} could not join the run at "
       f"backend.coordinator={place.coordinator!r} within {timeout} s "
       f"(backend.connect_timeout_s): is process 0 running there, and are all "

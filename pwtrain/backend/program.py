@@ -12,11 +12,26 @@ Ref = str | tuple[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
+class Executable:
+  """A function lowered and compiled once for one island's mesh."""
+
+  name: str
+  island: str
+  compiled: Any  # jax.stages.Compiled (remote: compiled locally only if inspected)
+  num_outputs: int
+  remote: Any = None  # remote islands: the worker's copy (backend.remote.dispatch)
+  donate_argnums: tuple[int, ...] = ()  # arguments whose buffers it may reuse (then gone)
+
+  def memory_analysis(self):
+    return self.compiled.memory_analysis()
+
+
+@dataclasses.dataclass(frozen=True)
 class Node:
   """Run `executable` (compiled for its island) on the values named by `args`."""
 
   name: str
-  executable: Any  # backend.Executable
+  executable: Executable
   args: tuple[Ref, ...]
 
   @property

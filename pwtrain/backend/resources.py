@@ -9,6 +9,7 @@ gang-scheduled by that island's single queue (see controller.py).
 import collections
 
 from pwtrain.backend.cluster import Cluster, Island
+from pwtrain.errors import ConfigError
 
 
 class ResourceManager:
@@ -20,11 +21,11 @@ class ResourceManager:
   def allocate(self, client: str, num_islands: int, devices_per_island: int) -> tuple[Island, ...]:
     """Islands for `client`'s virtual islands 0..num_islands-1, in cluster order."""
     if client in self._held:
-      raise ValueError(f"client {client!r} already holds islands; release them first")
+      raise ConfigError(f"client {client!r} already holds islands; release them first")
     order = {island.name: k for k, island in enumerate(self.cluster.islands)}
     fits = [i for i in self.cluster.islands if i.num_devices == devices_per_island]
     if len(fits) < num_islands:
-      raise ValueError(
+      raise ConfigError(
         f"{num_islands} islands of {devices_per_island} devices requested, but the cluster has "
         f"{len(fits)} such islands (sizes: {[i.num_devices for i in self.cluster.islands]})"
       )

@@ -23,6 +23,8 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from pwtrain.errors import DataError
+
 BUILTIN = "pystdlib"
 FILES = "files"  # your own text files: data.files
 
@@ -173,7 +175,7 @@ class LocalFiles(PyStdlib, skip_registration=True):
       if not isinstance(text, str):
         raise TypeError(f"is {type(text).__name__}")
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(
+      raise DataError(
         f"data.files: line {key} is not a JSON object with a string field "
         f"data.jsonl_field={field!r} ({type(e).__name__}: {e}); fix or remove that line"
       ) from None
@@ -200,7 +202,7 @@ def files_identity(data_cfg: Any) -> tuple[list[str], str]:
   paths = sorted({os.path.abspath(p) for g in patterns for p in glob.glob(os.path.expanduser(g))})
   paths = [p for p in paths if os.path.isfile(p)]
   if not paths:
-    raise ValueError(
+    raise DataError(
       f"data.files={data_cfg.files!r} matches no files (data.dataset={FILES!r} needs a glob, "
       f"or globs separated by commas, of text or .jsonl files)"
     )
@@ -242,7 +244,7 @@ def prepare_pystdlib(data_dir: str, max_files: int = 0, root: str | None = None)
   builder = PyStdlib(config=config, data_dir=data_dir, file_format="array_record")
   if not builder.is_prepared():
     if not list_source_files(root, max_files):
-      raise ValueError(
+      raise DataError(
         f"data.dataset={BUILTIN!r}: no non-empty .py files under {root!r} "
         f"(data.max_files={max_files}), so the corpus would be empty."
       )
@@ -292,7 +294,7 @@ class ReadableSource(Sequence):
       return self.source[index]
     except RuntimeError as e:
       reason = str(e).splitlines()[0][:200]
-      raise ValueError(
+      raise DataError(
         f"data.dataset={self.dataset!r}: a file of {self.files} is damaged ({reason}); {self.fix}"
       ) from None
 
@@ -306,17 +308,17 @@ def check_source(source: Sequence[dict[str, Any]], data_cfg: Any, split: str | N
   key = "data.split" if split is None or split == data_cfg.split else "data.eval_split"
   where = f"data.dataset={data_cfg.dataset!r}, {key}={split or data_cfg.split!r}"
   if len(source) == 0:
-    raise ValueError(f"The corpus is empty: {where} has no examples.")
+    raise DataError(f"The corpus is empty: {where} has no examples.")
   num_checked = min(len(source), _NUM_CHECKED)
   examples = [source[i * len(source) // num_checked] for i in range(num_checked)]
   key = data_cfg.text_key
   if key not in examples[0]:
-    raise ValueError(
+    raise DataError(
       f"data.text_key={key!r} is not a feature of {where}; it has {sorted(examples[0])}."
     )
   if not any(len(example[key]) for example in examples):
     scope = "all" if num_checked == len(source) else f"{num_checked} evenly spaced"
-    raise ValueError(
+    raise DataError(
       f"The corpus is empty: {scope} texts (data.text_key={key!r}) of {where} are empty."
     )
 
@@ -330,12 +332,12 @@ def _prepared_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.DatasetNotFoundError as e:
-    raise ValueError(
+    raise DataError(
       f"data.dataset={name!r} is neither {BUILTIN!r}, a known TFDS dataset, nor prepared in "
       f"data_dir {data_dir!r}. {how}"
     ) from e
   if not builder.is_prepared():
-    raise ValueError(
+    raise DataError(
       f"data.dataset={name!r} is not prepared in data_dir {data_dir!r} "
       f"(looked in {os.fspath(builder.data_dir)!r}). {how}"
     )
@@ -347,13 +349,13 @@ def _data_source(builder: tfds.core.DatasetBuilder, data_cfg: Any, split: str):
   # Slices such as "train[:90%]" are fine; only the split's own name must exist.
   if split.split("[")[0] not in splits:
     key = "data.split" if split == data_cfg.split else "data.eval_split"
-    raise ValueError(
+    raise DataError(
       f"{key}={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}."
     )
   try:
     return builder.as_data_source(split)
   except NotImplementedError as e:  # prepared as TFRecord, which has no random access
-    raise ValueError(
+    raise DataError(
       f"data.dataset={data_cfg.dataset!r} in {os.fspath(builder.data_dir)!r} is not in "
       f"array_record format, which random access needs; rebuild it with "
       f"`--file_format=array_record` into another data.data_dir."
@@ -367,7 +369,7 @@ def _check_writable(data_dir: str) -> None:
     with tempfile.TemporaryFile(dir=data_dir):
       pass
   except OSError as e:
-    raise ValueError(
+    raise DataError(
       f"data.data_dir={data_dir!r} is not writable, so the {BUILTIN!r} corpus cannot be built "
       f"there ({e}). Set data.data_dir to a writable directory (None means <workdir>/tfds)."
     ) from e

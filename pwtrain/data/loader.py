@@ -27,6 +27,7 @@ import numpy as np
 
 from pwtrain.data import corpus
 from pwtrain.data import tokenizer as tokenizer_lib
+from pwtrain.errors import DataError
 
 # 2: one Grain state per stream read ("grain": {"<i>": state}); 1 (still read): one stream,
 # "grain": its state.
@@ -77,14 +78,14 @@ class TrainBatches:
   ):
     data_cfg = config.data
     if data_cfg.seq_len < 1:
-      raise ValueError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}.")
+      raise DataError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}.")
     if config.train.global_batch < 1:
-      raise ValueError(f"train.global_batch must be >= 1, got {config.train.global_batch}.")
+      raise DataError(f"train.global_batch must be >= 1, got {config.train.global_batch}.")
     check_streams(data_cfg.streams, config.train.global_batch)
     if config.seed < 0:
-      raise ValueError(f"seed must be >= 0 (it seeds the data shuffle), got {config.seed}.")
+      raise DataError(f"seed must be >= 0 (it seeds the data shuffle), got {config.seed}.")
     if tokenizer.vocab_size > config.model.vocab_size:
-      raise ValueError(
+      raise DataError(
         f"model.vocab_size={config.model.vocab_size} is smaller than the vocabulary of "
         f"data.tokenizer={data_cfg.tokenizer!r} ({tokenizer.vocab_size} ids); raise "
         f"model.vocab_size to at least {tokenizer.vocab_size}."
@@ -96,7 +97,7 @@ class TrainBatches:
     self.num_streams = data_cfg.streams
     self.streams = tuple(range(self.num_streams) if streams is None else sorted(set(streams)))
     if not set(self.streams) <= set(range(self.num_streams)):
-      raise ValueError(f"streams {self.streams} are not all below data.streams={self.num_streams}")
+      raise DataError(f"streams {self.streams} are not all below data.streams={self.num_streams}")
     self._stream = _stream_settings(config)
     seed = config.seed if data_cfg.shuffle else None
     self.rows_per_stream = self.global_batch // self.num_streams
@@ -147,13 +148,13 @@ class TrainBatches:
     }
     if changed:
       details = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
-      raise ValueError(
+      raise DataError(
         f"The data iterator state was saved with other settings ({details}); resuming would "
         f"produce a different token stream. Restore those settings or use a fresh workdir."
       )
     missing = [i for i in self._iterators if str(i) not in state["grain"]]
     if missing:
-      raise ValueError(f"The data iterator state lacks streams {missing} of data.streams")
+      raise DataError(f"The data iterator state lacks streams {missing} of data.streams")
     for i, it in self._iterators.items():
       it.set_state(_from_json(state["grain"][str(i)]))
 
@@ -178,7 +179,7 @@ def check_streams(streams: Any, global_batch: int) -> None:
   """Raises ValueError unless `data.streams` is a positive divisor of train.global_batch."""
   if not isinstance(streams, int) or streams < 1 or global_batch % streams:
     valid = ", ".join(str(n) for n in range(1, global_batch + 1) if global_batch % n == 0)
-    raise ValueError(
+    raise DataError(
       f"data.streams={streams!r} must divide train.global_batch={global_batch}; valid: {valid}"
     )
 
@@ -191,7 +192,7 @@ def _current_format(state: dict[str, Any]) -> dict[str, Any]:
       "grain": {"0": state["grain"]},
     }
   if state.get("format") != STATE_FORMAT:
-    raise ValueError(f"Unknown data iterator state format {state.get('format')!r}.")
+    raise DataError(f"Unknown data iterator state format {state.get('format')!r}.")
   return state
 
 

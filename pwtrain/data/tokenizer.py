@@ -20,6 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from pwtrain.data import corpus
+from pwtrain.errors import DataError
 
 TOKENIZERS = ("byte", "sentencepiece", "huggingface")
 # data.eos_token="" for a Hugging Face tokenizer: the first of these in its vocabulary.
@@ -66,12 +67,12 @@ class SentencePieceTokenizer:
     try:
       self._sp = spm.SentencePieceProcessor(model_file=model_path)
     except (OSError, RuntimeError) as e:
-      raise ValueError(
+      raise DataError(
         f"data.tokenizer_path={model_path!r} is not a SentencePiece model ({_first_line(e)})"
       ) from None
     self.eos_id = self._sp.eos_id()
     if self.eos_id < 0:
-      raise ValueError(
+      raise DataError(
         f"data.tokenizer_path={model_path!r}: the SentencePiece model has no end-of-sequence "
         "piece, which separates documents; use a model trained with one (eos_id >= 0)"
       )
@@ -111,21 +112,21 @@ class HuggingFaceTokenizer:
     try:
       import tokenizers
     except ImportError:
-      raise ValueError(
+      raise DataError(
         "data.tokenizer='huggingface' needs the tokenizers package: "
         "pip install 'pwtrain[tokenizers]'"
       ) from None
     try:
       self._tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # noqa: BLE001 - the library raises its own exception types
-      raise ValueError(
+      raise DataError(
         f"data.tokenizer_path={path!r} is not a Hugging Face tokenizer JSON ({_first_line(e)})"
       ) from None
     vocab = self._tok.get_vocab(with_added_tokens=True)
     candidates = (eos_token,) if eos_token else EOS_TOKENS
     found = [t for t in candidates if t in vocab]
     if not found:
-      raise ValueError(
+      raise DataError(
         f"data.eos_token={eos_token!r}: {', '.join(candidates)} not in the vocabulary of "
         f"{path!r}; set data.eos_token to the token that ends a document"
       )
@@ -195,7 +196,7 @@ def train_sentencepiece(lines: Iterator[str], vocab_size: int, model_path: str) 
       minloglevel=2,
     )
   except RuntimeError as e:  # e.g. "Vocabulary size too high (N). Please set it to <= M."
-    raise ValueError(f"data.sp_vocab_size={vocab_size}: SentencePiece cannot train: {e}") from e
+    raise DataError(f"data.sp_vocab_size={vocab_size}: SentencePiece cannot train: {e}") from e
   # Written under a temporary name and renamed, so an interrupted run never leaves a truncated
   # model for the next one to load.
   directory = os.path.dirname(model_path)
@@ -224,10 +225,10 @@ def build_tokenizer(
     return ByteTokenizer()
   path = os.path.expanduser(data_cfg.tokenizer_path)
   if path and not os.path.isfile(path):
-    raise ValueError(f"data.tokenizer_path={data_cfg.tokenizer_path!r} is not a file")
+    raise DataError(f"data.tokenizer_path={data_cfg.tokenizer_path!r} is not a file")
   if data_cfg.tokenizer == "huggingface":
     if not path:
-      raise ValueError("data.tokenizer='huggingface' needs data.tokenizer_path (a JSON file)")
+      raise DataError("data.tokenizer='huggingface' needs data.tokenizer_path (a JSON file)")
     return HuggingFaceTokenizer(path, data_cfg.eos_token)
   if data_cfg.tokenizer == "sentencepiece" and path:
     return SentencePieceTokenizer(path)
@@ -242,7 +243,7 @@ def build_tokenizer(
       lines = _training_lines(source, data_cfg.text_key)
       train_sentencepiece(lines, data_cfg.sp_vocab_size, path)
     return SentencePieceTokenizer(path)
-  raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r} is unknown; valid: {TOKENIZERS}.")
+  raise DataError(f"data.tokenizer={data_cfg.tokenizer!r} is unknown; valid: {TOKENIZERS}.")
 
 
 def _training_lines(source: Sequence[dict[str, Any]], text_key: str) -> Iterator[str]:

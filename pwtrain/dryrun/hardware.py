@@ -10,6 +10,7 @@ import dataclasses
 import jax
 
 from pwtrain import metrics
+from pwtrain.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +84,13 @@ def hardware(config) -> Hardware:
   overrides = {"name": spec} if isinstance(spec, str) else spec.to_dict()
   name = overrides.pop("name", None)
   if name not in HARDWARE:
-    raise ValueError(f"hardware.name={name!r} is not a known cluster; valid: {', '.join(HARDWARE)}")
+    raise ConfigError(
+      f"hardware.name={name!r} is not a known cluster; valid: {', '.join(HARDWARE)}"
+    )
   fields = {f.name for f in dataclasses.fields(Hardware)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
-    raise ValueError(f"hardware.{unknown[0]} is not a hardware field; valid: {sorted(fields)}")
+    raise ConfigError(f"hardware.{unknown[0]} is not a hardware field; valid: {sorted(fields)}")
   return dataclasses.replace(HARDWARE[name], **overrides)
 
 
@@ -99,7 +102,7 @@ def slice_devices(topology: str) -> int:
   except (IndexError, ValueError):
     dims = []
   if not dims or min(dims) < 1:
-    raise ValueError(
+    raise ConfigError(
       f"hardware.topology={topology!r} is not a TPU topology; valid: '<generation>:<A>x<B>x<C>', "
       "e.g. 'v4:4x4x4' or 'v5e:4x4'"
     )

@@ -14,6 +14,7 @@ import math
 
 import jax.numpy as jnp
 
+from pwtrain.errors import ConfigError
 from pwtrain.models import moe as moe_lib
 from pwtrain.models.remat import REMAT
 
@@ -158,7 +159,7 @@ def remat_kept_bytes(m, tensor: int, seq_len: int, remat: str) -> float:
     )
   if remat == "outputs":
     return b * (m.d_model + heads * m.head_dim + m.d_ff / tensor)
-  raise ValueError(f"model.remat={remat!r} is not a remat policy; valid: {', '.join(REMAT)}")
+  raise ConfigError(f"model.remat={remat!r} is not a remat policy; valid: {', '.join(REMAT)}")
 
 
 def remat_recompute_flops(m, moe, seq_len: int, remat: str, layer: int) -> float:
@@ -177,4 +178,4 @@ def remat_recompute_flops(m, moe, seq_len: int, remat: str, layer: int) -> float
     return 2 * scores
   if remat == "outputs":
     return 2.0 * (qkv + gate_up) + scores
-  raise ValueError(f"model.remat={remat!r} is not a remat policy; valid: {', '.join(REMAT)}")
+  raise ConfigError(f"model.remat={remat!r} is not a remat policy; valid: {', '.join(REMAT)}")

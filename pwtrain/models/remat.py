@@ -18,6 +18,8 @@ From most to least memory: none, dots, outputs, full; gradients are the same for
 
 import jax
 
+from pwtrain.errors import ConfigError
+
 REMAT = ("none", "full", "dots", "outputs")
 
 
@@ -29,7 +31,7 @@ def policy(name: str):
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
   if name == "outputs":
     return jax.checkpoint_policies.save_only_these_names("attention", "mlp")
-  raise ValueError(f"model.remat={name!r} is not a remat policy; valid: {', '.join(REMAT)}")
+  raise ConfigError(f"model.remat={name!r} is not a remat policy; valid: {', '.join(REMAT)}")
 
 
 def keep_matmuls(prim, *args, **params) -> bool:

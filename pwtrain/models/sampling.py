@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pwtrain.errors import ConfigError
 from pwtrain.models import decode
 from pwtrain.models.palm import PaLM
 
@@ -35,11 +36,11 @@ class Sampling:
 
   def __post_init__(self):
     if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+      raise ConfigError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
     if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0 (0: off)")
+      raise ConfigError(f"top_k={self.top_k} must be >= 0 (0: off)")
     if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
+      raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
 
 
 @jax.tree_util.register_dataclass

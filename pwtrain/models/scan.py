@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pwtrain.errors import ConfigError
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import remat as remat_lib
 from pwtrain.models.layers import ParallelBlock
@@ -98,7 +99,7 @@ def stacked_blocks(
   Advances rngs.params past every layer's draws."""
   n = period(moe)
   if num_layers % n or layer_offset % n:
-    raise ValueError(
+    raise ConfigError(
       f"model.scan_layers=True scans periods of moe.every={n} layers: a model or stage of "
       f"{num_layers} layers from layer {layer_offset} is not made of whole periods"
     )

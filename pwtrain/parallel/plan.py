@@ -13,6 +13,7 @@ import numpy as np
 
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.backend.resources import ResourceManager
+from pwtrain.errors import ConfigError
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel import exchange as exchange_lib
 from pwtrain.parallel.stages import Stage, make_stages, num_units
@@ -56,21 +57,21 @@ def resolve_mesh_shape(parallel, num_devices: int) -> dict[str, int]:
   shape = {axis: int(parallel[axis]) for axis in MESH_AXES}
   for axis, size in shape.items():
     if size == 0 or size < -1:
-      raise ValueError(f"parallel.{axis}={size} must be a positive size or -1 (fill)")
+      raise ConfigError(f"parallel.{axis}={size} must be a positive size or -1 (fill)")
   fill = [a for a, s in shape.items() if s == -1]
   if len(fill) > 1:
-    raise ValueError(f"only one of parallel.{{data,fsdp,expert,tensor}} may be -1; got {fill}")
+    raise ConfigError(f"only one of parallel.{{data,fsdp,expert,tensor}} may be -1; got {fill}")
   fixed = int(np.prod([s for s in shape.values() if s != -1]))
   if fill:
     if num_devices % fixed:
-      raise ValueError(
+      raise ConfigError(
         f"parallel.{fill[0]}=-1 cannot be filled: the other axes use {fixed} devices, which "
         f"does not divide the island's {num_devices}"
       )
     shape[fill[0]] = num_devices // fixed
   total = int(np.prod(list(shape.values())))
   if total != num_devices:
-    raise ValueError(
+    raise ConfigError(
       "parallel.data * parallel.fsdp * parallel.expert * parallel.tensor = "
       f"{shape['data']} * {shape['fsdp']} * {shape['expert']} * {shape['tensor']} = {total} "
       f"must equal the {num_devices} devices of an island (set one of them to -1 to fill)"
@@ -83,17 +84,19 @@ def check_model_divisibility(config, mesh_shape: dict[str, int]) -> None:
   m, t, f = config.model, mesh_shape["tensor"], mesh_shape["fsdp"]
   for key in ("num_heads", "d_ff", "vocab_size"):
     if t > 0 and m[key] % t:
-      raise ValueError(f"parallel.tensor={t} does not divide model.{key}={m[key]}")
+      raise ConfigError(f"parallel.tensor={t} does not divide model.{key}={m[key]}")
   if f > 0 and m.d_model % f:
-    raise ValueError(f"parallel.fsdp={f} does not divide model.d_model={m.d_model}")
+    raise ConfigError(f"parallel.fsdp={f} does not divide model.d_model={m.d_model}")
   e, moe = mesh_shape["expert"], config.moe
   if moe.num_experts == 0 and e > 1:
-    raise ValueError(f"parallel.expert={e} needs moe.num_experts > 0: a dense model has no experts")
+    raise ConfigError(
+      f"parallel.expert={e} needs moe.num_experts > 0: a dense model has no experts"
+    )
   if moe.num_experts and e > 0 and moe.num_experts % e:
-    raise ValueError(f"parallel.expert={e} does not divide moe.num_experts={moe.num_experts}")
+    raise ConfigError(f"parallel.expert={e} does not divide moe.num_experts={moe.num_experts}")
   d_ff = moe_lib.expert_d_ff(m, moe) if moe.num_experts else m.d_ff
   if moe.num_experts and t > 0 and d_ff % t:
-    raise ValueError(f"parallel.tensor={t} does not divide the experts' d_ff={d_ff} (moe.d_ff)")
+    raise ConfigError(f"parallel.tensor={t} does not divide the experts' d_ff={d_ff} (moe.d_ff)")
 
 
 def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
@@ -101,7 +104,7 @@ def check_divisibility(config, mesh_shape: dict[str, int]) -> None:
   shards = batch_shards(mesh_shape)
   micro, pods = config.train.num_microbatches, config.parallel.pods
   if config.train.global_batch % (pods * shards * micro):
-    raise ValueError(
+    raise ConfigError(
       f"train.global_batch={config.train.global_batch} must be divisible by parallel.pods * "
       "parallel.data * parallel.fsdp * parallel.expert * train.num_microbatches = "
       f"{pods} * {shards} * {micro} = {pods * shards * micro}"
@@ -114,14 +117,14 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
   stages, pods = config.parallel.stages, config.parallel.pods
   for key, value in (("stages", stages), ("pods", pods)):
     if value < 1:
-      raise ValueError(f"parallel.{key}={value} must be >= 1")
+      raise ConfigError(f"parallel.{key}={value} must be >= 1")
   if len(cluster) != stages * pods:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.islands={len(cluster)} must equal parallel.pods * parallel.stages = "
       f"{pods} * {stages} = {pods * stages}: each stage of each pod runs on its own island"
     )
   if stages > config.model.num_layers:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.stages={stages} exceeds model.num_layers={config.model.num_layers}: every "
       "stage needs at least one layer"
     )
@@ -160,7 +163,7 @@ def make_cluster(config, devices=None) -> Cluster:
     try:
       from pwtrain.backend.remote import auth
     except ImportError as e:  # grpcio is the [remote] extra
-      raise ValueError(
+      raise ConfigError(
         f"backend.mode='remote' needs the remote extra ({e}): pip install 'pwtrain[remote]'"
       ) from None
 
@@ -176,7 +179,7 @@ def make_cluster(config, devices=None) -> Cluster:
   devices = list(jax.devices() if devices is None else devices)
   sizes = island_sizes(config, len(devices))
   if sum(sizes) > len(devices):
-    raise ValueError(
+    raise ConfigError(
       f"parallel.islands={len(sizes)} x parallel.devices_per_island={sizes[0]} needs "
       f"{sum(sizes)} devices; this machine has {len(devices)} (on CPU, simulate more with "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
@@ -209,7 +212,7 @@ def check_placement(cluster: Cluster, devices: list) -> None:
       if other is not island and island.processes & other.processes
     ]
     if len(owners) > 1 and shared:
-      raise ValueError(
+      raise ConfigError(
         f"{how}: {island.name} would span processes {owners}, which also hold {shared[0]}; "
         "in backend.mode='distributed' an island lies within one process or spans whole "
         f"processes of its own: make parallel.islands a multiple of the {len(processes)} "
@@ -217,7 +220,7 @@ def check_placement(cluster: Cluster, devices: list) -> None:
       )
   idle = sorted(set(processes).difference(*(i.processes for i in cluster.islands)))
   if idle:
-    raise ValueError(
+    raise ConfigError(
       f"{how}: process(es) {idle} would hold no island; start as many processes as the "
       "islands need (pwtrain.launch --nproc), or more islands"
     )
@@ -228,10 +231,10 @@ def island_sizes(config, num_devices: int) -> list[int]:
   the `num_devices` available split evenly."""
   n = config.parallel.islands
   if n < 1:
-    raise ValueError(f"parallel.islands={n} must be >= 1")
+    raise ConfigError(f"parallel.islands={n} must be >= 1")
   per = config.parallel.devices_per_island or num_devices // n
   if per < 1:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.islands={n} x parallel.devices_per_island={max(per, 1)} needs {n} devices; "
       f"there are {num_devices} (on CPU, simulate more with "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8)"

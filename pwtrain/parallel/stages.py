@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pwtrain.errors import ConfigError
 from pwtrain.models import arithmetic
 from pwtrain.models import scan as scan_lib
 
@@ -89,7 +90,7 @@ def make_stages(config, num_stages: int | None = None) -> list[Stage]:
   unit = scan_lib.unit(config.model, config.moe)
   units = num_layers // unit
   if num_stages > units:
-    raise ValueError(
+    raise ConfigError(
       f"parallel.stages={num_stages} exceeds model.num_layers={num_layers}: every stage needs "
       "at least one layer"
       if unit == 1
@@ -106,12 +107,12 @@ def make_stages(config, num_stages: int | None = None) -> list[Stage]:
       or bounds[-1] != num_layers
       or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False))
     ):
-      raise ValueError(
+      raise ConfigError(
         f"parallel.stage_boundaries={tuple(bounds)} must be {num_stages + 1} strictly increasing "
         f"layer indices from 0 to model.num_layers={num_layers}, e.g. {tuple(example)}"
       )
     if any(b % unit for b in bounds):
-      raise ValueError(
+      raise ConfigError(
         f"parallel.stage_boundaries={tuple(bounds)} must fall on period boundaries: "
         f"model.scan_layers=True scans periods of moe.every={unit} layers, so every boundary "
         f"must be a multiple of {unit}, e.g. {tuple(example)}"

@@ -10,6 +10,8 @@ import os
 
 import grpc
 
+from pwtrain.errors import ConfigError
+
 TOKEN_ENV = "PWTRAIN_WORKER_TOKEN"
 _METADATA_KEY = "pwtrain-token"
 
@@ -24,7 +26,7 @@ def read_token(token_file: str = "", env: str = TOKEN_ENV) -> str:
     token = os.environ.get(env, "").strip()
     source = f"environment variable {env}"
   if len(token) < 16:
-    raise ValueError(
+    raise ConfigError(
       f"remote islands need a shared token of at least 16 characters from the {source} "
       "(e.g. `export PWTRAIN_WORKER_TOKEN=$(openssl rand -hex 16)`)"
     )

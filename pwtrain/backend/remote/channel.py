@@ -11,6 +11,7 @@ import ipaddress
 import grpc
 
 from pwtrain.backend.remote import arrays
+from pwtrain.errors import ConfigError
 
 
 def channel_options() -> list:
@@ -36,7 +37,7 @@ def _read(path: str, what: str) -> bytes:
     with open(path, "rb") as f:
       return f.read()
   except OSError as e:
-    raise ValueError(f"{what}={path!r} cannot be read: {e.strerror}") from None
+    raise ConfigError(f"{what}={path!r} cannot be read: {e.strerror}") from None
 
 
 def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:

@@ -11,6 +11,7 @@ on the stand-in devices) only when `.result()` is called, e.g. for metrics or a 
 """
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -24,7 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from pwtrain.backend.program import Node, Transfer
+from pwtrain import sharding as sharding_lib
+from pwtrain.backend.program import Executable, Node, Transfer
 from pwtrain.backend.remote import arrays
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient, WorkerLost
@@ -110,12 +112,35 @@ class RemoteDispatcher:
 
   # -- compilation --------------------------------------------------------------------------
 
-  def compile(self, name, island, fn, args, activate, *, mesh, out_shardings, donate_argnums):
-    """Exports `fn` for `args` and has the island's worker compile it.
+  def runs_here(self, island: str) -> bool:
+    del island
+    return True  # the controller dispatches every island's operations
 
-    Returns (RemoteExecutable, number of outputs, a lazily compiled local stand-in whose
-    shardings/out_info the step builders may inspect).
-    """
+  def compile(
+    self,
+    name,
+    fn,
+    island,
+    args,
+    *,
+    mesh=None,
+    rules=sharding_lib.DEFAULT_RULES,
+    in_shardings=None,
+    out_shardings=None,
+    donate_argnums=(),
+  ) -> Executable:
+    """Exports `fn` for `args` and has the island's worker compile it: an Executable whose
+    `remote` is the worker's copy and whose `compiled` is a lazily compiled local stand-in
+    (its shardings/out_info the step builders may inspect). Inputs are laid out as `args`'
+    shardings say (`in_shardings` is for local compiles)."""
+    del in_shardings
+    constraints_mesh = mesh  # the model's activation constraints resolve on it while tracing
+
+    def activate():
+      if constraints_mesh is None:
+        return contextlib.nullcontext()
+      return sharding_lib.activate(constraints_mesh, rules)
+
     worker = self.cluster[island].worker
     # The worker sees flat lists of arrays only (export serialises no Python pytrees, and
     # nnx's int-keyed dicts could not be): inputs with explicit shardings, outputs constrained
@@ -166,7 +191,8 @@ class RemoteDispatcher:
     )
     original = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate_argnums)
     local = _LazyCompiled(original, args, activate)
-    return RemoteExecutable(worker, unique, tuple(outputs)), len(top), local
+    remote = RemoteExecutable(worker, unique, tuple(outputs))
+    return Executable(name, island, local, len(top), remote, tuple(donate_argnums))
 
   # -- dispatch -----------------------------------------------------------------------------
 

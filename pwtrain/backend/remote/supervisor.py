@@ -18,8 +18,8 @@ from pwtrain.backend.remote.client import WorkerLost
 log = logging.getLogger(__name__)
 
 
-def run_remote(config, workdir: str, run_once, island_sizes: list[int]):
-  """`run_once(config, workdir)` with workers launched/restarted as the config says;
+def run_remote(config, run_once, island_sizes: list[int]):
+  """`run_once(config)` with workers launched/restarted as the config says;
   `island_sizes` are the devices of each island (the plan's), for workers it launches."""
   config = copy.deepcopy(config)  # backend.workers is filled in for launched workers
   workers = None
@@ -39,7 +39,7 @@ def run_remote(config, workdir: str, run_once, island_sizes: list[int]):
   try:
     while True:
       try:
-        return run_once(config, workdir)
+        return run_once(config)
       except WorkerLost as e:
         if restarts >= config.fault.max_restarts:
           raise

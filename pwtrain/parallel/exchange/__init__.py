@@ -8,6 +8,7 @@ itself in MODES, which config validation and `make` read.
 import importlib
 import pkgutil
 
+from pwtrain.errors import ConfigError
 from pwtrain.parallel.exchange.base import MODES, Exchange
 from pwtrain.parallel.exchange.compression import COMPRESSIONS
 
@@ -21,15 +22,15 @@ def validate(cfg) -> None:
   """`exchange.*` errors, each naming the key, the value and what is valid."""
   for key, valid in (("mode", tuple(sorted(MODES))), ("compression", COMPRESSIONS)):
     if cfg[key] not in valid:
-      raise ValueError(f"exchange.{key}={cfg[key]!r} is not supported; valid: {', '.join(valid)}")
+      raise ConfigError(f"exchange.{key}={cfg[key]!r} is not supported; valid: {', '.join(valid)}")
   if cfg.error_feedback and cfg.compression == "none":
-    raise ValueError(
+    raise ConfigError(
       "exchange.error_feedback=True needs exchange.compression='bf16' or 'int8' (it keeps "
       f"what compression loses); got compression={cfg.compression!r}"
     )
   for key in ("buckets", "inner_steps"):
     if cfg[key] < 1:
-      raise ValueError(f"exchange.{key}={cfg[key]} must be >= 1")
+      raise ConfigError(f"exchange.{key}={cfg[key]} must be >= 1")
   MODES[cfg.mode].validate(cfg)
 
 

@@ -11,6 +11,7 @@ states stay their own, so checkpoints hold every pod's state.
 import jax
 import optax
 
+from pwtrain.errors import ConfigError
 from pwtrain.parallel.exchange import compression as codec
 from pwtrain.parallel.exchange.base import Exchange
 
@@ -28,7 +29,7 @@ class DiLoCo(Exchange):
   @classmethod
   def validate(cls, cfg) -> None:
     if cfg.error_feedback:
-      raise ValueError(
+      raise ConfigError(
         "exchange.error_feedback=True needs a gradient exchange; exchange.mode='diloco' sends "
         "parameter deltas (set exchange.error_feedback=False)"
       )

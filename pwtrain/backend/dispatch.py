@@ -1,0 +1,229 @@
+"""The controller's local dispatch: one scheduler thread per island of this process.
+
+Embedded mode's islands and distributed mode's: every island has one scheduler thread draining
+one FIFO queue (backend/scheduler.py), so all devices of an island run the computations of every
+program in the same order. In distributed mode every process walks every program in the same
+order but launches only its own islands' nodes; another process's node leaves a stand-in (an
+array with no data here) that a transfer can read from, and transfers between processes go by
+pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put.
+"""
+
+import concurrent.futures
+import itertools
+import threading
+
+import jax
+
+from pwtrain import sharding as sharding_lib
+from pwtrain.backend import pulls as pulls_lib
+from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.program import Executable, Node, Program, Transfer
+from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work
+from pwtrain.backend.trace import Trace
+from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
+from pwtrain.sharding import stand_in
+
+CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
+_DISPATCHERS = itertools.count()  # names each controller's pulls alike on every process
+
+
+class LocalDispatcher:
+  """Compiles with `jax.jit` and launches on this process's devices (see the module doc).
+
+  `serialize_execution` (default: on for CPU devices): see backend.Controller.
+  """
+
+  def __init__(self, cluster: Cluster, trace: Trace | None, serialize_execution: bool | None):
+    self.cluster = cluster
+    self.trace = trace
+    if serialize_execution is None:
+      serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
+    serial = threading.Lock() if serialize_execution else None
+    self._schedulers = {i.name: IslandScheduler(i.name, trace, serial) for i in cluster.islands}
+    # Cross-process transfers, sent and received in program order from one thread (see
+    # dispatch: every process issues every one, in the same order).
+    self._cross = IslandScheduler(CROSS, trace, None)
+    # Distributed mode: which islands have devices of this process. Every process walks every
+    # program in the same order but launches only its own islands' nodes; another process's
+    # node leaves a stand-in (an array with no data here) that a transfer can read from.
+    self._here = {i.name: has_local_devices(i) for i in cluster.islands}
+    self._last_cross: concurrent.futures.Future | None = None  # the last one enqueued
+    self._prepared_programs: dict = {}  # id(program) -> (program, order, puts, pulls)
+    # Transfers between processes by pull (backend/pulls.py), where they can go that way.
+    self._id = next(_DISPATCHERS)
+    self._distributed = jax.process_count() > 1
+    self._puller: pulls_lib.Puller | None = None
+    # Traced: a pull's event runs from the pull to the data's arrival (on "<island>:pulls").
+    traced = trace is not None and trace.record_completion and self._distributed
+    self._pull_watcher = CompletionWatcher("pulls") if traced else None
+
+  def runs_here(self, island: str) -> bool:
+    """Whether this process launches `island`'s nodes (always, outside distributed mode)."""
+    return self._here[island]
+
+  def compile(
+    self,
+    name: str,
+    fn,
+    island: str,
+    args,
+    *,
+    mesh=None,
+    rules=sharding_lib.DEFAULT_RULES,
+    in_shardings=None,
+    out_shardings=None,
+    donate_argnums=(),
+  ) -> Executable:
+    """`fn` lowered for abstract `args` and compiled (see Controller.compile)."""
+    jitted = jax.jit(
+      fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
+    )
+    if mesh is not None:
+      with sharding_lib.activate(mesh, rules):
+        lowered = jitted.lower(*args)
+    else:
+      lowered = jitted.lower(*args)
+    out_tree = lowered.out_info
+    num_outputs = len(out_tree) if isinstance(out_tree, tuple) else 1
+    return Executable(name, island, lowered.compile(), num_outputs, None, tuple(donate_argnums))
+
+  def dispatch(self, program: Program, inputs: dict, step: int) -> dict:
+    """Enqueues every node of `program` on its island's queue (this process's islands: see
+    `runs_here`); a future per program output."""
+    futures: dict[str, concurrent.futures.Future] = {}
+
+    def resolve(ref):
+      if isinstance(ref, str):
+        return inputs[ref]
+      node_name, index = ref
+      return _select(futures[node_name], index)
+
+    island_of = {n.name: n.island for n in program.nodes}
+    order, puts, pulls = self._prepared(program)
+    for node in order:
+      scheduler = None  # the island's
+      if isinstance(node, Node):
+        if not self._here[node.island]:  # another process runs it
+          futures[node.name] = _resolved(jax.tree.map(stand_in, node.executable.compiled.out_info))
+          continue
+        launch = node.executable.compiled
+        args = [resolve(r) for r in node.args]
+      else:
+        assert isinstance(node, Transfer)
+        if node.name in pulls:
+          futures[node.name] = self._by_pull(node, pulls[node.name], island_of, resolve, step)
+          continue
+        host_value = isinstance(node.src, str)
+        if not self._here[node.island] and host_value:
+          futures[node.name] = _resolved(None)  # a host value: its island's process puts it
+          continue
+        # A cross-process transfer goes to the one queue of such transfers and never holds the
+        # CPU lock. Every process issues every one of them, in program order, including those
+        # between two other processes (on stand-ins, moving nothing here): JAX matches a
+        # cross-host transfer's two sides by how many each process has issued before it.
+        src_here = host_value or self._here[island_of[node.src[0]]]
+        if not (self._here[node.island] and src_here):
+          scheduler = self._cross
+        launch = puts[node.name]
+        args = [resolve(node.src)]
+      if scheduler is self._cross:
+        futures[node.name] = self._enqueue(node.name, node.island, launch, args, step, scheduler)
+        self._last_cross = futures[node.name]
+      else:
+        # Launched only once every cross-process transfer enqueued before it has been issued:
+        # a device runs a send issued after its next computation only after that computation
+        # (measured: 1F1B's sends of a gradient waited a whole backward). No deadlock: the
+        # transfers before it in program order never wait on it.
+        futures[node.name] = self._enqueue(
+          node.name, node.island, launch, args, step, after=self._last_cross
+        )
+    return {key: resolve(ref) for key, ref in program.outputs.items()}
+
+  def _prepared(self, program: Program) -> tuple:
+    """(transfers.dispatch_order of `program`, {transfer name: its device_put}, {transfer name:
+    pulls.Pull} of those between processes that go by pull), made once per program: the
+    dispatch of every step reuses them."""
+    cached = self._prepared_programs.get(id(program))
+    if cached is None or cached[0] is not program:
+      order = dispatch_order(program, self.cluster.islands)
+      puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
+      pulls = pulls_lib.pulls(program, self.cluster.islands) if self._distributed else {}
+      if pulls and self._puller is None:  # every process prepares the same programs
+        self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}")
+      cached = self._prepared_programs[id(program)] = (program, order, puts, pulls)
+    return cached[1:]
+
+  def _by_pull(self, node: Transfer, pull, island_of, resolve, step: int):
+    """A transfer between processes by pull, from the two islands' queues at its place in the
+    dispatch order: the source's process offers the value once its node has been launched, the
+    destination's pulls it (an array that is ready when the data has arrived; pulled there, not
+    at dispatch, so that its buffer exists only from then: 1F1B's memory bound). A future of
+    what this process holds of the result (the others: stand-ins)."""
+    uuid = pull.uuid(self._id, step)
+    here = jax.process_index()
+    if here == pull.destination:
+      event = None
+      if self._pull_watcher is not None:  # from the pull to the data's arrival
+        event = self.trace.add(node.name, f"{node.island}:pulls", step)
+
+      def receive():
+        value = self._puller.pull(pull.source, uuid, pull.spec)
+        if event is not None:
+          event.launch = self.trace.now()
+          self._pull_watcher.watch(value, event, self.trace)
+        return value
+
+      return self._enqueue(node.name, node.island, receive, [], step, traced=False, computes=False)
+    if here == pull.source:
+      value = resolve(node.src)
+
+      def offer():
+        try:
+          computed = value.result()
+        except Exception as e:  # noqa: BLE001 - the receiver fails with it, not waits forever
+          self._puller.offer_error(uuid, pull.offered, f"{node.name}: {e}")
+          raise
+        self._puller.offer(uuid, computed)
+
+      self._enqueue(node.name, island_of[node.src[0]], offer, [], step, computes=False)
+    return _resolved(jax.tree.map(stand_in, pull.spec))
+
+  def _enqueue(
+    self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True
+  ):
+    """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
+    `after` (if any) is done; a future of its result. `computes=False`: an offer or a pull
+    (scheduler.IslandScheduler)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    event = self.trace.add(name, island, step) if self.trace and traced else None
+    work = Work(name, launch, args, out, event, after, computes)
+    (scheduler or self._schedulers[island]).queue.put(work)
+    return out
+
+  def close(self) -> None:
+    for scheduler in self._schedulers.values():
+      scheduler.stop()
+    self._cross.stop()
+    if self._pull_watcher is not None:
+      self._pull_watcher.stop()
+
+
+def _resolved(value) -> concurrent.futures.Future:
+  out: concurrent.futures.Future = concurrent.futures.Future()
+  out.set_result(value)
+  return out
+
+
+def _select(future: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
+  """A future for output `index` of a node's (tuple) result."""
+  out: concurrent.futures.Future = concurrent.futures.Future()
+
+  def done(f):
+    if f.exception() is not None:
+      out.set_exception(f.exception())
+    else:
+      value = f.result()
+      out.set_result(value[index] if isinstance(value, tuple) else value)
+
+  future.add_done_callback(done)
+  return out

@@ -1,0 +1,27 @@
+"""The interface of a run mode (backend/modes.py), and embedded mode, which is the plain case."""
+
+from collections.abc import Callable, Sequence
+
+from pwtrain.checkpoint import PartWriter
+
+
+class RunMode:
+  """Embedded mode, and the interface every mode has."""
+
+  name = "embedded"
+
+  def supervise(self, config, run_once: Callable, island_sizes: Sequence[int]):
+    del island_sizes  # the islands are this process's devices
+    return run_once(config)
+
+  def part_writer(self, islands: Sequence) -> PartWriter | None:
+    del islands
+    return None
+
+  def saveable(self, state: dict) -> dict:
+    return results(state)
+
+
+def results(state: dict) -> dict:
+  """A state's values, each future waited for."""
+  return {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
