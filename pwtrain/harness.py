@@ -145,6 +145,11 @@ class Harness:
       metrics = self._host.submit(self._to_host, metrics, "metrics")
     return StepOutputs({k: out[k] for k in sp.state_keys}, metrics)
 
+  def settle(self, state: dict) -> dict:
+    """The state after every dispatched step, as it is (elastic.ElasticSteps, which has the
+    same interface, may replace it with the state of failed steps run again)."""
+    return state
+
   def rows_read_here(self) -> tuple[int, ...]:
     """The rows of a global batch (train.global_batch rows) that this process feeds: every
     row, except in distributed mode, where an island of another process takes its rows from its

@@ -8,7 +8,7 @@ import os
 import jax
 
 from pwtrain import config as config_lib
-from pwtrain import guard, processes
+from pwtrain import elastic, guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace, modes, run_mode
@@ -20,6 +20,7 @@ from pwtrain.data import (
   open_train_source,
   streams_of_rows,
 )
+from pwtrain.elastic import ElasticSteps
 from pwtrain.errors import ConfigError
 from pwtrain.harness import Harness
 from pwtrain.metrics import MetricsLogger, peak_flops
@@ -48,6 +49,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     # Laid out once, before anything is written: a bad layout writes nothing.
     with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
       plan = plan_lib.build(config, cluster)
+      elastic.check(config, plan)
       return _run(config, workdir, show_progress, mode, cluster, plan)
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it.
@@ -88,6 +90,8 @@ def _train(
   config, harness, mode, batches, eval_set, workdir: str, host_dir: str, show_progress: bool
 ) -> RunResult:
   step_program, plan = harness.step_program, harness.plan
+  # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic.py).
+  steps = ElasticSteps(config, harness) if config.fault.elastic else harness
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
@@ -128,25 +132,30 @@ def _train(
     with StopRequest() as stop:
       while step < num_steps:
         profiler.before_step(step)
-        out = harness.step(state, next(batches), step)
+        out = steps.step(state, next(batches), step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
         profiler.after_step(step, out.metrics.result)
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
-          harness.controller.wait()  # the abandoned steps still in flight
-          state, step = _roll_back(config, first_bad, step, ckpt, step_program, batches, logger)
+          steps.settle(state)  # the abandoned steps still in flight
+          harness.controller.wait()
+          state, step = _roll_back(
+            config, first_bad, step, ckpt, steps.step_program, batches, logger
+          )
           continue
         stopping = agreement.at(step, stop.requested) if agreement else stop.requested
         if ckpt.should_save(step, num_steps) or stopping:
-          whole = step_program.to_checkpoint(mode.saveable(state))
+          state = steps.settle(state)
+          whole = steps.step_program.to_checkpoint(mode.saveable(state))
           ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
         if eval_set is not None and _eval_due(step, config.train.eval_every, num_steps):
-          _evaluate(harness, state, eval_set, step, logger)
-    state = step_program.to_checkpoint(run_mode.results(state))
+          state = steps.settle(state)
+          _evaluate(steps, state, eval_set, step, logger)
+    state = steps.step_program.to_checkpoint(run_mode.results(steps.settle(state)))
   finally:
     profiler.close()
     logger.close()
@@ -159,8 +168,8 @@ def _train(
   return RunResult(logger.history, state, start, step, logger.evals)
 
 
-def _evaluate(harness: Harness, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:
-  values = metrics_lib.eval_metrics(harness.evaluate(state, eval_set.batches), eval_set.num_bytes)
+def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:
+  values = metrics_lib.eval_metrics(steps.evaluate(state, eval_set.batches), eval_set.num_bytes)
   logger.record_eval(step, values)
   log.info(
     "step %d: eval loss %.4f, perplexity %.2f, %.4f bits/byte",

@@ -35,6 +35,7 @@ LAYERS = (
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
   ("harness", "dryrun"),  # config -> a ready step; config -> a plan on paper
+  ("elastic",),  # steps over the live pods: a lost pod dropped, a returning one rejoined
   ("train", "aot"),  # the training loop; the step compiled for a TPU topology
   ("main", "sample", "launch"),  # entry points: training and the dry run; sampling; launcher
 )

@@ -69,10 +69,30 @@ class Controller:
     self._inflight_lock = threading.Lock()
     self._inflight: collections.deque = collections.deque()
     self._step = 0
+    self._lost: dict[str, str] = {}
 
   def runs_here(self, island: str) -> bool:
     """Whether this process launches `island`'s nodes (always, outside distributed mode)."""
     return self._dispatcher.runs_here(island)
+
+  # -- lost islands (backend/faults.py) ------------------------------------------------------
+
+  def lose(self, island: str, cause: str) -> None:
+    """Marks `island` lost (a drill, or its devices failed): every node of it fails with
+    IslandLost from now on, and so does whatever reads its outputs."""
+    self.cluster[island]
+    self._lost[island] = cause
+    self._dispatcher.lose(island, cause)
+
+  def restore(self, island: str) -> None:
+    """`island` can run again (it rejoins at the next program)."""
+    self._lost.pop(island, None)
+    self._dispatcher.restore(island)
+
+  @property
+  def lost(self) -> dict[str, str]:
+    """{island: cause} of the islands lost now."""
+    return dict(self._lost)
 
   # -- compilation --------------------------------------------------------------------------
 

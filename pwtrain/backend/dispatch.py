@@ -17,6 +17,7 @@ import jax
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import Executable, Node, Program, Transfer
 from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work
 from pwtrain.backend.trace import Trace
@@ -56,6 +57,14 @@ class LocalDispatcher:
     # Traced: a pull's event runs from the pull to the data's arrival (on "<island>:pulls").
     traced = trace is not None and trace.record_completion and self._distributed
     self._pull_watcher = CompletionWatcher("pulls") if traced else None
+
+  def lose(self, island: str, cause: str) -> None:
+    """Marks `island` lost: from now on its work fails with IslandLost, unlaunched."""
+    self._schedulers[island].lost = IslandLost(island, cause)
+
+  def restore(self, island: str) -> None:
+    """`island` runs again (its devices are back)."""
+    self._schedulers[island].lost = None
 
   def runs_here(self, island: str) -> bool:
     """Whether this process launches `island`'s nodes (always, outside distributed mode)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.trace import Event, Trace
 
 
@@ -38,6 +39,8 @@ class IslandScheduler:
     self.trace = trace
     self.serial = serial
     self.queue: queue.Queue = queue.Queue()
+    # Set while the island is lost (backend/faults.py): every work fails with it, unlaunched.
+    self.lost: IslandLost | None = None
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
     # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
@@ -51,6 +54,9 @@ class IslandScheduler:
       if work is None:
         return
       event = work.event
+      if self.lost is not None:
+        work.out.set_exception(self.lost)
+        continue
       if work.after is not None:  # see Controller._dispatch_local
         concurrent.futures.wait([work.after])
       try:

@@ -116,6 +116,12 @@ class RemoteDispatcher:
     del island
     return True  # the controller dispatches every island's operations
 
+  def lose(self, island: str, cause: str) -> None:
+    raise NotImplementedError(f"{island}: a remote island is lost when its worker is ({cause})")
+
+  def restore(self, island: str) -> None:
+    raise NotImplementedError(f"{island}: a remote island returns when its worker answers")
+
   def compile(
     self,
     name,

@@ -80,13 +80,14 @@ class PipelineProgram:
         out[f"tokens/{p}.{m}"] = out[f"targets/{p}.{m}"] = pod[m :: self.num_micro]
     return out
 
-  def _pod_whole(self, state: dict, p: int) -> dict:
+  def pod_whole(self, state: dict, p: int) -> dict:
+    """Pod `p`'s whole-model state, layers unrolled."""
     return to_whole([state[state_key((p, s))] for s in range(len(self.stages))], self.stages)
 
   def to_checkpoint(self, state: dict) -> dict:
     if self.per_pod_checkpoint:
-      return {"pods": [self._pod_whole(state, p) for p in range(self.num_pods)]}
-    return self._pod_whole(state, 0)  # pods hold identical states
+      return {"pods": [self.pod_whole(state, p) for p in range(self.num_pods)]}
+    return self.pod_whole(state, 0)  # pods hold identical states
 
   def from_checkpoint(self, whole: dict) -> dict:
     out = {}

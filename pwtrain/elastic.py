@@ -1,0 +1,388 @@
+"""Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
+
+`ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
+`settle`, `evaluate`, `step_program`), over one controller and one cluster:
+
+  detect   a step fails with `backend.faults.IslandLost` (a pod's devices failed, or a drill
+           marked its island lost: `fault.inject`). Each step is confirmed (its metrics read)
+           while the next one runs, so a loss is seen one step after it happens.
+  drop     the lost pods leave the live pod set. The step program for the survivors is built
+           (compiled once per pod set, then cached), the state the first failed step started
+           from is taken from a survivor's islands and laid out on the survivors
+           (`from_checkpoint` of that whole-model state: device to device, no file is read),
+           and the failed steps run again with the same batches. No survivor restarts.
+  batch    by default the survivors take the lost pods' rows (`fault.keep_global_batch`), so
+           with the sync or overlapped exchange the trajectory is the uninterrupted run's; else
+           the batch shrinks to the live pods' rows.
+  rejoin   when a lost pod's islands can run again (a drill's `rejoin:podP@stepN`), the live
+           pods' state is copied onto them at that step boundary and every pod runs again.
+  too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
+
+What the exchange modes do with a lost pod: sync and overlapped sum the survivors' gradients over
+the whole batch (keep_global_batch) and go on; stale applies the in-flight gradient the pods
+computed before the loss (the lost pod's share included) and goes on with the survivors; DiLoCo
+averages only the live pods' deltas at the next outer step. Every metrics row carries
+`pods_live`; each drop and rejoin is one log line naming the pod, the cause and the seconds.
+"""
+
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import logging
+import re
+import time
+
+import jax
+import numpy as np
+
+from pwtrain.backend import Cluster
+from pwtrain.backend.faults import IslandLost
+from pwtrain.errors import ConfigError
+from pwtrain.harness import Harness, StepOutputs
+
+log = logging.getLogger(__name__)
+
+_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@step(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+  """One injected event of `fault.inject`: `action` ("kill" or "rejoin") of configured pod
+  `pod` before step `step` (1-based, as metrics rows count) is dispatched."""
+
+  action: str
+  pod: int
+  step: int
+
+
+def check(config, plan) -> None:
+  """fault.* against the plan, before anything is written: every pod count the run may fall to
+  (fault.min_pods up to parallel.pods) must split its batch evenly."""
+  f = config.fault
+  if not f.elastic:
+    if f.inject:
+      raise ConfigError(f"fault.inject={f.inject!r} is a drill of fault.elastic=True")
+    return
+  parse_inject(f.inject, plan.num_pods)
+  if plan.num_pods < 2:
+    raise ConfigError(
+      f"fault.elastic=True drops lost pods, but parallel.pods={plan.num_pods}: use 2 or more"
+    )
+  if not 1 <= f.min_pods <= plan.num_pods:
+    raise ConfigError(f"fault.min_pods={f.min_pods} must be between 1 and parallel.pods")
+  split = plan.batch_shards * config.train.num_microbatches
+  for n in range(f.min_pods, plan.num_pods + 1):
+    batch = config.train.global_batch
+    if not f.keep_global_batch:
+      batch = batch * n // plan.num_pods
+    if batch % (n * split):
+      raise ConfigError(
+        f"fault.elastic=True with {n} live pods: train.global_batch={batch} does not split "
+        f"into {n} pods x {split} rows (batch shards x microbatches); choose a global batch "
+        f"that every pod count from fault.min_pods={f.min_pods} to {plan.num_pods} divides"
+      )
+
+
+def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:
+  """`fault.inject`: comma-separated `kill:pod<P>@step<N>` / `rejoin:pod<P>@step<N>`."""
+  drills = []
+  for item in filter(None, (part.strip() for part in str(text).split(","))):
+    match = _DRILL.match(item)
+    if match is None:
+      raise ConfigError(
+        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@step<N>' or "
+        "'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
+      )
+    action, pod, step = match.group(1), int(match.group(2)), int(match.group(3))
+    if pod >= num_pods or step < 1:
+      raise ConfigError(
+        f"fault.inject={text!r}: {item!r} needs a pod below parallel.pods={num_pods} and a step "
+        ">= 1"
+      )
+    drills.append(Drill(action, pod, step))
+  return tuple(drills)
+
+
+class _Metrics(concurrent.futures.Future):
+  """A step's metrics as the trainer sees them: set once the step is confirmed (after it ran
+  again, where it failed). Asking for the result confirms the steps up to this one."""
+
+  def __init__(self, steps: "ElasticSteps"):
+    super().__init__()
+    self._steps = steps
+
+  def result(self, timeout=None):
+    if not self.done():
+      self._steps._confirm_through(self)
+    return super().result(timeout)
+
+
+@dataclasses.dataclass
+class _Pending:
+  """A dispatched step not yet confirmed: what it needs to run again."""
+
+  step: int  # 0-based
+  batch: dict  # the whole host batch it was given
+  before: dict  # the state it started from
+  out: StepOutputs
+  metrics: _Metrics  # what the trainer was given: set once the step is confirmed
+
+
+class ElasticSteps:
+  """The run's steps over the live pods (see the module doc). Closing the first harness (the
+  caller's) closes the controller and the cluster; the others own nothing."""
+
+  def __init__(self, config, harness: Harness):
+    self.config = config
+    self.controller = harness.controller
+    plan = harness.plan
+    stages = config.parallel.stages
+    # Configured pod p's islands, in the plan's order: the survivors' plans are laid on them.
+    self._islands = {p: plan.islands[p * stages : (p + 1) * stages] for p in range(plan.num_pods)}
+    self._pod_of = {i.name: p for p, islands in self._islands.items() for i in islands}
+    self.num_pods = plan.num_pods
+    self.live = tuple(range(plan.num_pods))
+    self._harnesses = {self.live: harness}
+    self._pending: collections.deque[_Pending] = collections.deque()
+    self._drills = parse_inject(config.fault.inject, plan.num_pods)
+    self._rejoining: set[int] = set()
+    # The state the last dispatched step produces: what the trainer holds, unless a drop ran
+    # the pending steps again (then theirs). `_given` is what the trainer was handed.
+    self._head: dict | None = None
+    self._fatal: IslandLost | None = None
+    self._given: dict | None = None
+    self.events: list[dict] = []  # every drop and rejoin, as logged
+
+  @property
+  def harness(self) -> Harness:
+    return self._harnesses[self.live]
+
+  @property
+  def step_program(self):
+    return self.harness.step_program
+
+  @property
+  def plan(self):
+    return self.harness.plan
+
+  # -- steps ----------------------------------------------------------------------------------
+
+  def step(self, state: dict, batch: dict, step: int) -> StepOutputs:
+    """Dispatches step `step` (0-based) as Harness.step does, on the live pods; returns at
+    once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
+    may be replaced by the state of their run again after a drop."""
+    self._drill(step + 1)
+    if self._rejoining:
+      state = self._rejoin(self.settle(state), step)
+    self._confirm(keep=self.config.backend.max_inflight_steps)
+    pending = self._dispatch(self._current(state), batch, step, _Metrics(self))
+    self._given = pending.out.state
+    return StepOutputs(self._given, pending.metrics)
+
+  def settle(self, state: dict) -> dict:
+    """Waits for every dispatched step, dropping lost pods and running failed steps again;
+    the state after the last one."""
+    self._confirm(keep=0)
+    return self._current(state)
+
+  def _current(self, state: dict) -> dict:
+    """`state`, or the state of the pending steps run again if it is their failed one."""
+    return self._head if state is self._given and self._head is not None else state
+
+  def evaluate(self, state: dict, batches) -> dict[str, float]:
+    return self.harness.evaluate(state, batches)
+
+  def _dispatch(self, state, batch, step, metrics) -> _Pending:
+    out = self.harness.step(state, self._rows(batch), step)
+    pending = _Pending(step, batch, state, out, metrics)
+    self._pending.append(pending)
+    self._head = out.state
+    return pending
+
+  def _rows(self, batch: dict) -> dict:
+    """The rows the live pods take: all of them, or (fault.keep_global_batch=False) the live
+    pods' own rows of the configured layout."""
+    if self.config.fault.keep_global_batch or len(self.live) == self.num_pods:
+      return batch
+    n = len(batch["inputs"]) // self.num_pods
+    rows = np.concatenate([np.arange(p * n, (p + 1) * n) for p in self.live])
+    return {k: v[rows] for k, v in batch.items()}
+
+  def _confirm(self, keep: int) -> None:
+    """Confirms the oldest pending steps until `keep` remain: each one's metrics are read (so a
+    lost pod is seen) and handed to the trainer with `pods_live`."""
+    while len(self._pending) > keep:
+      self._confirm_oldest()
+
+  def _confirm_through(self, metrics: _Metrics) -> None:
+    while not metrics.done():
+      self._confirm_oldest()
+
+  def _confirm_oldest(self) -> None:
+    if self._fatal is not None:  # too few pods were left: the run is over
+      raise self._fatal
+    pending = self._pending[0]
+    try:
+      values = jax.device_get(pending.out.metrics.result())
+    except IslandLost as e:
+      self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
+      return
+    self._pending.popleft()
+    pending.metrics.set_result({**values, "pods_live": np.int32(len(self.live))})
+
+  # -- drop and rejoin ------------------------------------------------------------------------
+
+  def _drop(self, error: IslandLost) -> None:
+    """Drops the lost pods and runs every pending step again on the survivors (the last one's
+    state becomes the head)."""
+    start = time.perf_counter()
+    self.controller.wait()  # every dispatched step has run or failed
+    lost_islands = self.controller.lost or {error.island: error.cause}
+    lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
+    live = tuple(p for p in self.live if p not in lost)
+    cause = lost_islands.get(self._islands[lost[0]][0].name, error.cause) if lost else error.cause
+    if len(live) < max(self.config.fault.min_pods, 1):
+      log.error(
+        "pod %s lost (%s): %d of %d pods left, fewer than fault.min_pods=%d; stopping",
+        ",".join(map(str, lost)),
+        cause,
+        len(live),
+        self.num_pods,
+        self.config.fault.min_pods,
+      )
+      self._fatal = error
+      raise error
+    whole = self._whole(self._pending[0].before, keep=[self.live.index(p) for p in live])
+    redo = list(self._pending)
+    self._pending.clear()
+    compile_s, state = self._lay_out(live, whole)
+    moved = time.perf_counter() - start - compile_s
+    for pending in redo:
+      state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
+    self._record(
+      "drop",
+      lost,
+      cause,
+      redo[0].step + 1,
+      time.perf_counter() - start,
+      compile_s=compile_s,
+      state_s=moved,
+      rerun_steps=len(redo),
+    )
+
+  def _rejoin(self, state: dict, step: int) -> dict:
+    """Copies the live pods' state onto the returning pods at this step boundary."""
+    start = time.perf_counter()
+    pods = sorted(self._rejoining)
+    self._rejoining.clear()
+    for p in pods:
+      for island in self._islands[p]:
+        self.controller.restore(island.name)
+    whole = self._whole(state, keep=list(range(len(self.live))))
+    live = tuple(sorted(set(self.live) | set(pods)))
+    compile_s, state = self._lay_out(live, whole)
+    seconds = time.perf_counter() - start
+    self._record(
+      "rejoin", pods, "its islands run again", step + 1, seconds, compile_s=compile_s,
+      state_s=seconds - compile_s,
+    )  # fmt: skip
+    return state
+
+  def _lay_out(self, live: tuple, whole: dict) -> tuple[float, dict]:
+    """(seconds compiling, the state laid out) for `live` pods, from a whole-model state."""
+    start = time.perf_counter()
+    harness = self._harness_for(live)
+    compile_s = time.perf_counter() - start
+    self.live = live
+    program = harness.step_program
+    whole = _for_pods(whole, program, getattr(program, "num_pods", 1))
+    return compile_s, program.from_checkpoint(whole)
+
+  def _harness_for(self, live: tuple) -> Harness:
+    """The harness of pod set `live`: built (compiled) the first time, then cached."""
+    if live not in self._harnesses:
+      config = copy.deepcopy(self.config)
+      config.parallel.pods = len(live)
+      config.parallel.islands = len(live) * config.parallel.stages
+      if not config.fault.keep_global_batch:
+        config.train.global_batch = self.config.train.global_batch * len(live) // self.num_pods
+      cluster = Cluster(tuple(i for p in live for i in self._islands[p]))
+      self._harnesses[live] = Harness.build(config, cluster=cluster, controller=self.controller)
+    return self._harnesses[live]
+
+  def _whole(self, state: dict, keep: list[int]) -> dict:
+    """The whole-model state of the current program's pods `keep` (indices into its pods):
+    one of them, or each one's where the pods' states differ."""
+    program = self.step_program
+    if hasattr(program, "pod_whole"):  # only the kept pods' cells: a lost pod's may have failed
+      state = {k: v for k, v in state.items() if _pod_of_key(k) in keep}
+    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+    for leaf in jax.tree.leaves(state):
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise RuntimeError("the survivors' state was consumed by the failed step; cannot drop")
+    if not hasattr(program, "pod_whole"):  # one pod on one island
+      return program.to_checkpoint(state)
+    if program.per_pod_checkpoint:
+      return {"pods": [program.pod_whole(state, p) for p in keep]}
+    return program.pod_whole(state, keep[0])
+
+  def _drill(self, step: int) -> None:
+    """The injected faults of `fault.inject` due before step `step` (1-based)."""
+    for drill in self._drills:
+      if drill.step != step:
+        continue
+      if drill.action == "kill" and drill.pod in self.live:
+        self._confirm(keep=0)  # the fault hits this step, not one still in flight
+        for island in self._islands[drill.pod]:
+          self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
+      elif drill.action == "rejoin" and drill.pod not in self.live:
+        self._rejoining.add(drill.pod)
+
+  def _record(self, kind, pods, cause, step, seconds, **parts) -> None:
+    event = {"event": kind, "pods": pods, "cause": cause, "step": step, "seconds": seconds}
+    event.update(parts, pods_live=len(self.live))
+    self.events.append(event)
+    detail = ", ".join(
+      f"{k.removesuffix('_s')} {v:.2f} s" for k, v in parts.items() if k[-2:] == "_s"
+    )
+    verb = "lost" if kind == "drop" else "rejoined"
+    log.warning(
+      "pod %s %s (%s) at step %d: %d of %d pods live; took %.2f s (%s)%s",
+      ",".join(map(str, pods)),
+      verb,
+      cause,
+      step,
+      len(self.live),
+      self.num_pods,
+      seconds,
+      detail,
+      f"; steps {step}-{step + parts['rerun_steps'] - 1} run again"
+      if "rerun_steps" in parts
+      else "",
+    )
+
+
+def _pod_of_key(key: str) -> int:
+  """The pod of a pipeline state key "state/<pod>.<stage>" (pipeline/state.py)."""
+  return int(key.removeprefix("state/").split(".")[0])
+
+
+def _for_pods(whole: dict, program, num_pods: int) -> dict:
+  """A whole-model state shaped for `program`'s restore target: every pod's where the pods'
+  states differ (a dropped pod's gone, a rejoining pod's a copy of the first), else one; the
+  exchange's own entries (DiLoCo's anchor, stale gradients) as the program's exchange has them
+  (made afresh from the parameters where the state had none)."""
+  target = program.abstract_state
+  per_pod = "pods" in target
+  pods = whole["pods"] if "pods" in whole else [whole]
+  if per_pod:
+    pods = (pods + [pods[0]] * num_pods)[:num_pods]
+  one = target["pods"][0] if per_pod else target
+  exchange = getattr(program, "exchange", None)
+  fitted = []
+  for pod in pods:
+    missing = [k for k in one if k not in pod]
+    fresh = exchange.init_state(pod["params"]) if missing else {}
+    fitted.append({k: pod[k] if k in pod else fresh[k] for k in one})
+  return {"pods": fitted} if per_pod else fitted[0]

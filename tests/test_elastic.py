@@ -1,0 +1,115 @@
+"""Elastic pods (pwtrain/elastic.py): a lost pod is dropped and the run goes on, in process.
+
+Embedded mode with the drill `fault.inject`: the lost pod's islands fail every node from the
+given step on, exactly as islands whose devices failed. The survivors' run must equal the
+uninterrupted one within the parity tolerance (sync exchange keeps the global batch), each step
+appears once in metrics.jsonl, and no checkpoint is read.
+"""
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+from conftest import SGD, TOL, assert_close, assert_trees_close, small_config
+
+from pwtrain import train
+from pwtrain.errors import ConfigError
+
+# 3 pods of 2 devices (a 2-way data mesh each): 12 rows split over 3 or 2 pods.
+THREE_PODS = {
+  **SGD,
+  "parallel.islands": 3,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 3,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 12,
+  "train.num_steps": 10,
+  "train.checkpoint_every": 100,
+}
+
+
+def _rows(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  return train.run(small_config(**THREE_PODS), str(workdir), show_progress=False)
+
+
+def _losses(result):
+  return [row["loss"] for row in result.history if "loss" in row]
+
+
+def test_a_killed_pod_is_dropped_and_the_run_equals_the_uninterrupted_one(
+  uninterrupted, tmp_path, caplog
+):
+  config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": "kill:pod1@step4"})
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(config, str(tmp_path), show_progress=False)
+  assert result.final_step == 10
+  assert_close(_losses(result), _losses(uninterrupted), "losses")
+  assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
+  steps = [row["step"] for row in _rows(tmp_path) if "loss" in row]
+  assert steps == list(range(1, 11))  # each step once
+  live = [row["pods_live"] for row in _rows(tmp_path) if "loss" in row]
+  assert live == [3, 3, 3, 2, 2, 2, 2, 2, 2, 2]
+  (line,) = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+  assert line.startswith("pod 1 lost (fault.inject kill:pod1@step4) at step 4: 2 of 3 pods live")
+  assert "compile" in line and "state" in line
+  assert "resumed" not in caplog.text  # no checkpoint read
+
+
+def test_a_dropped_pod_rejoins_and_every_pod_ends_equal(uninterrupted, tmp_path, caplog):
+  inject = "kill:pod0@step3,rejoin:pod0@step6"
+  config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(config, str(tmp_path), show_progress=False)
+  assert_close(_losses(result), _losses(uninterrupted), "losses")
+  assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
+  live = [row["pods_live"] for row in _rows(tmp_path) if "loss" in row]
+  assert live == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
+  assert any(r.getMessage().startswith("pod 0 rejoined") for r in caplog.records)
+
+
+def test_the_batch_may_shrink_instead(tmp_path):
+  config = small_config(
+    **THREE_PODS,
+    **{"fault.elastic": True, "fault.inject": "kill:pod2@step2", "fault.keep_global_batch": False},
+  )
+  result = train.run(config, str(tmp_path), show_progress=False)
+  assert result.final_step == 10 and all(np.isfinite(_losses(result)))
+
+
+def test_below_min_pods_the_loss_stops_the_run_with_one_line(tmp_path, caplog):
+  config = small_config(
+    **THREE_PODS, **{"fault.elastic": True, "fault.inject": "kill:pod1@step3", "fault.min_pods": 3}
+  )
+  with caplog.at_level(logging.ERROR, logger="pwtrain"), pytest.raises(RuntimeError, match="lost"):
+    train.run(config, str(tmp_path), show_progress=False)
+  (line,) = [r.getMessage() for r in caplog.records if "fault.min_pods" in r.getMessage()]
+  assert "pod 1 lost" in line and "2 of 3 pods left" in line
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"fault.inject": "kill:pod1@step4"}, "is a drill of fault.elastic=True"),
+    ({"fault.elastic": True, "fault.inject": "kill:pod7@step4"}, "a pod below parallel.pods=3"),
+    ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@step<N>'"),
+    ({"fault.elastic": True, "train.global_batch": 6}, "with 2 live pods"),
+  ],
+)
+def test_bad_fault_settings_are_one_clear_error(overrides, message, tmp_path):
+  config = small_config(**{**THREE_PODS, **overrides})
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    train.run(config, str(tmp_path / "run"), show_progress=False)
+  assert not (tmp_path / "run").exists()
+
+
+assert TOL and jax  # the parity tolerance of conftest, unchanged
