@@ -89,6 +89,10 @@ def get_config(arg=None):
   c.train.keep_checkpoints = 3
   c.train.resume = True
   c.train.async_checkpoint = True
+  # JAX's persistent compilation cache, so that a restart, a rejoin or a second run loads its
+  # programs instead of compiling them: "" is <workdir>/compile_cache (unless
+  # $JAX_COMPILATION_CACHE_DIR names one), "off" turns it off.
+  c.train.compile_cache_dir = ""
   # Loss spikes (PaLM section 5.1): a step whose loss or gradient norm is NaN/Inf is skipped
   # (parameters and optimizer state unchanged, counted in the "skipped" metric); after
   # rollback_after consecutive skipped steps the trainer reloads the last checkpoint from before

@@ -40,6 +40,7 @@ from pwtrain.backend import Cluster
 from pwtrain.backend.faults import IslandLost
 from pwtrain.errors import ConfigError
 from pwtrain.harness import Harness, StepOutputs
+from pwtrain.parallel.pipeline.state import state_key
 
 log = logging.getLogger(__name__)
 
@@ -253,10 +254,9 @@ class ElasticSteps:
       )
       self._fatal = error
       raise error
-    whole = self._whole(self._pending[0].before, keep=[self.live.index(p) for p in live])
+    compile_s, state = self._move(live, self._pending[0].before)
     redo = list(self._pending)
     self._pending.clear()
-    compile_s, state = self._lay_out(live, whole)
     moved = time.perf_counter() - start - compile_s
     for pending in redo:
       state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
@@ -279,9 +279,8 @@ class ElasticSteps:
     for p in pods:
       for island in self._islands[p]:
         self.controller.restore(island.name)
-    whole = self._whole(state, keep=list(range(len(self.live))))
     live = tuple(sorted(set(self.live) | set(pods)))
-    compile_s, state = self._lay_out(live, whole)
+    compile_s, state = self._move(live, state)
     seconds = time.perf_counter() - start
     self._record(
       "rejoin", pods, "its islands run again", step + 1, seconds, compile_s=compile_s,
@@ -289,15 +288,23 @@ class ElasticSteps:
     )  # fmt: skip
     return state
 
-  def _lay_out(self, live: tuple, whole: dict) -> tuple[float, dict]:
-    """(seconds compiling, the state laid out) for `live` pods, from a whole-model state."""
+  def _move(self, live: tuple, state: dict) -> tuple[float, dict]:
+    """(seconds compiling, `state` of the current pod set laid out on pod set `live`), which
+    then becomes the current one. A pod in both keeps its cells' state where it is (nothing
+    moves); a rejoining pod gets a copy of the first live pod's, device to device. Where the
+    cells differ (down to one pod, whose exchange carries nothing), the state goes through
+    the whole-model form instead (`from_checkpoint`)."""
     start = time.perf_counter()
     harness = self._harness_for(live)
     compile_s = time.perf_counter() - start
+    old, new = self.step_program, harness.step_program
+    sources = [self.live.index(p) if p in self.live else 0 for p in live]
+    moved = _keep_cells(old, new, state, sources, same=[p in self.live for p in live])
+    if moved is None:
+      whole = self._whole(state, keep=sorted(set(sources)))
+      moved = new.from_checkpoint(_for_pods(whole, new, getattr(new, "num_pods", 1)))
     self.live = live
-    program = harness.step_program
-    whole = _for_pods(whole, program, getattr(program, "num_pods", 1))
-    return compile_s, program.from_checkpoint(whole)
+    return compile_s, moved
 
   def _harness_for(self, live: tuple) -> Harness:
     """The harness of pod set `live`: built (compiled) the first time, then cached."""
@@ -334,6 +341,7 @@ class ElasticSteps:
         continue
       if drill.action == "kill" and drill.pod in self.live:
         self._confirm(keep=0)  # the fault hits this step, not one still in flight
+        self.controller.wait()
         for island in self._islands[drill.pod]:
           self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
@@ -361,6 +369,23 @@ class ElasticSteps:
       if "rerun_steps" in parts
       else "",
     )
+
+
+def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> dict | None:
+  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]` (as they
+  are where `same[i]`: the same pod on the same islands; else copied onto pod i's islands), or
+  None where the two programs' cells are not laid out alike."""
+  if not (hasattr(old, "cell_shardings") and hasattr(new, "cell_shardings")):
+    return None
+  out = {}
+  for (i, s), shardings in new.cell_shardings.items():
+    source = (sources[i], s)
+    if jax.tree.structure(shardings) != jax.tree.structure(old.cell_shardings.get(source)):
+      return None
+    value = state[state_key(source)]
+    value = value.result() if hasattr(value, "result") else value
+    out[state_key((i, s))] = value if same[i] else jax.device_put(value, shardings)
+  return out
 
 
 def _pod_of_key(key: str) -> int:

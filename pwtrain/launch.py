@@ -210,6 +210,7 @@ def run(args) -> int:
     procs = current[-1].procs
     failed = None
     stop_at = None
+    stopped: set[int] = set()  # processes this launcher stopped itself
     while any(p.poll() is None for p in procs):
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
@@ -223,6 +224,7 @@ def run(args) -> int:
           f"{describe(procs[failed].returncode)}; stopping the other processes"
         )
         sys.stdout.flush()
+        stopped = {i for i, p in enumerate(procs) if p.poll() is None}
         current[-1].stop(min(args.grace_s, 5.0))  # the others cannot finish a step now
         break
       time.sleep(0.05)
@@ -233,7 +235,9 @@ def run(args) -> int:
     worst = max(status(c) for c in codes)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
-        bad = [f"process {i} {describe(c)}" for i, c in enumerate(codes) if c]
+        bad = [f"process {i} {describe(c)}" for i, c in enumerate(codes) if c and i not in stopped]
+        if stopped:
+          bad.append(f"process(es) {', '.join(map(str, sorted(stopped)))} stopped by the launcher")
         print(f"{PREFIX} giving up after {attempt} restart(s): {'; '.join(bad)}")
       return worst
     attempt += 1

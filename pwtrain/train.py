@@ -60,6 +60,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
 def _run(config, workdir: str, show_progress: bool, mode, cluster, plan) -> RunResult:
   """One start of the run in `workdir` on `plan` over `cluster`."""
   workdir = workdir_lib.prepare(workdir)
+  _use_compile_cache(config.train.compile_cache_dir, workdir)
   # Distributed mode: process 0 holds the workdir and builds the data first; every process
   # writes its checkpoint shards to <workdir>/checkpoints and its own logs (metrics, traces) to
   # its host directory, <workdir> for process 0 and <workdir>/processes/<i> for the others.
@@ -166,6 +167,19 @@ def _train(
       ckpt.close()
   _summary(logger, start, step, ckpt.directory, latest)
   return RunResult(logger.history, state, start, step, logger.evals)
+
+
+def _use_compile_cache(directory: str, workdir: str) -> None:
+  """JAX's persistent compilation cache in `directory` ("": <workdir>/compile_cache, unless one
+  is set already, e.g. by $JAX_COMPILATION_CACHE_DIR; "off": none). Every program is cached,
+  however quickly it compiled: a restart compiles nothing it compiled before."""
+  if directory == "off" or (not directory and jax.config.jax_compilation_cache_dir):
+    return
+  jax.config.update(
+    "jax_compilation_cache_dir", directory or os.path.join(workdir, "compile_cache")
+  )
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:

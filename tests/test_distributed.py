@@ -204,6 +204,27 @@ def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
   assert_same_state(embedded_pods.state, restored.state)
 
 
+def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
+  """fault.max_restarts=0: process 1 is killed, the launcher stops process 0 and gives up,
+  saying which process died and which it stopped (not both as "killed by SIGKILL")."""
+  launcher = launch(tmp_path, 2, {**PODS, "train.num_steps": 400}, background=True)
+  deadline = time.time() + 300
+  while time.time() < deadline:
+    pid = _process_pid(launcher, 1)
+    if pid and os.path.isfile(tmp_path / "metrics.jsonl"):
+      os.kill(pid, signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  out, _ = launcher.communicate(timeout=120)
+  text = out.decode(errors="replace")
+  assert launcher.returncode != 0, text[-3000:]
+  (line,) = [line for line in text.splitlines() if "giving up" in line]
+  assert line.endswith(
+    "giving up after 0 restart(s): process 1 was killed by SIGKILL; process(es) 0 stopped by "
+    "the launcher"
+  ), line
+
+
 def test_embedded_checkpoint_resumes_in_distributed_mode(embedded_pods, tmp_path):
   """An embedded run's step-4 checkpoint, resumed by 2 processes to step 12: the uninterrupted
   embedded run's losses and parameters."""

@@ -8,6 +8,7 @@ appears once in metrics.jsonl, and no checkpoint is read.
 
 import json
 import logging
+import shutil
 
 import jax
 import numpy as np
@@ -75,6 +76,62 @@ def test_a_dropped_pod_rejoins_and_every_pod_ends_equal(uninterrupted, tmp_path,
   live = [row["pods_live"] for row in _rows(tmp_path) if "loss" in row]
   assert live == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
   assert any(r.getMessage().startswith("pod 0 rejoined") for r in caplog.records)
+
+
+def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path):
+  """Pod 0 (whose arrays the checkpoints take) is lost right after an asynchronous save of
+  step 3, and step 6 is saved with two pods: both commit whole, and a run resumed from step 6
+  by the plain three-pod config continues the uninterrupted trajectory."""
+  workdir = tmp_path / "run"
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod0@step4,rejoin:pod0@step8"}
+  config = small_config(
+    **{**THREE_PODS, **drills, "train.checkpoint_every": 3, "train.keep_checkpoints": 5}
+  )
+  train.run(config, str(workdir), show_progress=False)
+  checkpoints = workdir / "checkpoints"
+  assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6, 9, 10]
+  for later in ("9", "10"):
+    shutil.rmtree(checkpoints / later)
+  resumed = train.run(small_config(**THREE_PODS), str(workdir), show_progress=False)
+  assert resumed.start_step == 6
+  assert_close(_losses(resumed), _losses(uninterrupted)[6:], "losses after resuming")
+  assert_trees_close(resumed.state["params"], uninterrupted.state["params"], "params")
+
+
+def test_diloco_averages_only_the_live_pods_deltas(tmp_path):
+  """DiLoCo with one inner step, outer lr 1 and no momentum averages the pods' SGD steps: after
+  pod 2 is lost between outer steps, the two survivors' average over their six rows each is the
+  three pods' average over four, so the run equals the uninterrupted one."""
+  diloco = {
+    **THREE_PODS, "optim.b1": 0.0, "optim.clip_norm": 1e9, "exchange.mode": "diloco",
+    "exchange.inner_steps": 1, "exchange.outer_lr": 1.0, "exchange.outer_momentum": 0.0,
+    "train.num_steps": 6,
+  }  # fmt: skip
+  straight = train.run(small_config(**diloco), str(tmp_path / "a"), show_progress=False)
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod2@step3"}
+  elastic = train.run(small_config(**diloco, **drills), str(tmp_path / "b"), show_progress=False)
+  assert_close(_losses(elastic), _losses(straight), "losses")
+  survivors = elastic.state["pods"]
+  assert len(survivors) == 2 and len(straight.state["pods"]) == 3
+  assert_trees_close(survivors[0]["params"], straight.state["pods"][0]["params"], "params")
+  jax.tree.map(np.testing.assert_array_equal, survivors[0]["params"], survivors[1]["params"])
+
+
+def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
+  """The pipeline layout: pod 1's two stage islands are lost, pod 0 runs both stages on alone
+  with the whole batch, and pod 1 rejoins; the run equals the uninterrupted one."""
+  pipeline = {
+    **SGD, "parallel.islands": 4, "parallel.devices_per_island": 2, "parallel.pods": 2,
+    "parallel.stages": 2, "parallel.data": -1, "train.num_microbatches": 2,
+    "train.global_batch": 16, "train.num_steps": 8, "model.num_layers": 4,
+  }  # fmt: skip
+  straight = train.run(small_config(**pipeline), str(tmp_path / "a"), show_progress=False)
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
+  elastic = train.run(small_config(**pipeline, **drills), str(tmp_path / "b"), show_progress=False)
+  assert_close(_losses(elastic), _losses(straight), "losses")
+  assert_trees_close(elastic.state["params"], straight.state["params"], "params")
+  live = [row["pods_live"] for row in _rows(tmp_path / "b") if "loss" in row]
+  assert live == [2, 2, 1, 1, 1, 2, 2, 2]
 
 
 def test_the_batch_may_shrink_instead(tmp_path):

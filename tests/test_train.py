@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, small_config
+from conftest import REPO, TINY, small_config
 
 from pwtrain import train
 
@@ -207,3 +207,25 @@ def test_pathways_without_pathwaysutils_is_one_clear_line(tmp_path):
     "pip install 'pwtrain[pathways]'"
   )
   assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_a_restart_loads_its_programs_from_the_workdirs_compile_cache(tmp_path):
+  """train.compile_cache_dir="": JAX's persistent cache under the workdir; a second start of the
+  run (a restart) finds every program there and compiles nothing new."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  flags = [f"--config.{k}={v}" for k, v in {**TINY, "train.log_every": 1}.items()]
+
+  def start(num_steps):
+    out = subprocess.run(
+      [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py",
+       f"--workdir={tmp_path}", *flags, f"--config.train.num_steps={num_steps}",
+       "--config.data.max_files=40", "--config.train.eval_every=0"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return sorted(os.listdir(tmp_path / "compile_cache"))
+
+  first = start(2)
+  assert len(first) >= 3  # init, the step, the checkpoint's fingerprints at least
+  assert start(4) == first  # resumed from step 2: nothing compiled again
