@@ -1,0 +1,248 @@
+"""Goodput under faults (elastic pods against restart-from-checkpoint), and time to first step
+with a cold and a warm compilation cache.
+
+  python experiments/bench_elastic.py                       # both sections
+  python experiments/bench_elastic.py --sections=faults --steps=200 --fault_every=50 \
+    --fault_offset=25 --rejoin_after=10
+
+faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps in embedded
+         mode, and pod 1 is lost every --fault_every steps (--fault_offset into each interval),
+         three sides run one after another, after a short warm-up run that fills the cache:
+           clean    no fault (the reference step time)
+           elastic  fault.elastic=True, the drill `kill:pod1@stepN` and `rejoin:pod1@stepN+R`
+                    (R = --rejoin_after): the run drops the pod and carries on in process
+           restart  today's path: the process is SIGKILLed once step N is logged, and started
+                    again, resuming from the last checkpoint (train.checkpoint_every); the
+                    compilation cache is warm for every restart
+         Goodput = (kept steps x the clean run's median step time) / wall time, where wall time
+         runs from the first process start to the last exit; seconds lost per fault = (wall -
+         clean wall) / faults. The elastic side's breakdown (compile, state move) is read from
+         its drop lines; detection in a drill is the step boundary itself (0 s), the steps run
+         again are counted from the log.
+first    time to first step (process start to the first metrics row) of palm_tiny and of
+         palm_tiny_pipeline, with an empty compilation cache and then with the cache the first
+         run left, side by side per block (--blocks), medians.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import REPO, machine, write_json
+
+TINY = {
+  "model.num_layers": 2,
+  "model.d_model": 64,
+  "model.num_heads": 8,
+  "model.head_dim": 8,
+  "model.d_ff": 128,
+  "data.seq_len": 32,
+  "data.max_files": 40,
+}
+THREE_PODS = {
+  **TINY,
+  "parallel.islands": 3,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 3,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 12,
+  "train.eval_every": 0,
+  "train.log_every": 1,
+}
+
+
+def start(workdir: str, config: str, overrides: dict, cache: str) -> subprocess.Popen:
+  flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  command = [
+    sys.executable, "-m", "pwtrain.main", f"--config={REPO / 'configs' / config}",
+    f"--workdir={workdir}", f"--config.train.compile_cache_dir={cache}", *flags,
+  ]  # fmt: skip
+  return subprocess.Popen(
+    command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+
+
+def logged_steps(workdir: str) -> list[int]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line)["step"] for line in f if '"loss"' in line]
+
+
+def run_clean(root: str, steps: int, cache: str) -> dict:
+  workdir = os.path.join(root, "clean")
+  begin = time.perf_counter()
+  first, times = None, {}
+  proc = start(workdir, "palm_tiny.py", {**THREE_PODS, "train.num_steps": steps}, cache)
+  while proc.poll() is None:  # step times from when each row appears (log_every=1)
+    for step in logged_steps(workdir):
+      times.setdefault(step, time.perf_counter())
+    time.sleep(0.005)
+  out = proc.communicate()[0]
+  assert proc.returncode == 0, out[-3000:]
+  wall = time.perf_counter() - begin
+  ordered = [times[s] for s in sorted(times) if s in times]
+  gaps = [b - a for a, b in zip(ordered, ordered[1:], strict=False)]
+  first = ordered[0] - begin if ordered else float("nan")
+  return {"wall_s": wall, "step_s": statistics.median(gaps), "first_step_s": first}
+
+
+def fault_steps(args) -> list[int]:
+  """Where pod 1 is lost: every --fault_every steps, --fault_offset into each interval (a fault
+  falls between checkpoints, not on one)."""
+  return list(range(args.fault_offset, args.steps, args.fault_every))
+
+
+def run_elastic(root: str, args, cache: str, name: str = "elastic") -> dict:
+  workdir = os.path.join(root, name)
+  steps, rejoin = args.steps, args.rejoin_after
+  drills = []
+  for n in fault_steps(args):
+    drills += [f"kill:pod1@step{n}", f"rejoin:pod1@step{min(n + rejoin, steps)}"]
+  overrides = {
+    **THREE_PODS, "train.num_steps": steps, "fault.elastic": True,
+    "fault.inject": ",".join(drills),
+  }  # fmt: skip
+  begin = time.perf_counter()
+  proc = start(workdir, "palm_tiny.py", overrides, cache)
+  out = proc.communicate()[0]
+  assert proc.returncode == 0, out[-3000:]
+  wall = time.perf_counter() - begin
+  pattern = r"lost .* took ([\d.]+) s \(compile ([\d.]+) s, state ([\d.]+) s\); steps (\d+)-(\d+)"
+  drops = [
+    {"seconds": float(m[0]), "compile_s": float(m[1]), "state_s": float(m[2]),
+     "rerun": int(m[4]) - int(m[3]) + 1}
+    for m in re.findall(pattern, out)
+  ]  # fmt: skip
+  rejoins = [float(s) for s in re.findall(r"rejoined .* took ([\d.]+) s", out)]
+  return {"wall_s": wall, "faults": len(drops), "drops": drops, "rejoins_s": rejoins}
+
+
+def run_restart(root: str, args, cache: str) -> dict:
+  workdir = os.path.join(root, "restart")
+  steps = args.steps
+  overrides = {**THREE_PODS, "train.num_steps": steps, "train.checkpoint_every": args.fault_every}
+  kills = fault_steps(args)
+  begin = time.perf_counter()
+  starts, redone, last_kill = 0, 0, 0
+  while True:
+    starts += 1
+    proc = start(workdir, "palm_tiny.py", overrides, cache)
+    target = kills[0] if kills else None
+    while proc.poll() is None:
+      if target is not None and target in logged_steps(workdir):
+        proc.send_signal(signal.SIGKILL)  # a lost pod stops every pod: the whole run dies
+        proc.wait()
+        break
+      time.sleep(0.005)
+    out = proc.communicate()[0]
+    resumed = re.search(r"resumed from step (\d+)", out)
+    if starts > 1:  # this start redid the steps between its checkpoint and the last kill
+      redone += last_kill - (int(resumed[1]) if resumed else 0)
+    if target is not None and proc.returncode == -signal.SIGKILL:
+      kills.pop(0)
+      last_kill = target
+      continue
+    assert proc.returncode == 0, out[-3000:]
+    break
+  return {"wall_s": time.perf_counter() - begin, "faults": starts - 1, "steps_redone": redone}
+
+
+def faults(args, cache: str) -> dict:
+  root = tempfile.mkdtemp(prefix="bench_elastic_")
+  # Every side starts warm: a short elastic run compiles the programs of both pod sets first.
+  warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
+  run_elastic(root, warmup, cache, name="warmup")
+  clean = run_clean(root, args.steps, cache)
+  elastic = run_elastic(root, args, cache)
+  restart = run_restart(root, args, cache)
+  productive = args.steps * clean["step_s"]
+  result = {"clean": clean, "elastic": elastic, "restart": restart}
+  for name in ("elastic", "restart"):
+    side = result[name]
+    side["goodput"] = productive / side["wall_s"]
+    side["lost_per_fault_s"] = (side["wall_s"] - clean["wall_s"]) / max(side["faults"], 1)
+  print(
+    f"step time (clean, median): {clean['step_s'] * 1e3:.1f} ms; clean wall {clean['wall_s']:.1f} s"
+  )
+  for name in ("elastic", "restart"):
+    side = result[name]
+    print(
+      f"{name:8s} wall {side['wall_s']:.1f} s, goodput {side['goodput']:.3f}, "
+      f"{side['lost_per_fault_s']:.2f} s lost per fault ({side['faults']} faults)"
+    )
+  for d in elastic["drops"]:
+    print(
+      f"  elastic drop: {d['seconds']:.2f} s (compile {d['compile_s']:.2f} s, state move "
+      f"{d['state_s']:.2f} s), {d['rerun']} step(s) run again = "
+      f"{d['rerun'] * clean['step_s']:.3f} s at the clean step time; detection 0 s (a drill)"
+    )
+  print(f"  elastic rejoins: {', '.join(f'{s:.2f} s' for s in elastic['rejoins_s'])}")
+  print(f"  restart: {restart['steps_redone']} steps redone in all")
+  ratio = restart["lost_per_fault_s"] / max(elastic["lost_per_fault_s"], 1e-9)
+  print(f"restart loses {ratio:.1f}x the time elastic loses per fault")
+  result["restart_over_elastic"] = ratio
+  return result
+
+
+def first_step(args) -> dict:
+  out = {}
+  configs = {
+    "palm_tiny": ("palm_tiny.py", {"data.max_files": 40}),
+    "palm_tiny_pipeline": ("palm_tiny_pipeline.py", {"data.max_files": 40}),
+  }
+  for name, (file, overrides) in configs.items():
+    cold, warm = [], []
+    for _ in range(args.blocks):
+      root = tempfile.mkdtemp(prefix="bench_first_")
+      cache = os.path.join(root, "cache")
+      for times in (cold, warm):  # the same cache: empty, then as the first run left it
+        workdir = tempfile.mkdtemp(dir=root)
+        begin = time.perf_counter()
+        proc = start(
+          workdir, file, {**overrides, "train.num_steps": 1, "train.eval_every": 0}, cache
+        )
+        while proc.poll() is None and not logged_steps(workdir):
+          time.sleep(0.005)
+        times.append(time.perf_counter() - begin)
+        log = proc.communicate()[0]
+        assert proc.returncode == 0, log[-3000:]
+    c, w = statistics.median(cold), statistics.median(warm)
+    out[name] = {"cold_s": cold, "warm_s": warm, "cold_median_s": c, "warm_median_s": w}
+    print(f"{name}: time to first step cold {c:.2f} s, warm {w:.2f} s: {c / w:.2f}x")
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sections", default="faults,first")
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--fault_every", type=int, default=50)
+  parser.add_argument("--fault_offset", type=int, default=25, help="steps into each interval")
+  parser.add_argument("--rejoin_after", type=int, default=10)
+  parser.add_argument("--blocks", type=int, default=3)
+  parser.add_argument("--out", default="")
+  args = parser.parse_args()
+  result = {"machine": machine(), "args": vars(args)}
+  sections = args.sections.split(",")
+  if "faults" in sections:
+    result["faults"] = faults(args, os.path.join(tempfile.mkdtemp(), "cache"))
+  if "first" in sections:
+    result["first"] = first_step(args)
+  if args.out:
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+  main()
