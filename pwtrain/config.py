@@ -172,7 +172,7 @@ def validate(config) -> None:
 def validate_scan(config) -> None:
   """model.scan_layers: a bool; with MoE the scan's periods of moe.every layers must tile the
   model; remote island workers cannot unstack a checkpoint's layers (models/scan.py)."""
-  scan = config.model.get("scan_layers", False)
+  scan = config.model.scan_layers
   if not isinstance(scan, bool):
     raise ConfigError(f"model.scan_layers={scan!r} must be True or False")
   if not scan:
@@ -211,7 +211,7 @@ def validate_backend(config) -> None:
       host, _, port = str(address).rpartition(":")
       if not host or not port.isdigit():
         raise ConfigError(f"backend.workers entry {address!r} is not 'host:port'")
-    tls_ca = b.get("tls_ca", "")
+    tls_ca = b.tls_ca
     if tls_ca and not os.path.isfile(tls_ca):
       raise ConfigError(
         f"backend.tls_ca={tls_ca!r} is not a file: give the PEM certificate that verifies the "

@@ -139,7 +139,7 @@ def restore_params(config, workdir: str, mesh):
   if exchange.per_pod_state:
     state = state["pods"][0]
   params = state["params"]
-  if config.model.get("scan_layers", False):
+  if config.model.scan_layers:
     period = scan.period(config.moe)
     params = jax.device_put(stages.stack_state(params, period), shardings["params"])
   return step, fns, params

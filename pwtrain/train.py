@@ -8,7 +8,7 @@ import os
 import jax
 
 from pwtrain import config as config_lib
-from pwtrain import elastic, guard, processes
+from pwtrain import drills, guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace, modes, run_mode
@@ -49,7 +49,7 @@ def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
     # Laid out once, before anything is written: a bad layout writes nothing.
     with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
       plan = plan_lib.build(config, cluster)
-      elastic.check(config, plan)
+      drills.check(config, plan)
       return _run(config, workdir, show_progress, mode, cluster, plan)
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it.

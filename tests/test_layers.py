@@ -21,6 +21,8 @@ LAYERS = (
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
+    "defaults",
+    "drills",
     "preemption",
     "workdir",
     "profiling",

@@ -112,7 +112,7 @@ def state_bytes(s: Setup, stage_list: list[Stage]) -> dict:
 def keeps_every_intermediate(m, remat: str) -> bool:
   """Whether every block keeps its whole set (arithmetic.layer_activation_bytes): unrolled at
   remat "none"."""
-  return remat == "none" and not m.get("scan_layers", False)
+  return remat == "none" and not m.scan_layers
 
 
 def activation_bytes(

@@ -43,7 +43,7 @@ def model_fns(model_cfg, moe=None) -> step_lib.ModelFns:
   model's: shapes only, not for running. A scanned model (model.scan_layers) is built as it is,
   stacked: its blocks are one period's, vmapped over the periods.
   """
-  if model_cfg.get("scan_layers", False):
+  if model_cfg.scan_layers:
     fns = step_lib.model_fns(model_cfg, moe)
     return _ShapeOnlyFns(fns.graphdef, fns.abstract_params, fns.logical_axes, model_cfg, moe)
   period = min(moe.every, model_cfg.num_layers) if moe_lib.enabled(moe) else 1

@@ -146,7 +146,7 @@ def remat_kept_bytes(m, tensor: int, seq_len: int, remat: str) -> float:
   "none", what the unrolled or the scanned model keeps, as `m.scan_layers` says)."""
   b = jnp.dtype(m.dtype).itemsize
   heads = m.num_heads / tensor
-  if remat == "none" and m.get("scan_layers", False):
+  if remat == "none" and m.scan_layers:
     dots = remat_kept_bytes(m, tensor, seq_len, "dots")
     return dots + b * heads * (m.head_dim + seq_len)
   if remat == "none":

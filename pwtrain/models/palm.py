@@ -55,7 +55,7 @@ class PaLM(nnx.Module):
     num_layers = cfg.num_layers if num_layers is None else num_layers
     self.num_layers = num_layers
     self.num_experts = moe.num_experts if moe_lib.enabled(moe) else 0
-    self.scan = bool(cfg.get("scan_layers", False))
+    self.scan = bool(cfg.scan_layers)
     if self.scan:
       self.layers = scan_lib.stacked_blocks(
         cfg,

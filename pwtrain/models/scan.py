@@ -50,7 +50,7 @@ def period(moe) -> int:
 
 def unit(model_cfg, moe) -> int:
   """Layers that stage boundaries must group: the period when `model.scan_layers`, else 1."""
-  return period(moe) if model_cfg.get("scan_layers", False) else 1
+  return period(moe) if model_cfg.scan_layers else 1
 
 
 class _DrawCounter:

@@ -174,7 +174,7 @@ def make_cluster(config, devices=None) -> Cluster:
       devices,
       timeout_s=config.backend.rpc_timeout_s,
       heartbeat_s=config.fault.heartbeat_s,
-      tls_ca=config.backend.get("tls_ca", ""),
+      tls_ca=config.backend.tls_ca,
     )
   devices = list(jax.devices() if devices is None else devices)
   sizes = island_sizes(config, len(devices))

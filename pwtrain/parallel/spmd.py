@@ -168,7 +168,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
       outputs={"eval/0": ("eval_step", 0)},
     )
 
-  period = scan_lib.period(config.moe) if config.model.get("scan_layers", False) else 0
+  period = scan_lib.period(config.moe) if config.model.scan_layers else 0
   return SpmdProgram(
     program, unstack_state(abstract_state), init, executables, build_eval, shardings, period
   )

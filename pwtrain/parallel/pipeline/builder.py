@@ -104,7 +104,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     cell_shardings={c: cell.shardings for c, cell in cells.items()},
     exchange=exchange,
     exchange_bytes=exchange.bytes_per_step(stage_grads),
-    period=scan_lib.period(config.moe) if config.model.get("scan_layers", False) else 0,
+    period=scan_lib.period(config.moe) if config.model.scan_layers else 0,
   )
 
 

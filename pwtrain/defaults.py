@@ -1,0 +1,188 @@
+"""Every config key and its default (docs/config.md lists them).
+
+A config file starts from `get_config()` and sets what it changes (configs/palm_tiny.py takes
+the defaults as they are; the others start from palm_tiny with `pwtrain.config.base_config`),
+so no code needs a fallback for a key a config left out.
+"""
+
+import ml_collections
+
+
+def get_config():
+  """Every key with its default: the tiny model of configs/palm_tiny.py, trained on CPU."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 512
+  c.model.num_layers = 4
+  c.model.d_model = 128
+  c.model.num_heads = 8
+  c.model.num_kv_heads = 1  # 1 = multi-query attention (PaLM); >1 = grouped-query.
+  c.model.head_dim = 16
+  c.model.d_ff = 512
+  c.model.rope_base = 10000.0
+  c.model.z_loss = 1e-4
+  c.model.dtype = "float32"  # activation/compute dtype
+  c.model.param_dtype = "float32"
+  # Rematerialisation per block (models/remat.py): "none", "full", "dots" (keep matmul
+  # outputs) or "outputs" (keep only attention and FFN outputs).
+  c.model.remat = "none"
+  # Scanned layers (models/scan.py): the blocks' parameters stacked on a leading "layers" axis
+  # and run with jax.lax.scan, so compile time does not grow with depth. Same parameters, same
+  # numbers, and checkpoints restore either way. With MoE, num_layers must be a multiple of
+  # moe.every (a period of every - 1 dense blocks and one MoE block is scanned).
+  c.model.scan_layers = False
+  # Attention implementation: "einsum" (written out, float32 softmax), or
+  # jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
+  c.model.attention = "einsum"
+
+  # Sparse Mixture-of-Experts FFNs (pwtrain/models/moe.py). num_experts=0: dense (PaLM).
+  c.moe = ml_collections.ConfigDict()
+  c.moe.num_experts = 0
+  c.moe.every = 2  # layer i (from 0) is MoE if (i + 1) % every == 0; 1: every layer
+  c.moe.top_k = 2  # experts per token: 1 (Switch) or 2 (GShard)
+  c.moe.d_ff = 0  # each expert's hidden size; 0: model.d_ff // top_k (dense's active FFN size)
+  c.moe.capacity_factor = 1.25  # training: slots per expert = top_k * factor * seq_len / experts
+  c.moe.eval_capacity_factor = 2.0  # the same at inference (model.__call__)
+  c.moe.dropless = False  # True: no capacity, no drops (sorted tokens, grouped matmuls)
+  c.moe.jitter = 0.0  # router input noise: x * U[1 - jitter, 1 + jitter] while training
+  c.moe.aux_loss_weight = 1e-2  # load-balancing loss (Switch/GShard), per MoE layer
+  c.moe.router_z_loss_weight = 1e-3  # router z-loss (ST-MoE)
+
+  c.data = ml_collections.ConfigDict()
+  # "pystdlib" (built-in corpus), "files" (your own: data.files) or any prepared TFDS name
+  # (e.g. "lm1b").
+  c.data.dataset = "pystdlib"
+  c.data.files = ""  # "files": a glob, or globs separated by commas, of text or .jsonl files
+  c.data.jsonl_field = "text"  # "files": the field of each JSONL line that holds the text
+  c.data.data_dir = ml_collections.config_dict.placeholder(str)  # None: <workdir>/tfds
+  c.data.split = "train"
+  # The held-out split evaluation reads: the built-in corpus holds out ~5% of its files as
+  # "validation"; for a TFDS dataset name one of its splits (e.g. "test" for lm1b).
+  c.data.eval_split = "validation"
+  c.data.text_key = "text"
+  c.data.max_files = 400  # built-in corpus only: cap on source files read (0 = all)
+  c.data.tokenizer = "byte"  # "byte", "sentencepiece" or "huggingface"
+  # An existing tokenizer to load: a SentencePiece .model ("sentencepiece"; without a path one is
+  # trained on the corpus) or a Hugging Face tokenizers .json ("huggingface").
+  c.data.tokenizer_path = ""
+  c.data.eos_token = ""  # "huggingface": the document separator ("": </s>, <|endoftext|>, ...)
+  c.data.sp_vocab_size = 512
+  c.data.seq_len = 128
+  c.data.shuffle = True
+  # Independent packed streams the global batch's rows are split into (contiguous blocks, one
+  # per stream). 1 is one stream; in distributed mode set it to the pods (or a multiple) so that
+  # each process reads only its pods' rows (pwtrain/data/loader.py). Part of the data stream.
+  c.data.streams = 1
+
+  c.train = ml_collections.ConfigDict()
+  c.train.global_batch = 16
+  c.train.num_steps = 300
+  c.train.num_microbatches = 1  # gradient accumulation, or pipeline microbatches
+  c.train.log_every = 10
+  c.train.checkpoint_every = 100
+  c.train.keep_checkpoints = 3
+  c.train.resume = True
+  c.train.async_checkpoint = True
+  # JAX's persistent compilation cache, so that a restart, a rejoin or a second run loads its
+  # programs instead of compiling them: "" is <workdir>/compile_cache (unless
+  # $JAX_COMPILATION_CACHE_DIR names one), "off" turns it off.
+  c.train.compile_cache_dir = ""
+  # Loss spikes (PaLM section 5.1): a step whose loss or gradient norm is NaN/Inf is skipped
+  # (parameters and optimizer state unchanged, counted in the "skipped" metric); after
+  # rollback_after consecutive skipped steps the trainer reloads the last checkpoint from before
+  # them and goes on with the data after the bad batches (plus rollback_skip_batches more).
+  c.train.skip_nonfinite = True
+  c.train.rollback_after = 3  # 0: never roll back
+  c.train.rollback_skip_batches = 0
+  c.train.max_rollbacks = 3  # then stop with an error; the checkpoints stay intact
+  # (start, stop): a jax.profiler trace of steps start+1..stop in <workdir>/profile; (): none.
+  c.train.profile_steps = ()
+  c.train.eval_every = 100  # evaluate on data.eval_split every N steps and at the end (0: never)
+  c.train.eval_batches = 4  # batches of train.global_batch per evaluation
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"
+  c.optim.lr = 1e-2
+  # Learning-rate schedule: "auto" (adafactor/sgd: PaLM's rsqrt; adamw: cosine), "rsqrt",
+  # "cosine", "linear", "wsd" (warmup-stable-decay) or "constant"; all warm up linearly.
+  c.optim.schedule = "auto"
+  c.optim.warmup_steps = 30
+  c.optim.constant_steps = 10_000  # PaLM: constant lr for 10k steps, then 1/sqrt(step)
+  c.optim.b1 = 0.9
+  c.optim.decay_rate = 0.8  # Adafactor second moment: beta2 = 1 - step^-0.8
+  c.optim.clip_norm = 1.0
+  c.optim.weight_decay = 1.0  # Adafactor: decay = weight_decay * lr^2 (PaLM uses lr^2)
+  c.optim.b2 = 0.95  # AdamW only
+  c.optim.end_lr_fraction = 0.1  # where cosine, linear and wsd end, as a fraction of lr
+  c.optim.decay_fraction = 0.2  # wsd: the last fraction of train.num_steps that decays
+
+  c.parallel = ml_collections.ConfigDict()
+  c.parallel.islands = 1  # number of islands the local devices are carved into
+  c.parallel.devices_per_island = 0  # 0: all local devices / islands
+  c.parallel.data = -1  # -1: whatever is left of the island after fsdp and tensor
+  c.parallel.fsdp = 1
+  c.parallel.tensor = 1
+  c.parallel.expert = 1  # expert parallelism: experts split over it (tokens too, like data)
+  c.parallel.stages = 1  # pipeline stages, one island each (parallel.islands must match)
+  c.parallel.schedule = "1f1b"  # "gpipe" or "1f1b"; microbatches: train.num_microbatches
+  # What a stage (or an overlapped exchange's chunk) keeps for its backward per microbatch in
+  # flight: "full" keeps only its input and recomputes its forward in the backward (GPipe's
+  # re-materialisation: least memory, a third more compute); "none" keeps what autodiff keeps
+  # under model.remat (no extra compute; unrolled at remat "none", every intermediate).
+  c.parallel.stage_remat = "full"
+  # Layer index where each stage starts, plus num_layers at the end, e.g. (0, 1, 3, 4);
+  # None: the planner balances stages by FLOPs (embedding/head counted to their stages).
+  c.parallel.stage_boundaries = ml_collections.config_dict.placeholder(tuple)
+
+  c.parallel.pods = 1  # data-parallel replicas on separate islands (islands = pods * stages)
+
+  c.exchange = ml_collections.ConfigDict()  # how pods share gradients (parallel.pods > 1)
+  c.exchange.mode = "sync"  # "sync" (PaLM), "overlapped", "stale" or "diloco" (exchange.py)
+  c.exchange.compression = "none"  # "none", "bf16" or "int8" (one scale per row)
+  c.exchange.error_feedback = False  # carry what compression lost into the next step
+  c.exchange.buckets = 4  # overlapped, one stage: chunks of layers whose grads go separately
+  c.exchange.inner_steps = 10  # diloco: local steps between outer steps (H)
+  c.exchange.outer_lr = 0.7  # diloco: outer SGD learning rate (DiLoCo's value)
+  c.exchange.outer_momentum = 0.9  # diloco: outer Nesterov momentum
+
+  c.backend = ml_collections.ConfigDict()
+  c.backend.mode = "embedded"
+  c.backend.max_inflight_steps = 1  # unfinished steps allowed when enqueueing the next (0: sync)
+  c.backend.trace = False  # write <workdir>/trace.json (Chrome/Perfetto)
+  # Remote islands (backend.mode="remote"): one island worker per island
+  # (`python -m pwtrain.backend.remote.worker`).
+  c.backend.workers = ()  # their addresses, e.g. ("127.0.0.1:7001", "127.0.0.1:7002")
+  c.backend.launch_workers = False  # True: start them on loopback here (and restart on faults)
+  c.backend.token_file = ""  # the shared token's file; "" reads $<backend.token_env>
+  c.backend.token_env = "PWTRAIN_WORKER_TOKEN"
+  # Workers off loopback serve TLS (worker --tls_cert/--tls_key): the PEM file that verifies
+  # them, their CA or their self-signed certificate. "" connects without TLS.
+  c.backend.tls_ca = ""
+  c.backend.rpc_timeout_s = 30.0  # deadline of every call that should answer at once
+  # Distributed mode (backend.mode="distributed"): processes on JAX's runtime, started by
+  # `python -m pwtrain.launch` or a cluster scheduler (backend/distributed.py). Unset values come
+  # from $PWTRAIN_COORDINATOR/$PWTRAIN_NUM_PROCESSES/$PWTRAIN_PROCESS_ID, else JAX's cluster
+  # auto-detection (SLURM, Open MPI, Cloud TPU).
+  c.backend.coordinator = ""  # "host:port" that process 0 serves
+  c.backend.num_processes = 0
+  c.backend.process_id = -1
+  c.backend.connect_timeout_s = 60  # how long a process waits for all others to join
+
+  c.fault = ml_collections.ConfigDict()  # lost workers (remote) or processes (pwtrain.launch)
+  c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
+  c.fault.heartbeat_s = 2.0  # health-check period; a worker silent for 3 periods is lost
+  c.fault.elastic = False  # True: a lost pod is dropped and the run goes on (embedded mode)
+  c.fault.keep_global_batch = True  # elastic: survivors take the lost pod's rows (else shrink)
+  c.fault.min_pods = 1  # elastic: below this many live pods the loss stops the run
+  c.fault.inject = ""  # elastic drills: "kill:pod1@step6,rejoin:pod1@step10"
+
+  c.metrics = ml_collections.ConfigDict()  # besides metrics.jsonl and TensorBoard (always on)
+  # Weights & Biases project ("": off). Needs `pip install 'pwtrain[wandb]'`; WANDB_MODE etc.
+  # as wandb reads them (e.g. WANDB_MODE=offline).
+  c.metrics.wandb_project = ""
+  c.metrics.wandb_entity = ""  # "": your default entity
+
+  c.lock()
+  return c

@@ -1,0 +1,71 @@
+"""Fault drills (`fault.inject`) and the checks of the elastic pods' settings (fault.*).
+
+A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
+step 6 is dispatched, as if their devices had failed; `rejoin:pod1@step10` brings them back
+before step 10. pwtrain/elastic.py carries them out.
+"""
+
+import dataclasses
+import re
+
+from pwtrain.errors import ConfigError
+
+_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@step(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+  """One injected event of `fault.inject`: `action` ("kill" or "rejoin") of configured pod
+  `pod` before step `step` (1-based, as metrics rows count) is dispatched."""
+
+  action: str
+  pod: int
+  step: int
+
+
+def check(config, plan) -> None:
+  """fault.* against the plan, before anything is written: every pod count the run may fall to
+  (fault.min_pods up to parallel.pods) must split its batch evenly."""
+  f = config.fault
+  if not f.elastic:
+    if f.inject:
+      raise ConfigError(f"fault.inject={f.inject!r} is a drill of fault.elastic=True")
+    return
+  parse_inject(f.inject, plan.num_pods)
+  if plan.num_pods < 2:
+    raise ConfigError(
+      f"fault.elastic=True drops lost pods, but parallel.pods={plan.num_pods}: use 2 or more"
+    )
+  if not 1 <= f.min_pods <= plan.num_pods:
+    raise ConfigError(f"fault.min_pods={f.min_pods} must be between 1 and parallel.pods")
+  split = plan.batch_shards * config.train.num_microbatches
+  for n in range(f.min_pods, plan.num_pods + 1):
+    batch = config.train.global_batch
+    if not f.keep_global_batch:
+      batch = batch * n // plan.num_pods
+    if batch % (n * split):
+      raise ConfigError(
+        f"fault.elastic=True with {n} live pods: train.global_batch={batch} does not split "
+        f"into {n} pods x {split} rows (batch shards x microbatches); choose a global batch "
+        f"that every pod count from fault.min_pods={f.min_pods} to {plan.num_pods} divides"
+      )
+
+
+def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:
+  """`fault.inject`: comma-separated `kill:pod<P>@step<N>` / `rejoin:pod<P>@step<N>`."""
+  drills = []
+  for item in filter(None, (part.strip() for part in str(text).split(","))):
+    match = _DRILL.match(item)
+    if match is None:
+      raise ConfigError(
+        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@step<N>' or "
+        "'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
+      )
+    action, pod, step = match.group(1), int(match.group(2)), int(match.group(3))
+    if pod >= num_pods or step < 1:
+      raise ConfigError(
+        f"fault.inject={text!r}: {item!r} needs a pod below parallel.pods={num_pods} and a step "
+        ">= 1"
+      )
+    drills.append(Drill(action, pod, step))
+  return tuple(drills)
