@@ -19,7 +19,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from pwtrain import aot, dryrun, train  # noqa: E402
+from pwtrain import dryrun, train  # noqa: E402
+from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 from pwtrain.errors import UserError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -84,7 +85,9 @@ def main(argv):
     raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
   try:
     if _DRY_RUN.value:
-      print(aot.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value))
+      print(
+        dryrun_compile.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value)
+      )
       return
     train.run(_CONFIG.value, _WORKDIR.value)
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below

@@ -36,9 +36,11 @@ LAYERS = (
   ("step",),  # the train step as pure functions of a model
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
-  ("harness", "dryrun"),  # config -> a ready step; config -> a plan on paper
-  ("elastic",),  # steps over the live pods: a lost pod dropped, a returning one rejoined
-  ("train", "aot"),  # the training loop; the step compiled for a TPU topology
+  ("harness",),  # config -> a ready step
+  # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
+  # steps over the live pods: a lost pod dropped, a returning one rejoined.
+  ("dryrun", "elastic"),
+  ("train",),  # the training loop
   ("main", "sample", "launch"),  # entry points: training and the dry run; sampling; launcher
 )
 LAYER = {component: i for i, layer in enumerate(LAYERS) for component in layer}

@@ -26,7 +26,7 @@ class Hardware:
   # result: the step time and MFU the dry run predicts follow from it.
   efficiency: float
   # The TPU topology of one slice (one pod), e.g. "v4:8x16x24", that `--dry_run --compile`
-  # compiles the step for (aot.py); None: not given (the dry run's arithmetic does not need it).
+  # compiles the step for (dryrun/compile.py); None: not given (the dry run's arithmetic does not need it).
   topology: str | None = None
 
 
@@ -96,7 +96,7 @@ def hardware(config) -> Hardware:
 
 def slice_devices(topology: str) -> int:
   """Devices in one slice of the TPU topology "<generation>:<A>x<B>[x<C>]": its chips (one JAX
-  device per chip; aot.py compiles v4 and v5p in megacore mode)."""
+  device per chip; dryrun/compile.py compiles v4 and v5p in megacore mode)."""
   try:
     dims = [int(d) for d in topology.split(":", 1)[1].split("x")]
   except (IndexError, ValueError):

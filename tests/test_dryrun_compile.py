@@ -1,4 +1,4 @@
-"""`--dry_run --compile` (pwtrain/aot.py): the trainer's own step compiled for a TPU topology on
+"""`--dry_run --compile` (pwtrain/dryrun/compile.py): the trainer's own step compiled for a TPU topology on
 this CPU host with libtpu, and its compiled memory and FLOPs next to the dry run's arithmetic.
 
 Skipped only where libtpu is absent (CI installs it with the [test] extra)."""
@@ -13,7 +13,7 @@ from conftest import REPO, tiny_test_config
 
 pytest.importorskip("libtpu", reason="--dry_run --compile needs libtpu: pip install 'pwtrain[tpu]'")
 
-from pwtrain import aot  # noqa: E402
+from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 
 # A TPU program compiled twice finds its persistent-cache entry, which a compile-only client
 # cannot load: JAX warns and compiles it again.
@@ -78,12 +78,12 @@ def test_extrapolated_flops_equal_the_unrolled_steps_count():
   of 1 or 2 rows per device would not count linearly."""
   shapes = {k: v for k, v in SMALL_8B.items() if k.startswith("model.")}
   shapes.update({"model.num_layers": 3, "data.seq_len": 128, "train.global_batch": 128})
-  loops = aot.compile_for_topology(
+  loops = dryrun_compile.compile_for_topology(
     tpu_config("v4:2x2x2", **shapes, **{"model.scan_layers": True, "train.num_microbatches": 2})
   )
   (row,) = loops["islands"]
   assert row["flops_counted"] == "extrapolated from loop-free compiles"
-  direct = aot.compile_for_topology(tpu_config("v4:2x2x2", **shapes))
+  direct = dryrun_compile.compile_for_topology(tpu_config("v4:2x2x2", **shapes))
   (want,) = direct["islands"]
   assert want["flops_counted"] == "as compiled"
   assert row["flops"] == pytest.approx(want["flops"], rel=0.01)
@@ -104,7 +104,7 @@ def test_pods_on_slices_and_pipeline_stages():
       "train.num_microbatches": 2,
     },
   )
-  out = aot.compile_for_topology(c)
+  out = dryrun_compile.compile_for_topology(c)
   assert (out["num_slices"], out["num_devices"]) == (2, 8)
   assert [r["island"] for r in out["islands"]] == ["island0", "island1"]
   for r in out["islands"]:
@@ -123,7 +123,7 @@ def test_a_step_that_does_not_fit_is_reported_not_raised():
   )
   with c.unlocked():
     c.model.vocab_size = 32768
-  text = aot.report(c)
+  text = dryrun_compile.report(c)
   last = text.splitlines()[-1]
   assert last.startswith("Compiled for v4:2x2x2 (8 TPU v4 devices): does NOT fit; XLA refused")
   assert "RESOURCE_EXHAUSTED" in last
@@ -155,7 +155,7 @@ def test_a_mesh_axis_that_is_no_product_of_torus_axes_splits_them():
 
   from pwtrain.backend.cluster import make_mesh
 
-  aot.topology_devices(tpu_config("v4:2x2x1"))  # sets libtpu's environment
+  dryrun_compile.topology_devices(tpu_config("v4:2x2x1"))  # sets libtpu's environment
   devices = topologies.get_topology_desc("v4:4x4x4", "tpu", chip_config_name="megacore").devices
   mesh = make_mesh({"fsdp": 32, "tensor": 2}, devices)
   assert dict(mesh.shape) == {"fsdp": 32, "tensor": 2}
