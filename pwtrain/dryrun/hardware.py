@@ -26,7 +26,8 @@ class Hardware:
   # result: the step time and MFU the dry run predicts follow from it.
   efficiency: float
   # The TPU topology of one slice (one pod), e.g. "v4:8x16x24", that `--dry_run --compile`
-  # compiles the step for (dryrun/compile.py); None: not given (the dry run's arithmetic does not need it).
+  # compiles the step for (dryrun/compile.py); None: not given (the dry run's arithmetic does
+  # not need it).
   topology: str | None = None
 
 
