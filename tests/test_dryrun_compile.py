@@ -1,5 +1,6 @@
 """`--dry_run --compile` (pwtrain/dryrun/compile.py): the trainer's own step compiled for a TPU
-topology on this CPU host with libtpu, and its compiled memory and FLOPs next to the dry run's arithmetic.
+topology on this CPU host with libtpu, and its compiled memory and FLOPs next to the dry run's
+arithmetic.
 
 Skipped only where libtpu is absent (CI installs it with the [test] extra)."""
 
