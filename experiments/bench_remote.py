@@ -43,7 +43,7 @@ from pwtrain.backend.remote.dispatch import fetch_value  # noqa: E402
 from pwtrain.checkpoint import Checkpointer  # noqa: E402
 from pwtrain.harness import Harness  # noqa: E402
 
-TEST_MODEL = {  # the tests' model (tests/conftest.py TINY)
+TEST_MODEL = {  # the tests' model (tests/helpers.py TINY)
   "model.num_layers": 2,
   "model.d_model": 64,
   "model.num_heads": 8,

@@ -5,7 +5,7 @@ import sys
 
 import jax
 import pytest
-from conftest import REPO, load_config, tiny_test_config
+from helpers import REPO, load_config, tiny_test_config
 
 from pwtrain import config as config_lib
 from pwtrain.errors import ConfigError, DataError, UserError

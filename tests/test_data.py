@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from pwtrain.data import build_eval_set, build_tokenizer, build_train_batches, corpus
 from pwtrain.data.loader import TrainBatches, merge_states

@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SGD, assert_close, assert_trees_close, small_config
+from helpers import REPO, SGD, assert_close, assert_trees_close, small_config
 
 from pwtrain import train
 
@@ -36,8 +36,8 @@ def config_of(overrides: dict):
 
 
 def flags_of(overrides: dict) -> list[str]:
-  """The config as pwtrain.main flags: conftest's small run plus `overrides`."""
-  from conftest import TINY
+  """The config as pwtrain.main flags: helpers' small run plus `overrides`."""
+  from helpers import TINY
 
   base = {
     **TINY,
@@ -341,7 +341,7 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   multi-controller SPMD, each process launching the step on its 2 devices, collectives across
   processes by gloo; each process reads and feeds only the batch rows its devices hold (one of
   2 data streams). Gloo's sums run in another order than one process's: losses and the final
-  state (SGD, whose state compares across layouts: conftest) equal the embedded run on 4
+  state (SGD, whose state compares across layouts: helpers.py) equal the embedded run on 4
   devices within the parity tolerance. The checkpoint is Orbax's own multi-process save (each
   process writes its shards), resumes in distributed mode and restores in embedded mode."""
   layout = {

@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import load_config, tiny_test_config
+from helpers import load_config, tiny_test_config
 from jax.sharding import Mesh, NamedSharding
 
 from pwtrain import dryrun, optim
@@ -479,7 +479,7 @@ def test_main_dry_run_plans_palm_540b_and_writes_nothing(tmp_path):
   import subprocess
   import sys
 
-  from conftest import REPO
+  from helpers import REPO
 
   result = subprocess.run(
     [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_540b.py", "--dry_run",

@@ -10,7 +10,7 @@ import sys
 
 import ml_collections
 import pytest
-from conftest import REPO, tiny_test_config
+from helpers import REPO, tiny_test_config
 
 pytest.importorskip("libtpu", reason="--dry_run --compile needs libtpu: pip install 'pwtrain[tpu]'")
 
@@ -111,9 +111,14 @@ def test_pods_on_slices_and_pipeline_stages():
   for r in out["islands"]:
     assert r["peak_is"] == "upper bound" and r["fits"] is True
     step = [p for p in r["pieces"] if p["runs"]]
-    assert r["peak_bytes"] == r["state_bytes"] + max(p["live"] for p in step)
+    assert r["peak_bytes"] == r["state_bytes"] + r["held_bytes"] + max(p["live"] for p in step)
     assert r["flops_counted"] == "as compiled"
     assert 0.9 < r["flops"] / r["analytic_flops"] < 1.2, r
+  # Stage 0 keeps F's outputs of the microbatches in flight (both, at 2 stages and 2
+  # microbatches, whatever the schedule); the last stage's FB keeps nothing between them.
+  first, last = out["islands"]
+  f0 = next(p for p in first["pieces"] if p["name"] == "F:0:0")
+  assert first["held_bytes"] == 2 * f0["outputs"] > 0 and last["held_bytes"] == 0
 
 
 def test_a_step_that_does_not_fit_is_reported_not_raised():

@@ -9,7 +9,7 @@ step after it still runs, and its result is what the second evaluation sees.
 import jax
 import numpy as np
 import pytest
-from conftest import SGD, assert_close, random_batches, tiny_test_config
+from helpers import SGD, assert_close, random_batches, tiny_test_config
 
 from pwtrain.harness import Harness
 

@@ -1,8 +1,8 @@
 """pwtrain.config.load (the one config loader) and the Harness's own contract; the harness's
-steps are exercised by every test that trains (conftest.run_program, train.run)."""
+steps are exercised by every test that trains (helpers.run_program, train.run)."""
 
 import pytest
-from conftest import REPO, load_config, tiny_test_config
+from helpers import REPO, load_config, tiny_test_config
 
 from pwtrain import config as config_lib
 from pwtrain.harness import Harness

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_test_config
 from flax import nnx
+from helpers import tiny_test_config
 
 from pwtrain import step as step_lib
 from pwtrain.models import PaLM, arithmetic, lm_loss

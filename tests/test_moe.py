@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
   SGD,
   assert_close,
   assert_trees_close,
@@ -22,7 +23,6 @@ from conftest import (
   run_steps,
   tiny_test_config,
 )
-from flax import nnx
 
 from pwtrain import config as config_lib
 from pwtrain import train

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from pwtrain import config as config_lib
 from pwtrain import optim

@@ -5,7 +5,7 @@ and, after two optimizer steps, the parameters and optimizer state must match th
 
 Tolerance. Everything is fp32 and the layouts differ only in the order of reductions across
 shards, which perturbs each tensor by ~1e-6 of its largest entry; tensors are compared norm-wise,
-max|actual - expected| <= TOL * max|expected|, with TOL fixed once for all layouts (conftest).
+max|actual - expected| <= TOL * max|expected|, with TOL fixed once for all layouts (helpers.py).
 
 Optimizer. Adafactor (like Adam) divides each gradient entry by its own RMS, so an entry whose
 gradient is ~0 gets an O(lr) update whose sign and size follow rounding noise: its updated
@@ -17,7 +17,7 @@ the gradients themselves, which is what a layout computes, are compared directly
 
 import jax
 import pytest
-from conftest import (
+from helpers import (
   SGD,
   assert_close,
   assert_trees_close,

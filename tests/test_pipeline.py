@@ -5,7 +5,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
   SGD,
   assert_close,
   assert_trees_close,

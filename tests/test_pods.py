@@ -8,7 +8,7 @@ against its own error bound.
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
   SGD,
   assert_close,
   assert_trees_close,
@@ -130,7 +130,7 @@ def test_stale_exchange_applies_last_steps_gradients():
   (nothing at step 1). So after 2 steps stale equals sync after 1; after 3 steps, with SGD with
   momentum mu and constant lr, theta_3 = theta_0 - lr * g_1 - lr * (mu * g_1 + g_2), where g_1
   and g_2 are both taken at theta_0 (theta_1 = theta_0)."""
-  from conftest import grads_at_init
+  from helpers import grads_at_init
 
   config = tiny_test_config(**{**SGD, **PODS})
   batches = random_batches(config, 3)
@@ -163,7 +163,7 @@ def test_stale_exchange_applies_last_steps_gradients():
 def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
   """H=1, outer lr 1, no outer momentum: each step the pods' parameters become the mean of
   their own SGD steps, theta - lr * mean_p(g_p / tokens_p), g_p from pod p's half-batch."""
-  from conftest import grads_at_init
+  from helpers import grads_at_init
 
   overrides = {
     **SGD, **PODS, "optim.b1": 0.0, "optim.clip_norm": 1e9, "exchange.mode": "diloco",

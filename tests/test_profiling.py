@@ -4,7 +4,7 @@ import glob
 import os
 
 import pytest
-from conftest import random_batches, tiny_test_config
+from helpers import random_batches, tiny_test_config
 
 from pwtrain.harness import Harness
 from pwtrain.profiling import StepProfiler

@@ -9,20 +9,20 @@ import subprocess
 import sys
 import textwrap
 
-import conftest
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, tiny_test_config
+from helpers import REPO, tiny_test_config
 
 from pwtrain import guard, train
 from pwtrain.checkpoint import Checkpointer, integrity
 
 
 def small_config(**overrides):
-  """conftest's small run, checkpointed every 2 steps, rolled back after 2 non-finite ones."""
-  return conftest.small_config(
+  """helpers' small run, checkpointed every 2 steps, rolled back after 2 non-finite ones."""
+  return helpers.small_config(
     **{"train.checkpoint_every": 2, "train.rollback_after": 2, **overrides}
   )
 
@@ -384,7 +384,7 @@ SKIP_LAYOUTS = {
 def test_a_nonfinite_step_changes_no_stage_or_pod(layout):
   """Only pod 0's half of the batch is bad, yet every cell keeps its parameters and optimizer
   state (all decide from the same global loss), and the next clean step trains again."""
-  from conftest import random_batches
+  from helpers import random_batches
 
   from pwtrain.harness import Harness
 

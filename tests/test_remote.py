@@ -8,13 +8,13 @@ import os
 import threading
 import time
 
-import conftest
 import grpc
+import helpers
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_batches, run_program, tiny_test_config
+from helpers import random_batches, run_program, tiny_test_config
 
 from pwtrain import train
 from pwtrain.backend import Trace
@@ -297,8 +297,8 @@ def test_remote_trace_has_the_workers_run_times(workers):
 
 
 def small_config(**overrides):
-  """conftest's small run as a 2-stage pipeline on 2 islands of 2 devices, checkpointed every 4."""
-  return conftest.small_config(
+  """helpers' small run as a 2-stage pipeline on 2 islands of 2 devices, checkpointed every 4."""
+  return helpers.small_config(
     **{
       "train.checkpoint_every": 4,
       "parallel.stages": 2,

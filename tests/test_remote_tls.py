@@ -12,7 +12,7 @@ import grpc
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, random_batches, run_program, tiny_test_config
+from helpers import REPO, random_batches, run_program, tiny_test_config
 
 from pwtrain.backend.remote import auth
 from pwtrain.backend.remote.client import WorkerClient

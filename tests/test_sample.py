@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, small_config, tiny_test_config
+from helpers import REPO, small_config, tiny_test_config
 
 from pwtrain import step as step_lib
 from pwtrain import train

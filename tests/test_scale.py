@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
   TOL,
   assert_close,
   assert_trees_close,

@@ -2,7 +2,7 @@
 unrolled model in every layout, checkpoints across the two layouts, decoding, the dry run, and
 a step program that does not grow with depth.
 
-Parity is at the project's tolerance (conftest.TOL): a scanned model runs the unrolled model's
+Parity is at the project's tolerance (helpers.TOL): a scanned model runs the unrolled model's
 operations on the same parameters, differing only in how XLA fuses and orders reductions.
 """
 
@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
   SGD,
   assert_close,
   assert_trees_close,
@@ -22,7 +23,6 @@ from conftest import (
   run_steps,
   tiny_test_config,
 )
-from flax import nnx
 
 from pwtrain import config as config_lib
 from pwtrain import dryrun

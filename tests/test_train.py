@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, TINY, small_config
+from helpers import REPO, TINY, small_config
 
 from pwtrain import train
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from pwtrain import metrics
 from pwtrain import workdir as workdir_lib

@@ -21,9 +21,13 @@ Per island of pod 0 (every pod's are the same), per device, from XLA's compiled 
            one executable (one SPMD island: `train_step`, whose arguments hold the whole train
            state) peaks at exactly that executable's live bytes, by XLA's accounting. An island
            that runs several pieces (pods and pipeline stages, parallel/pipeline/pieces.py)
-           holds its train state (the outputs of its init) across them; its peak is bounded
-           above by that state plus the largest piece's live bytes (state a piece reads is
-           counted twice), not counting activations that pipeline stages stash between pieces.
+           holds its train state (the outputs of its init) across them, and a pipeline stage
+           also what it keeps between its pieces for the microbatches in flight (the
+           schedule's peak count, parallel/pipeline/schedule.py): each one's F outputs (its
+           residuals at stage_remat="none", the activation it sends) and, after the first
+           stage, the input activation it received. Its peak is bounded above by the state,
+           plus what it keeps between pieces, plus the largest piece's live bytes (state a
+           piece reads is counted twice, an activation already sent still once).
            `fits` compares that figure with the hardware's memory_bytes.
   FLOPs    per step: XLA's cost analysis of every executable, times how often the step program
            runs it. XLA counts a loop's body once, whatever its trip count, so a step with loops
@@ -41,18 +45,22 @@ Next to each figure is the analytic estimate of the same quantity (dryrun.estima
 
 import dataclasses
 import importlib.util
+import math
 import os
 import time
 
 import jax
 
 from pwtrain import dryrun
+from pwtrain import sharding as sharding_lib
 from pwtrain.backend import Node
 from pwtrain.backend.cluster import Cluster, Island
 from pwtrain.errors import ConfigError
 from pwtrain.harness import Harness
 from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel.pipeline import pieces as pieces_lib
+from pwtrain.parallel.pipeline import schedule as schedule_lib
 
 MEGACORE = ("v4", "v5p")  # TPU generations whose two cores per chip make one JAX device
 
@@ -216,7 +224,8 @@ def compile_for_topology(config) -> dict:
     step = [p for p in pieces if p.runs > 0]
     whole = len(step) == 1
     state = sum(p.outputs for p in init)
-    peak = max(p.live for p in step) + (0 if whole else state)
+    held = _held_between_pieces(config, harness.plan, pod0.index(name), step)
+    peak = max(p.live for p in step) + (0 if whole else state + held)
     if extrapolated is not None:
       flops, counted = extrapolated[name], "extrapolated from loop-free compiles"
     elif _has_loops(config):
@@ -229,6 +238,7 @@ def compile_for_topology(config) -> dict:
         "island": name,
         "pieces": [dataclasses.asdict(p) | {"live": p.live} for p in pieces],
         "state_bytes": state,
+        "held_bytes": held,
         "peak_bytes": peak,
         "peak_is": "exact" if whole else "upper bound",
         "fits": None if memory is None else peak <= memory,
@@ -242,6 +252,28 @@ def compile_for_topology(config) -> dict:
       }
     )
   return out
+
+
+def _held_between_pieces(config, plan, stage_index: int, step: list) -> int:
+  """Bytes per device a pipeline stage keeps between its pieces: per microbatch in flight at
+  the schedule's peak, its F piece's outputs and (after the first stage) its input activation,
+  as large as the activation F sends on. 0 where the island runs no F piece (one stage, or the
+  last stage, whose FB keeps nothing between microbatches)."""
+  f_piece = next((p for p in step if p.name == f"F:0:{stage_index}"), None)
+  if config.parallel.stages == 1 or f_piece is None:
+    return 0
+  stage = plan.stages[stage_index]
+  order = schedule_lib.island_order(
+    config.parallel.schedule, stage, plan.num_stages, config.train.num_microbatches
+  )
+  act_in = 0
+  if not stage.first:  # the received activation, as laid out on this island (pieces.ACT)
+    micro = config.train.global_batch // plan.num_pods // config.train.num_microbatches
+    shape = (micro, config.data.seq_len, config.model.d_model)
+    sharding = sharding_lib.named_sharding(plan.mesh((0, stage_index)), pieces_lib.ACT)
+    per_device = math.prod(sharding.shard_shape(shape))
+    act_in = per_device * jax.numpy.dtype(config.model.dtype).itemsize
+  return schedule_lib.peak_live_inputs(order) * (f_piece.outputs + act_in)
 
 
 _size = dryrun.size_text
@@ -275,6 +307,11 @@ def report(config) -> str:
     ]
     if r["peak_is"] != "exact":
       lines.append(f"  train state      {_size(r['state_bytes'])} (held across the pieces)")
+    if r["held_bytes"]:
+      lines.append(
+        f"  between pieces   {_size(r['held_bytes'])} (F outputs and inputs of the "
+        "microbatches in flight)"
+      )
     lines += [
       f"  peak             {_size(r['peak_bytes'])} ({r['peak_is']}; {dryrun.fits_text(r['fits'])}"
       + ("" if memory is None else f" in {_size(memory)}")

@@ -55,15 +55,15 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     abstract = to_stage(whole, stage)
     shardings = spmd.state_shardings(fns, mesh, abstract)
     cell = pieces_lib.cell_pieces(
-      (p, s),
-      stage,
-      plan.num_stages,
-      island,
-      mesh,
-      fns,
-      spmd.with_shardings(abstract, shardings),
-      shardings,
       config,
+      key=(p, s),
+      stage=stage,
+      num_stages=plan.num_stages,
+      island=island,
+      mesh=mesh,
+      fns=fns,
+      state_abs=spmd.with_shardings(abstract, shardings),
+      shardings=shardings,
       controller=controller,
       pieces=pieces,
     )
@@ -187,7 +187,7 @@ class ProgramBuilder:
     self.num_stages = plan.num_stages
     self.num_micro = config.train.num_microbatches
     self.schedule = config.parallel.schedule
-    self.moe = moe_lib.enabled(config.moe)
+    self.has_moe = moe_lib.enabled(config.moe)
     self.per_cell: dict = {c: [] for c in self.cells}
 
   def piece(self, cell: tuple, kind: str) -> pieces_lib.Piece:
@@ -289,12 +289,13 @@ class ProgramBuilder:
       for kind, m in island_order(self.schedule, stage, self.num_stages, self.num_micro):
         if kind == "B":
           x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
-          src = (f"{pre}FB{last}.{m}", 2) if s + 1 == last else (f"{pre}B{s + 1}.{m}", 1)
-          g = self.move(cell, f"{pre}grad{s}.{m}", src, act)
+          after = "FB" if s + 1 == last else "B"  # the next stage's backward: its input's grad
+          g_in = self.piece((p, s + 1), after).output("g_in")
+          g = self.move(cell, f"{pre}grad{s}.{m}", (f"{pre}{after}{s + 1}.{m}", g_in), act)
           f = self.piece(cell, "F")  # its residuals, where it keeps them for B
           saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
           b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads, **saved)
-          grads = (b, 0)
+          grads = (b, self.piece(cell, "B").output("grads"))
           continue
         moe_in = {}  # MoE: the running MoE stats of the stages before
         if stage.first:
@@ -302,7 +303,7 @@ class ProgramBuilder:
         else:
           f, name = self.piece((p, s - 1), "F"), f"{pre}F{s - 1}.{m}"
           x = self.move(cell, f"{pre}act{s}.{m}", (name, f.output("act")), act)
-          if self.moe:
+          if self.has_moe:
             moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (name, f.output("moe")), ())
         if kind == "F":
           self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
@@ -311,7 +312,8 @@ class ProgramBuilder:
           name = self.node(
             cell, "FB", f".{m}", state=state, x=x, targets=y, grads=grads, stats=stats, **moe_in
           )
-          grads, stats = (name, 0), (name, 1)
+          fb = self.piece(cell, "FB")
+          grads, stats = (name, fb.output("grads")), (name, fb.output("stats"))
       grads_ref[cell] = grads
       if stage.last:
         stats_ref[p] = stats

@@ -49,7 +49,9 @@ TOKENS = ("batch", "length")
 @dataclasses.dataclass(frozen=True)
 class Piece:
   """An executable, the names of its inputs: (name, list length, or None for one value), and
-  the names of its outputs where a node's consumers pick them by name (F's: f_outputs)."""
+  the names of its outputs where a node's consumers pick them by name: F's are f_outputs; B's
+  "grads" (the running gradient sums) and, after the first stage, "g_in" (the input's gradient,
+  sent to the stage before); FB's "grads", "stats" (the running loss statistics) and "g_in"."""
 
   executable: Executable
   signature: tuple[tuple[str, int | None], ...]
@@ -168,8 +170,9 @@ class CellPieces:
     return piece
 
 
-def cell_pieces(key, stage, num_stages, island, mesh, fns, state_abs, shardings, config, **kw):
-  """A CellPieces with the step's abstract activations, tokens and statistics."""
+def cell_pieces(config, *, mesh, **fields) -> "CellPieces":
+  """A CellPieces of `fields` (its other fields, by name) with the step's abstract
+  activations, tokens and statistics on `mesh`."""
   replicated = NamedSharding(mesh, PartitionSpec())
   mb = config.train.global_batch // config.parallel.pods // config.train.num_microbatches
   seq = config.data.seq_len
@@ -185,9 +188,7 @@ def cell_pieces(key, stage, num_stages, island, mesh, fns, state_abs, shardings,
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
     jax.eval_shape(lambda: zero_stats(config.moe.num_experts)),
   )
-  return CellPieces(
-    key, stage, num_stages, island, mesh, fns, state_abs, shardings, stats, tokens, act, **kw
-  )
+  return CellPieces(mesh=mesh, stats_abs=stats, tokens_abs=tokens, act_abs=act, **fields)
 
 
 def zero_stats(num_experts: int) -> dict:
@@ -302,6 +303,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
       out_shardings=(cell.grads_sharding, cell.sharding_of(cell.stats_abs))
       + (() if stage.first else (act_sharding,)),
       donate=("grads", "stats"),
+      outputs=("grads", "stats") + (() if stage.first else ("g_in",)),
     )
     return
 
@@ -360,6 +362,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
     inputs,
     out_shardings=(cell.grads_sharding,) + (() if stage.first else (act_sharding,)),
     donate=("grads",),
+    outputs=("grads",) + (() if stage.first else ("g_in",)),
   )
 
 

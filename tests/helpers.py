@@ -1,0 +1,140 @@
+"""What the tests share: the repository, the parity tolerance, small configs, random batches,
+and the step run every way the parity tests compare. conftest.py sets up the environment (8
+simulated CPU devices) before any of this imports JAX.
+"""
+
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Parity tolerance (test_parity's docstring): every layout is fp32 and differs from the 1-device
+# run only in the order of reductions across shards, ~1e-6 of each tensor's largest entry.
+TOL = 1e-5
+# SGD with momentum: its update is linear in the gradient, so parameters and optimizer state can
+# be compared across layouts after a few steps (Adafactor's cannot, see test_parity).
+SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 1}
+TINY = {  # an even smaller model than palm_tiny, for fast compiles
+  "model.num_layers": 2,
+  "model.d_model": 64,
+  "model.num_heads": 8,
+  "model.head_dim": 8,
+  "model.d_ff": 128,
+  "data.seq_len": 32,
+  "train.global_batch": 16,
+}
+
+
+def load_config(name="palm_tiny", overrides=None):
+  """configs/<name>.py's get_config(), as `--config=configs/<name>.py` would load it, with
+  `overrides` {"section.key": value} applied (pwtrain.config.load)."""
+  from pwtrain import config as config_lib
+
+  return config_lib.load(REPO / "configs" / f"{name}.py", overrides)
+
+
+def tiny_test_config(**overrides):
+  """palm_tiny shrunk to TINY, for fast compiles; overrides are {"section.key": value}."""
+  return load_config("palm_tiny", {**TINY, **overrides})
+
+
+def small_config(**overrides):
+  """tiny_test_config for train.run: 12 steps of the built-in corpus (40 files), logged every 2,
+  no evaluation (tests of evaluation turn it on)."""
+  return tiny_test_config(
+    **{
+      "data.max_files": 40,
+      "train.log_every": 2,
+      "train.num_steps": 12,
+      "train.eval_every": 0,
+      **overrides,
+    }
+  )
+
+
+def assert_close(actual, expected, what, tol=TOL):
+  """max|actual - expected| <= tol * max|expected|, in float64."""
+  import numpy as np
+
+  a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert a.shape == e.shape, what
+  err, scale = np.max(np.abs(a - e), initial=0.0), np.max(np.abs(e), initial=0.0)
+  assert err <= tol * max(scale, 1e-30), f"{what}: max|diff|={err:.3g}, max|expected|={scale:.3g}"
+
+
+def assert_trees_close(actual, expected, what, tol=TOL):
+  """assert_close leaf by leaf; the two trees must have the same structure."""
+  import jax
+
+  flat_a, tree_a = jax.tree.flatten_with_path(actual)
+  flat_e, tree_e = jax.tree.flatten_with_path(expected)
+  assert tree_a == tree_e, what
+  for (path, a), (_, e) in zip(flat_a, flat_e, strict=True):
+    assert_close(a, e, f"{what}{jax.tree_util.keystr(path)}", tol)
+
+
+def random_batches(config, num, seed=0):
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(num):
+    tokens = rng.integers(1, 258, size=(config.train.global_batch, config.data.seq_len + 1))
+    tokens[:, -3:] = np.where(rng.random((tokens.shape[0], 3)) < 0.3, 0, tokens[:, -3:])  # pads
+    tokens = tokens.astype(np.int32)
+    # Positions no document filled: as the loader marks them, a target of -1 (no loss).
+    targets = np.where(tokens[:, 1:] == 0, np.int32(-1), tokens[:, 1:])
+    out.append({"inputs": tokens[:, :-1], "targets": targets})
+  return out
+
+
+def run_program(config, batches, devices=None):
+  """Builds the compiled step for `config` on `devices` and runs it on `batches`.
+
+  Returns (step program, list of host metrics, final host state of every cell).
+  """
+  import jax
+
+  from pwtrain.harness import Harness
+
+  with Harness.build(config, devices) as harness:
+    state, metrics = harness.init(), []
+    for i, batch in enumerate(batches):
+      out = harness.step(state, batch, i)
+      state = out.state
+      metrics.append(out.metrics)
+    metrics = jax.device_get([m.result() for m in metrics])
+    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+  return harness.step_program, metrics, jax.device_get(state)
+
+
+def run_steps(config, batches, devices=None):
+  """As run_program; returns (list of host metrics, final whole-model host state)."""
+  program, metrics, state = run_program(config, batches, devices)
+  return metrics, program.to_checkpoint(state)
+
+
+def grads_at_init(config, batch, devices=None):
+  """Summed-loss gradients and stats of `batch` at the init params, on config's mesh."""
+  import jax
+
+  from pwtrain import optim
+  from pwtrain import sharding as sharding_lib
+  from pwtrain import step as step_lib
+  from pwtrain.parallel import plan as plan_lib
+  from pwtrain.parallel import spmd
+
+  cluster = plan_lib.make_cluster(config, devices=devices)
+  plan = plan_lib.build(config, cluster)
+  mesh = cluster.islands[0].mesh(plan.mesh_shape)
+  fns = step_lib.model_fns(config.model, config.moe)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  init = lambda: step_lib.init_state(fns, tx, config.seed)["params"]
+  abstract = jax.eval_shape(lambda: step_lib.init_state(fns, tx, config.seed))
+  shardings = spmd.state_shardings(fns, mesh, abstract)["params"]
+  params = jax.jit(init, out_shardings=shardings)()
+  batch = jax.device_put(batch, sharding_lib.named_sharding(mesh, ("batch", "length")))
+  grad_fn = step_lib.accumulate(
+    step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
+  )
+  with sharding_lib.activate(mesh):
+    return jax.device_get(jax.jit(grad_fn)(params, batch))
