@@ -5,8 +5,8 @@ Run:
 
 Trains a 4-layer, d_model=128 decoder (byte tokenizer, vocab padded to 512) on the Python
 standard library's own source text for 300 steps of 16 x 128 tokens. Expected: the loss falls
-from ~6.3 (uniform over 512 ids, plus z-loss) to ~2 within the run; see README for measured
-figures. Interrupt it and run the same command again to resume from the latest checkpoint.
+from ~6.3 (uniform over 512 ids, plus z-loss) to ~2 within the run; see docs/benchmarks.md for
+measured figures. Interrupt it and run the same command again to resume from the latest checkpoint.
 """
 
 from pwtrain import defaults

@@ -14,7 +14,7 @@ Expected: the ce_loss falls like palm_tiny's and after 300 steps ties it (2.385 
 of the last 20 steps), no lower. No MoE setting tried beats dense at equal active parameters
 within 500 steps: e.g. 4 experts in every layer (--config.moe.num_experts=4 --config.moe.every=1
 --config.moe.capacity_factor=2.0 --config.parallel.expert=4) end 0.04-0.05 below dense in 2 of 4
-seeds and 0.02-0.07 above in the others (README, "Mixture of Experts", has the numbers).
+seeds and 0.02-0.07 above in the others (docs/benchmarks.md has the numbers).
 Try also --config.moe.dropless=True or --config.parallel.expert=2
 --config.parallel.data=4.
 """

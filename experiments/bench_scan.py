@@ -23,7 +23,7 @@ built first; then timed blocks of --steps steps go round all sides, --repeats ti
 machine noise hits all alike. Reported: median tokens/s per side, and scanned over unrolled for
 each policy (target at remat=none: >= 0.95, i.e. scan costs at most 5%). Measured with
 `--skip_compile --devices=1,8` (load up to 7.8): 0.96 on 1 device, 1.06 on 8 (0.88 / 1.10 with
-the scanned policy alone, 0.80 / 0.93 before either change; README).
+the scanned policy alone, 0.80 / 0.93 before either change; docs/benchmarks.md).
 
 Caveat: CPU devices simulated by XLA on 2 shared cores; compile times are XLA:CPU's, and the
 throughput ratios, not the absolute figures, are what carries over.

@@ -32,6 +32,11 @@ def check(config, plan) -> None:
       raise ConfigError(f"fault.inject={f.inject!r} is a drill of fault.elastic=True")
     return
   parse_inject(f.inject, plan.num_pods)
+  if config.backend.mode != "embedded":
+    raise ConfigError(
+      f"fault.elastic=True works in backend.mode='embedded'; backend.mode={config.backend.mode!r} "
+      "restarts from the last checkpoint instead (fault.max_restarts): set fault.elastic=False"
+    )
   if plan.num_pods < 2:
     raise ConfigError(
       f"fault.elastic=True drops lost pods, but parallel.pods={plan.num_pods}: use 2 or more"

@@ -167,3 +167,38 @@ def test_bad_fault_settings_are_one_clear_error(overrides, message, tmp_path):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     train.run(config, str(tmp_path / "run"), show_progress=False)
   assert not (tmp_path / "run").exists()
+
+
+def test_a_computation_that_finds_its_devices_gone_loses_its_island():
+  """A device-loss error (a status code of devices gone, as a slice down under Pathways reports
+  it) marks the island lost: that node and every later one fail with IslandLost. Any other
+  error of a computation stays the program's."""
+  import concurrent.futures
+
+  from pwtrain.backend.faults import IslandLost
+  from pwtrain.backend.scheduler import IslandScheduler, Work
+
+  def gone():
+    raise jax.errors.JaxRuntimeError("UNAVAILABLE: the slice of these devices is down")
+
+  def oom():
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  scheduler = IslandScheduler("island1", None, None)
+  try:
+    outs = [concurrent.futures.Future() for _ in range(3)]
+    for out, launch in zip(outs, (oom, gone, lambda: 1), strict=True):
+      scheduler.queue.put(Work("node", launch, [], out))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+      outs[0].result(timeout=30)
+    for out in outs[1:]:
+      with pytest.raises(IslandLost, match="island island1 lost: UNAVAILABLE"):
+        out.result(timeout=30)
+  finally:
+    scheduler.stop()
+
+
+def test_elastic_pods_are_refused_outside_embedded_mode(tmp_path):
+  config = small_config(**THREE_PODS, **{"fault.elastic": True, "backend.mode": "distributed"})
+  with pytest.raises(ConfigError, match="fault.elastic=True works in backend.mode='embedded'"):
+    train.run(config, str(tmp_path / "run"), show_progress=False)

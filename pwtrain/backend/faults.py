@@ -8,6 +8,18 @@ in flight fails with it, naming the island and the cause, and the trainer decide
 (pwtrain/elastic.py drops the island's pod and carries on without it).
 """
 
+# How a runtime reports devices that are gone (a failed chip, a slice down under Pathways): the
+# status codes of such errors. Any other error of a computation (out of memory, a bad program)
+# is the program's, and stays what it is.
+_LOSS_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED")
+
+
+def is_device_loss(error: BaseException) -> bool:
+  """Whether `error`, raised by a computation, says that its devices are gone."""
+  import jax  # the exception type only
+
+  return isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith(_LOSS_CODES)
+
 
 class IslandLost(RuntimeError):
   """`island` can no longer run (`cause` says why)."""

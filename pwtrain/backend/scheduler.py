@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.faults import IslandLost, is_device_loss
 from pwtrain.backend.trace import Event, Trace
 
 
@@ -87,6 +87,9 @@ class IslandScheduler:
             if event is not None:  # exact: nothing else runs until this has finished
               event.done = self.trace.now()
       except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
+        if is_device_loss(e):  # this island's devices are gone: every node of it is lost
+          self.lost = IslandLost(self.name, str(e).splitlines()[0])
+          e = self.lost
         work.out.set_exception(e)
         continue
       work.out.set_result(result)

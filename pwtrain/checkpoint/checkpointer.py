@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 import uuid
 
 import jax
@@ -279,6 +278,10 @@ class Checkpointer:
 
     Damaged checkpoints are reported and moved aside, newest first, until one restores.
     """
+    with _abandoned_reads_dropped():
+      return self._restore_latest(abstract_state)
+
+  def _restore_latest(self, abstract_state):
     for step in reversed(self.all_steps()):
       try:
         state, data = self.restore(step, abstract_state)
@@ -326,14 +329,6 @@ class Checkpointer:
     self._manager.close()
 
 
-# How long a failed read waits for the reads Orbax abandoned. Their TensorStore callbacks, when
-# they fire after the read's event loop has closed, print "RuntimeError: Event loop is closed"
-# around Python's hooks (neither sys.excepthook nor sys.unraisablehook sees it): 2 of 40 runs of
-# a truncated-file restore printed it without the wait, 0 of 80 with it. Only a damaged
-# checkpoint pays it.
-_ABANDONED_READS_S = 0.5
-
-
 @contextlib.contextmanager
 def _quiet_if_failed():
   """Holds back what a failing read prints on its way down, and drops it if the read fails.
@@ -344,7 +339,8 @@ def _quiet_if_failed():
   the caller reports. These are collected here (a garbage collection at the end lets the
   abandoned coroutines finish dying inside, once nothing holds the read's exception: its
   traceback keeps them alive, so the caller drops it inside); if the read failed they are
-  logged at DEBUG only, and if it succeeded they are passed on to the hooks as usual.
+  logged at DEBUG only, and if it succeeded they are passed on to the hooks as usual. Those
+  that die later are `_abandoned_reads_dropped`'s.
   """
   held = []
   saved = sys.excepthook, sys.unraisablehook
@@ -355,12 +351,8 @@ def _quiet_if_failed():
     yield
     failed = False
   finally:
-    if failed:  # let the reads Orbax abandoned finish while the guard holds (see above)
-      time.sleep(_ABANDONED_READS_S)
     gc.collect()
     sys.excepthook, sys.unraisablehook = saved
-    if failed:
-      _drop_abandoned_reads()
     for hook, args in held:
       if failed:
         log.debug("while reading a damaged checkpoint: %s", args)
@@ -368,14 +360,14 @@ def _quiet_if_failed():
         hook(*args)
 
 
-def _drop_abandoned_reads() -> None:
-  """From now on, the death of an abandoned Orbax read coroutine goes to the DEBUG log, not
-  to stderr. Some die only when Orbax later drops what held them (the next restore, seen in
-  1 of 8 runs), after `_quiet_if_failed` has ended; this filter catches those. Every other
-  unraisable error still reaches the hook that was there before."""
+@contextlib.contextmanager
+def _abandoned_reads_dropped():
+  """While a restore and its fallbacks run: the death of a read coroutine Orbax abandoned when
+  another array of the checkpoint failed goes to the DEBUG log, not to stderr. Some die only
+  when Orbax drops what held them, at the next restore (the fallback to the step before); every
+  other unraisable error reaches the hook that was there before, and that hook is back when the
+  restore is done (after a garbage collection lets the last of them die inside)."""
   previous = sys.unraisablehook
-  if getattr(previous, "drops_abandoned_reads", False):
-    return
 
   def hook(unraisable):
     code = getattr(unraisable.object, "cr_code", None)
@@ -384,5 +376,9 @@ def _drop_abandoned_reads() -> None:
     else:
       previous(unraisable)
 
-  hook.drops_abandoned_reads = True
   sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = previous
