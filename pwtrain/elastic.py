@@ -74,8 +74,10 @@ class ElasticSteps:
   """The run's steps over the live pods (see the module doc). Closing the first harness (the
   caller's) closes the controller and the cluster; the others own nothing."""
 
-  def __init__(self, config, harness: Harness):
+  def __init__(self, config, harness: Harness, goodput=None):
+    """`goodput`: the run's goodput.Goodput, told each drop's and rejoin's seconds (rerun)."""
     self.config = config
+    self.goodput = goodput
     self.controller = harness.controller
     plan = harness.plan
     stages = config.parallel.stages
@@ -288,6 +290,8 @@ class ElasticSteps:
         self._rejoining.add(drill.pod)
 
   def _record(self, kind, pods, cause, step, seconds, **parts) -> None:
+    if self.goodput is not None:
+      self.goodput.add("rerun", seconds)
     event = {"event": kind, "pods": pods, "cause": cause, "step": step, "seconds": seconds}
     event.update(parts, pods_live=len(self.live))
     self.events.append(event)

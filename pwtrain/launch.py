@@ -5,8 +5,9 @@
 
 starts process 0..N-1 of `python -m pwtrain.main <args> --config.backend.mode=distributed`
 with a coordinator on loopback (process 0 serves it) and, on CPU, `--devices_per_process`
-simulated devices each (default 8 / N, at least 1). Each process's output is echoed line by line
-prefixed "[p<i>] " and kept whole in <workdir>/launch/process<i>.log (or --log_dir).
+simulated devices each (default 8 / N, at least 1). Each process's output is kept whole in
+<workdir>/launch/process<i>.log (or --log_dir); the console shows process 0's, line by line
+prefixed "[p0] ", and of the others only their warnings and errors (one console per run).
 
 Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
@@ -20,6 +21,7 @@ On a cluster the scheduler starts the processes instead, e.g. under SLURM:
 
 import argparse
 import os
+import re
 import selectors
 import signal
 import socket
@@ -151,8 +153,9 @@ class Attempt:
         text = line.decode(errors="replace")
         self.logs[key.data].write(text)
         self.logs[key.data].flush()
-        sys.stdout.write(f"[p{key.data}] {text}")
-        sys.stdout.flush()
+        if key.data == 0 or not _INFO_LINE.match(text):  # one console: process 0's, and
+          sys.stdout.write(f"[p{key.data}] {text}")  # the others' warnings and errors
+          sys.stdout.flush()
 
   def signal_all(self, sig) -> None:
     for proc in self.procs:
@@ -175,6 +178,10 @@ class Attempt:
     self.echo.join(timeout=5)
     for log in self.logs:
       log.close()
+
+
+# An absl INFO line ("I1125 21:24:23.123456 ..."): the other processes' go to their logs only.
+_INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
 
 
 def status(code: int) -> int:

@@ -1,8 +1,12 @@
 """Entry point: `python -m pwtrain.main --config=configs/palm_tiny.py --workdir=/tmp/run`.
 
-Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`.
+Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`; a
+key that does not exist is one line naming the closest that does. `--print_config` prints the
+resolved config and exits.
 """
 
+import difflib
+import glob
 import logging as std_logging
 import os
 import sys
@@ -16,6 +20,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
+# A host with no accelerator runs on the CPU: without this JAX would also try libtpu (installed
+# with the [tpu] extra for --dry_run --compile), which prints a page of errors on such a host.
+_ACCELERATORS = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+if (
+  "JAX_PLATFORMS" not in os.environ
+  and "--compile" not in sys.argv
+  and not any(glob.glob(pattern) for pattern in _ACCELERATORS)
+):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -26,7 +40,19 @@ from pwtrain.errors import UserError  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a config file.", lock_config=True
 )
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pwtrain", "Checkpoints, metrics and traces.")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Checkpoints, metrics and traces (required to train; created if absent)."
+)
+_PROGRESS = flags.DEFINE_enum(
+  "progress",
+  "auto",
+  ["auto", "bar", "lines", "none"],
+  "How the console shows training: a tqdm bar, one plain line per train.log_every, nothing; "
+  "auto: the bar on a terminal, else lines.",
+)
+_PRINT_CONFIG = flags.DEFINE_bool(
+  "print_config", False, "Print the config after the command line's overrides, and exit."
+)
 _DRY_RUN = flags.DEFINE_bool(
   "dry_run",
   False,
@@ -83,13 +109,18 @@ def main(argv):
     std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   if _COMPILE.value and not _DRY_RUN.value:
     raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
+  if _PRINT_CONFIG.value:
+    print(_CONFIG.value)
+    return
+  if not _DRY_RUN.value and not _WORKDIR.value:
+    raise SystemExit("error: --workdir is required: the directory for checkpoints and metrics")
   try:
     if _DRY_RUN.value:
       print(
         dryrun_compile.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value)
       )
       return
-    train.run(_CONFIG.value, _WORKDIR.value)
+    train.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
     distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value
     if isinstance(e, UserError):
@@ -109,6 +140,48 @@ def main(argv):
     os._exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a mistake in a `--config.<key>` override as one line that names
+  the closest key that exists, not ml_collections' traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (KeyError, AttributeError, TypeError, ValueError, flags.Error) as e:
+    raise SystemExit(f"error: {_explain(argv, e)}") from None
+
+
+def _explain(argv: list[str], error: Exception) -> str:
+  """The first `--config.<key>=` of `argv` that names no key of the config, with the closest
+  keys; else the error's own first line."""
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if path is not None:
+    from pwtrain import config as config_lib
+
+    try:
+      keys = _keys(config_lib.load(path))
+    except Exception:  # noqa: BLE001 - the config itself is at fault: its own error below
+      keys = None
+    for arg in argv:
+      if keys is not None and arg.startswith("--config.") and "=" in arg:
+        key = arg.removeprefix("--config.").split("=", 1)[0]
+        if key not in keys:
+          what = (
+            "section" if not any(k.startswith(key.split(".")[0] + ".") for k in keys) else "key"
+          )
+          close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+          hint = f"; did you mean {close[0]}?" if close else ""
+          return f"unknown {what} {key}{hint}"
+  lines = str(error).strip().strip("'\"").splitlines()
+  return lines[0] if lines else type(error).__name__
+
+
+def _keys(config, prefix: str = "") -> list[str]:
+  out = []
+  for name, value in config.items():
+    key = f"{prefix}{name}"
+    out += _keys(value, f"{key}.") if hasattr(value, "items") else [key]
+  return out
+
+
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -24,7 +24,10 @@ import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
+from pwtrain import goodput as goodput_lib
 from pwtrain.errors import ConfigError
+
+PROGRESS = ("auto", "bar", "lines", "none")  # --progress: how the console shows training
 
 # Peak dense bf16 FLOP/s per device, for MFU. Devices not listed (e.g. CPU) report no MFU.
 PEAK_FLOPS = {
@@ -71,10 +74,15 @@ class MetricsLogger:
     num_devices: int,
     peak_flops_per_device: float | None,
     exchange_bytes_per_step: int = 0,
-    show_progress: bool = True,
+    progress: str = "bar",
     wandb_run: Any = None,
+    goodput: Any = None,
+    devices: tuple = (),
   ):
-    """`wandb_run`: a started W&B run (see `start_wandb`) that gets every row too, or None."""
+    """`progress`: "bar" (tqdm, for a terminal), "lines" (one plain line per interval on
+    stdout, for a log file) or "none". `wandb_run`: a started W&B run (see `start_wandb`) that
+    gets every row too, or None. `goodput`: the run's goodput.Goodput, whose fractions every
+    interval row carries; `devices`: those whose peak memory it reports (goodput.memory_row)."""
     self.wandb = wandb_run
     self.exchange_bytes = exchange_bytes_per_step
     self.log_every = log_every
@@ -87,17 +95,38 @@ class MetricsLogger:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self._jsonl, self._tb = self._open_from(start_step)
+    self.progress = progress
     self._bar = tqdm.tqdm(
       total=num_steps,
       initial=start_step,
-      disable=not show_progress,
+      disable=progress != "bar",
       unit="step",
       dynamic_ncols=True,
     )
-    self._last_time = time.perf_counter()
-    self._last_step = start_step
+    self.goodput = goodput
+    self.devices = devices
+    self._start_time = self._last_time = time.perf_counter()
+    self._start_step = self._last_step = start_step
+    self._data_wait = 0.0  # seconds waiting for batches in this interval
+    self._step_time_s = 0.0
+    self.steps_run = 0  # steps of the kept trajectory logged by this start
     self.history: list[dict] = []
     self.evals: list[dict] = []  # one row per evaluation: {"step", "eval_loss", ...}
+
+  @property
+  def step_time_s(self) -> float:
+    """The last interval's seconds per step (0 before the first)."""
+    return self._step_time_s
+
+  def add_data_wait(self, seconds: float) -> None:
+    self._data_wait += seconds
+
+  def record_once(self, step: int, **values) -> None:
+    """A row of its own, e.g. {"compile_s"} (the time to the first step), once per start."""
+    self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+    self._jsonl.flush()
+    for k, x in values.items():
+      self._tb.add_scalar(f"perf/{k}", x, step)
 
   def record(self, step: int, metrics_future) -> None:
     """`step` is the step number after the update (1-based)."""
@@ -124,12 +153,20 @@ class MetricsLogger:
         if k != "step":
           self._tb.add_scalar(f"train/{k}", x, step)
     self.tokens_per_s = tokens_per_s
+    self.steps_run += done
     speed = {"tokens_per_s": tokens_per_s, "steps_per_s": done / elapsed}
     speed["model_tflops_per_s"] = tokens_per_s * self.flops_per_token / 1e12
     if self.exchange_bytes:
       speed["exchange_bytes_per_step"] = self.exchange_bytes
     if self.peak:
       speed["mfu"] = tokens_per_s * self.flops_per_token / self.peak
+    speed["time"] = time.time()
+    speed["elapsed_s"] = now - self._start_time
+    speed["step_time_s"] = self._step_time_s = elapsed / max(done, 1)
+    speed["data_wait_s"], self._data_wait = self._data_wait, 0.0
+    speed.update(goodput_lib.memory_row(self.devices) if self.devices else {})
+    if self.goodput is not None:
+      speed.update(self.goodput.row(now))
     for k, x in speed.items():
       self._tb.add_scalar(f"perf/{k}", x, steps[-1])
     self._jsonl.write(json.dumps({"step": steps[-1], **speed}) + "\n")
@@ -141,6 +178,30 @@ class MetricsLogger:
       self._to_wandb({"step": steps[-1], **speed}, "perf")
     self._bar.update(done)
     self._show()
+    if self.progress == "lines":
+      print(self._line(steps[-1], speed), flush=True)
+
+  def _line(self, step: int, speed: dict) -> str:
+    """One plain progress line: step/total, loss, tokens/s, MFU, step time, ETA, memory."""
+    parts = [f"step {step}/{self.num_steps}"]
+    if self.history and "loss" in self.history[-1]:
+      parts.append(f"loss {self.history[-1]['loss']:.4f}")
+    parts.append(f"{speed['tokens_per_s']:,.0f} tokens/s")
+    if "mfu" in speed:
+      parts.append(f"MFU {100 * speed['mfu']:.1f}%")
+    parts.append(f"step {speed['step_time_s']:.3f} s")
+    eta = (self.num_steps - step) * speed["step_time_s"]
+    parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+    memory = speed.get("memory_bytes", speed.get("host_rss_bytes"))
+    if memory is not None:
+      where = "device" if "memory_bytes" in speed else "host RSS"
+      parts.append(f"memory {memory / 2**20:,.0f} MiB ({where})")
+    return " | ".join(parts)
+
+  def average_tokens_per_s(self) -> float | None:
+    """Tokens per second over this start's steps, from the first to the last logged."""
+    seconds = self._last_time - self._start_time
+    return self.steps_run * self.tokens_per_step / seconds if self.steps_run and seconds else None
 
   def record_eval(self, step: int, values: dict[str, float]) -> None:
     """Logs an evaluation of the state after step `step` (eval_metrics' dict)."""
@@ -188,6 +249,7 @@ class MetricsLogger:
     if self.wandb is not None:
       self._to_wandb({"step": step, **event}, "events")
     self._last_time, self._last_step = time.perf_counter(), step
+    self.steps_run = max(self.steps_run - (self._bar.n - step), 0)  # those steps run again
     self._bar.n = step
     self._bar.refresh()
 

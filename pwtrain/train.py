@@ -4,6 +4,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
+import time
+from typing import Any
 
 import jax
 
@@ -22,8 +25,9 @@ from pwtrain.data import (
 )
 from pwtrain.elastic import ElasticSteps
 from pwtrain.errors import ConfigError
+from pwtrain.goodput import Goodput
 from pwtrain.harness import Harness
-from pwtrain.metrics import MetricsLogger, peak_flops
+from pwtrain.metrics import PROGRESS, MetricsLogger, peak_flops
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.preemption import StopRequest
@@ -41,23 +45,43 @@ class RunResult:
   evals: list[dict] = dataclasses.field(default_factory=list)  # {"step", "eval_loss", ...}
 
 
-def run(config, workdir: str, *, show_progress: bool = True) -> RunResult:
+def run(config, workdir: str, *, show_progress: bool = True, progress: str = "auto") -> RunResult:
+  """Trains `config` in `workdir`. `progress`: "bar" (tqdm), "lines" (one plain line per
+  train.log_every on stdout), "none", or "auto" (the bar on a terminal, else lines); only
+  process 0 shows it. `show_progress=False` is "none"."""
+  goodput = Goodput()  # the run's wall time starts now
   config_lib.validate(config)
   mode = modes.for_backend(config.backend)
+  if progress not in PROGRESS:
+    raise ConfigError(f"--progress={progress!r} is not one of {', '.join(PROGRESS)}")
+  if not show_progress or jax.process_index() != 0:
+    progress = "none"
+  elif progress == "auto":
+    progress = "bar" if sys.stdout.isatty() else "lines"
+  context = RunContext(mode, progress, goodput)
 
   def run_once(config) -> RunResult:
     # Laid out once, before anything is written: a bad layout writes nothing.
     with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
       plan = plan_lib.build(config, cluster)
       drills.check(config, plan)
-      return _run(config, workdir, show_progress, mode, cluster, plan)
+      return _run(config, workdir, context, cluster, plan)
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it.
   sizes = plan_lib.island_sizes(config, jax.device_count())
   return mode.supervise(config, run_once, sizes)
 
 
-def _run(config, workdir: str, show_progress: bool, mode, cluster, plan) -> RunResult:
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """What every start of the run shares: its mode, its progress display and its goodput."""
+
+  mode: Any  # backend.run_mode.RunMode
+  progress: str  # "bar", "lines" or "none"
+  goodput: Goodput
+
+
+def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
   """One start of the run in `workdir` on `plan` over `cluster`."""
   workdir = workdir_lib.prepare(workdir)
   _use_compile_cache(config.train.compile_cache_dir, workdir)
@@ -77,22 +101,21 @@ def _run(config, workdir: str, show_progress: bool, mode, cluster, plan) -> RunR
     trace = Trace() if config.backend.trace else None
     try:
       # Closed last: waits for every step.
-      with Harness.build(config, cluster=cluster, plan=plan, trace=trace) as harness:
+      with context.goodput.bad("compile"):
+        harness = Harness.build(config, cluster=cluster, plan=plan, trace=trace)
+      with harness:
         batches = _train_batches(config, tokenizer, source, harness)
-        return _train(
-          config, harness, mode, batches, eval_set, workdir, host_dir, show_progress and primary
-        )
+        return _train(config, harness, context, batches, eval_set, workdir, host_dir)
     finally:
       if trace is not None:
         trace.write(os.path.join(host_dir, "trace.json"))
 
 
-def _train(
-  config, harness, mode, batches, eval_set, workdir: str, host_dir: str, show_progress: bool
-) -> RunResult:
+def _train(config, harness, context: RunContext, batches, eval_set, workdir: str, host_dir: str):
   step_program, plan = harness.step_program, harness.plan
+  mode, goodput = context.mode, context.goodput
   # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic.py).
-  steps = ElasticSteps(config, harness) if config.fault.elastic else harness
+  steps = ElasticSteps(config, harness, goodput) if config.fault.elastic else harness
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
@@ -101,7 +124,8 @@ def _train(
     part_writer=mode.part_writer(plan.islands),
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
-  workdir_lib.save_config(host_dir, config)  # what this start of the run used
+  for change in workdir_lib.save_config(host_dir, config, start):  # what this start uses
+    log.warning("resuming at step %d with a changed setting: %s", start, change)
   num_steps = config.train.num_steps
   logger = MetricsLogger(
     host_dir,
@@ -113,7 +137,11 @@ def _train(
     num_devices=sum(i.num_devices for i in plan.islands),
     peak_flops_per_device=peak_flops(plan.islands[0].devices[0]),
     exchange_bytes_per_step=step_program.exchange_bytes,
-    show_progress=show_progress,
+    progress=context.progress,
+    goodput=goodput,
+    devices=tuple(
+      d for i in plan.islands for d in i.devices if d.process_index == jax.process_index()
+    ),
     wandb_run=metrics_lib.start_wandb(
       config.metrics.wandb_project if host_dir == workdir else "",  # process 0's alone
       config.metrics.wandb_entity,
@@ -129,33 +157,45 @@ def _train(
   agreement = None
   if processes.active():
     agreement = processes.StopAgreement(margin=config.backend.max_inflight_steps + 2)
+  logger.record_once(start, compile_s=harness.compile_s)
+  goodput.begin_loop()
   try:
-    with StopRequest() as stop:
+    with StopRequest() as stop, _progress_lines(context.progress):
       while step < num_steps:
         profiler.before_step(step)
-        out = steps.step(state, next(batches), step)
+        waited = time.perf_counter()
+        batch = next(batches)
+        waited = time.perf_counter() - waited
+        goodput.add("data_wait", waited)
+        logger.add_data_wait(waited)
+        out = steps.step(state, batch, step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
         profiler.after_step(step, out.metrics.result)
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
-          steps.settle(state)  # the abandoned steps still in flight
-          harness.controller.wait()
-          state, step = _roll_back(
-            config, first_bad, step, ckpt, steps.step_program, batches, logger
-          )
+          with goodput.bad("rerun"):  # the steps since the checkpoint run again
+            steps.settle(state)  # the abandoned steps still in flight
+            harness.controller.wait()
+            before = step
+            state, step = _roll_back(
+              config, first_bad, step, ckpt, steps.step_program, batches, logger
+            )
+          goodput.add("rerun", (before - step) * logger.step_time_s)
           continue
         stopping = agreement.at(step, stop.requested) if agreement else stop.requested
         if ckpt.should_save(step, num_steps) or stopping:
-          state = steps.settle(state)
-          whole = steps.step_program.to_checkpoint(mode.saveable(state))
-          ckpt.save(step, whole, _data_state(batches))
+          with goodput.bad("checkpoint"):
+            state = steps.settle(state)
+            whole = steps.step_program.to_checkpoint(mode.saveable(state))
+            ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
         if eval_set is not None and _eval_due(step, config.train.eval_every, num_steps):
-          state = steps.settle(state)
-          _evaluate(steps, state, eval_set, step, logger)
+          with goodput.bad("eval"):
+            state = steps.settle(state)
+            _evaluate(steps, state, eval_set, step, logger)
     state = steps.step_program.to_checkpoint(run_mode.results(steps.settle(state)))
   finally:
     profiler.close()
@@ -165,7 +205,13 @@ def _train(
       latest = ckpt.latest_step()
     finally:
       ckpt.close()
-  _summary(logger, start, step, ckpt.directory, latest)
+  if start >= num_steps:
+    log.warning(
+      "nothing to train: %s holds step %d, and train.num_steps=%d; raise train.num_steps to go on",
+      ckpt.directory, start, num_steps,
+    )  # fmt: skip
+  else:
+    _summary(logger, start, step, ckpt.directory, latest, goodput)
   return RunResult(logger.history, state, start, step, logger.evals)
 
 
@@ -199,17 +245,39 @@ def _eval_due(step: int, every: int, num_steps: int) -> bool:
   return step % every == 0 or step == num_steps
 
 
-def _summary(logger: MetricsLogger, start: int, step: int, directory: str, latest) -> None:
-  """One closing line: what ran, where it ended, and how fast."""
+def _summary(logger: MetricsLogger, start: int, step: int, directory: str, latest, goodput):
+  """One closing line: what ran, where it ended, how fast on average, and the goodput."""
   last = next((r for r in reversed(logger.history) if "loss" in r), None)
   loss = f"last loss {last['loss']:.4f}" if last else "no step run"
   if logger.evals:
     loss += f", last eval loss {logger.evals[-1]['eval_loss']:.4f}"
-  speed = f", {logger.tokens_per_s:,.0f} tokens/s" if logger.tokens_per_s else ""
+  average = logger.average_tokens_per_s()
+  speed = f", {average:,.0f} tokens/s on average" if average else ""
+  shares = goodput.row()
+  badput = ", ".join(
+    f"{k.removeprefix('badput_')} {v:.0%}"
+    for k, v in shares.items()
+    if k != "goodput" and v >= 0.005
+  )
   where = f"latest checkpoint: step {latest} in {directory}" if latest else "no checkpoint"
   log.info(
-    "trained steps %d-%d of %d: %s%s; %s", start + 1, step, logger.num_steps, loss, speed, where
-  )
+    "trained steps %d-%d of %d: %s%s; goodput %.0f%% (badput: %s); %s",
+    start + 1, step, logger.num_steps, loss, speed, 100 * shares["goodput"], badput or "none",
+    where,
+  )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _progress_lines(progress: str):
+  """With the bar on a terminal, log lines (eval, checkpoints, rollbacks) are written above it,
+  each on a line of its own; plain lines need nothing."""
+  if progress != "bar":
+    yield
+    return
+  from tqdm.contrib.logging import logging_redirect_tqdm
+
+  with logging_redirect_tqdm():
+    yield
 
 
 def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:

@@ -92,13 +92,35 @@ def saved_config(workdir: str) -> tuple[str, dict | None]:
     return path, json.load(f)
 
 
-def save_config(workdir: str, config) -> str:
-  """Writes the resolved config as `<workdir>/config.json` (replacing the last run's): what
-  this start of the run used, for `pwtrain.sample` and for the record."""
+def save_config(workdir: str, config, start_step: int = 0) -> list[str]:
+  """Writes the resolved config as `<workdir>/config.json`, what this start of the run uses
+  (for `pwtrain.sample` and the record), and keeps a copy as `config.<start step>.json`. When
+  the run resumes, the settings changed since the last start are returned, one line per key
+  ("optim.lr: 0.01 -> 0.02"), and logged by the caller."""
   path = os.path.join(workdir, CONFIG_FILE)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(config.to_dict(), f, indent=2, sort_keys=True, default=repr)
-    f.write("\n")
-  os.replace(tmp, path)
-  return path
+  now = json.loads(json.dumps(config.to_dict(), sort_keys=True, default=repr))
+  changes = []
+  if start_step and os.path.isfile(path):
+    with open(path) as f:
+      before = _flat(json.load(f))
+    after = _flat(now)
+    for key in sorted(set(before) | set(after)):
+      if before.get(key, "(absent)") != after.get(key, "(absent)"):
+        changes.append(f"{key}: {before.get(key, '(absent)')!r} -> {after.get(key, '(absent)')!r}")
+  for target in (path, os.path.join(workdir, f"config.{start_step}.json")):
+    tmp = f"{target}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(now, f, indent=2, sort_keys=True)
+      f.write("\n")
+    os.replace(tmp, target)
+  return changes
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out

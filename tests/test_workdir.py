@@ -58,13 +58,24 @@ def test_a_second_run_on_the_workdir_is_refused_and_a_dead_holders_lock_is_taken
     pass
 
 
-def test_the_resolved_config_is_saved(tmp_path):
+def test_the_resolved_config_is_saved_per_start_with_what_changed(tmp_path):
   config = load_config("palm_tiny")
-  path = workdir_lib.save_config(str(tmp_path), config)
-  with open(path) as f:
+  assert workdir_lib.save_config(str(tmp_path), config) == []
+  with open(tmp_path / "config.json") as f:
     saved = json.load(f)
   assert saved["model"]["d_model"] == config.model.d_model
   assert saved["parallel"]["stages"] == config.parallel.stages
+  changed = load_config("palm_tiny", {"optim.lr": 0.02, "train.num_steps": 400})
+  assert workdir_lib.save_config(str(tmp_path), changed, start_step=60) == [
+    f"optim.lr: {config.optim.lr!r} -> 0.02",
+    "train.num_steps: 300 -> 400",
+  ]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "config.0.json",
+    "config.60.json",
+    "config.json",
+  ]
+  assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.02
 
 
 def test_rows_after_a_resume_point_are_set_aside(tmp_path):

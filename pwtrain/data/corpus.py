@@ -10,10 +10,13 @@ their documents as a "validation" split. Any other `data.dataset` must already b
 checkpoint a reader as a single index.
 """
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
+import io
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -187,11 +190,28 @@ def prepare_files(data_cfg: Any, data_dir: str) -> LocalFiles:
   (see `files_identity`)."""
   paths, name = files_identity(data_cfg)
   config = LocalFilesConfig(name=name, paths=tuple(paths), jsonl_field=data_cfg.jsonl_field)
-  builder = LocalFiles(config=config, data_dir=data_dir, file_format="array_record")
-  if not builder.is_prepared():
-    _check_writable(data_dir)
-    builder.download_and_prepare()
+  with _quiet_tfds():
+    builder = LocalFiles(config=config, data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+      _check_writable(data_dir)
+      builder.download_and_prepare()
   return builder
+
+
+@contextlib.contextmanager
+def _quiet_tfds():
+  """A local dataset is built without TFDS's chatter: its "Downloading and preparing" and
+  "prepared" lines on stdout (nothing is downloaded), its progress bars, and its warnings of
+  a custom configuration and of a first build. Its errors still show."""
+  tfds.disable_progress_bar()
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
+  finally:
+    absl_logger.setLevel(level)
 
 
 def files_identity(data_cfg: Any) -> tuple[list[str], str]:
@@ -241,15 +261,16 @@ def prepare_pystdlib(data_dir: str, max_files: int = 0, root: str | None = None)
   """
   root = stdlib_dir() if root is None else root
   config = PyStdlibConfig(name=config_name(root, max_files), root=root, max_files=max_files)
-  builder = PyStdlib(config=config, data_dir=data_dir, file_format="array_record")
-  if not builder.is_prepared():
-    if not list_source_files(root, max_files):
-      raise DataError(
-        f"data.dataset={BUILTIN!r}: no non-empty .py files under {root!r} "
-        f"(data.max_files={max_files}), so the corpus would be empty."
-      )
-    _check_writable(data_dir)
-    builder.download_and_prepare()
+  with _quiet_tfds():
+    builder = PyStdlib(config=config, data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+      if not list_source_files(root, max_files):
+        raise DataError(
+          f"data.dataset={BUILTIN!r}: no non-empty .py files under {root!r} "
+          f"(data.max_files={max_files}), so the corpus would be empty."
+        )
+      _check_writable(data_dir)
+      builder.download_and_prepare()
   return builder
 
 

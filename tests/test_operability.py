@@ -1,0 +1,129 @@
+"""A run on a cluster reads like a run on a laptop: plain lines in a log file, metrics that say
+where the time went, and mistakes on the command line in one line."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, TINY, small_config
+
+from pwtrain import train
+from pwtrain.checkpoint import IncompatibleCheckpoint
+
+FLAGS = [f"--config.{k}={v}" for k, v in TINY.items()] + ["--config.data.max_files=40"]
+
+
+def main(*args, env=None):
+  return subprocess.run(
+    [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *args],
+    cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+  """A run as a cluster job has it: stdout to a file (not a terminal), no JAX_PLATFORMS set
+  (the [tpu] extra, with libtpu, is installed), evaluation every 4 steps."""
+  workdir = tmp_path_factory.mktemp("run")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = main(
+    f"--workdir={workdir}", *FLAGS, "--config.train.num_steps=8", "--config.train.log_every=2",
+    "--config.train.eval_every=4", "--config.train.eval_batches=1", env=env,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def test_a_run_logged_to_a_file_prints_plain_lines(logged_run):
+  _, out = logged_run
+  assert "\r" not in out.stdout and "\r" not in out.stderr
+  lines = out.stdout.splitlines()
+  assert [line.split(" | ")[0] for line in lines] == [
+    "step 2/8",
+    "step 4/8",
+    "step 6/8",
+    "step 8/8",
+  ]
+  for line in lines:
+    fields = line.split(" | ")
+    assert fields[1].startswith("loss ") and fields[2].endswith(" tokens/s"), line
+    assert fields[3].startswith("step ") and fields[4].startswith("ETA "), line
+    assert fields[5].startswith("memory ") and fields[5].endswith("(host RSS)"), line
+  evals = [line for line in out.stderr.splitlines() if ": eval loss" in line]
+  assert len(evals) == 2 and all(line.split("] ", 1)[1].startswith("step ") for line in evals)
+
+
+def test_a_cpu_run_prints_no_libtpu_error(logged_run):
+  _, out = logged_run
+  assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "libtpu" not in out.stderr, out.stderr[:3000]
+
+
+def test_metrics_rows_say_where_the_time_went(logged_run):
+  workdir, out = logged_run
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  (once,) = [r for r in rows if "compile_s" in r]
+  assert once["step"] == 0 and once["compile_s"] > 0
+  intervals = [r for r in rows if "tokens_per_s" in r]
+  assert [r["step"] for r in intervals] == [2, 4, 6, 8]
+  for r in intervals:
+    for key in ("time", "elapsed_s", "step_time_s", "data_wait_s", "host_rss_bytes"):
+      assert key in r, (key, r)
+    assert 0 < r["goodput"] <= 1
+    shares = [v for k, v in r.items() if k.startswith("badput_")]
+    assert len(shares) == 6 and abs(r["goodput"] + sum(shares) - 1) < 1e-6, r
+  assert intervals[-1]["badput_eval"] > 0 and intervals[-1]["badput_compile"] > 0
+  times = [r["time"] for r in intervals]
+  assert times == sorted(times)
+  (summary,) = [line for line in out.stderr.splitlines() if "trained steps" in line]
+  assert "tokens/s on average" in summary and "goodput " in summary
+
+
+@pytest.mark.parametrize(
+  "flag,message",
+  [
+    ("--config.train.num_stpes=5",
+     "error: unknown key train.num_stpes; did you mean train.num_steps?"),
+    ("--config.trian.num_steps=5",
+     "error: unknown section trian.num_steps; did you mean train.num_steps?"),
+  ],
+)  # fmt: skip
+def test_a_misspelled_key_or_section_is_one_line(flag, message, tmp_path):
+  out = main(f"--workdir={tmp_path / 'run'}", flag)
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines() == [message], out.stderr[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_workdir_is_required_and_the_config_can_be_printed(tmp_path):
+  out = main("--config.train.num_steps=7")
+  assert out.returncode != 0 and out.stderr.strip().splitlines() == [
+    "error: --workdir is required: the directory for checkpoints and metrics"
+  ]
+  printed = main("--print_config", "--config.train.num_steps=7")
+  assert printed.returncode == 0 and "num_steps: 7" in printed.stdout
+
+
+def test_a_resume_names_every_changed_setting_and_keeps_each_starts_config(tmp_path, caplog):
+  base = {"train.num_steps": 2, "train.checkpoint_every": 2}
+  train.run(small_config(**base), str(tmp_path), show_progress=False)
+  changed = small_config(**{**base, "train.num_steps": 4, "optim.lr": 0.02})
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(changed, str(tmp_path), show_progress=False)
+  assert result.start_step == 2
+  lines = [r.getMessage() for r in caplog.records if "changed setting" in r.getMessage()]
+  assert lines == [
+    f"resuming at step 2 with a changed setting: optim.lr: {small_config().optim.lr!r} -> 0.02",
+    "resuming at step 2 with a changed setting: train.num_steps: 2 -> 4",
+  ]
+  assert (tmp_path / "config.0.json").is_file() and (tmp_path / "config.2.json").is_file()
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    again = train.run(changed, str(tmp_path), show_progress=False)
+  assert again.start_step == again.final_step == 4
+  assert any("nothing to train" in r.getMessage() for r in caplog.records)
+  wider = small_config(**{**base, "train.num_steps": 6, "model.d_model": 128})
+  with pytest.raises(ValueError, match="does not match this config's model") as refused:
+    train.run(wider, str(tmp_path), show_progress=False)
+  assert isinstance(refused.value.__cause__, IncompatibleCheckpoint)
