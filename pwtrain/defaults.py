@@ -56,6 +56,9 @@ def get_config():
   c.data.dataset = "pystdlib"
   c.data.files = ""  # "files": a glob, or globs separated by commas, of text or .jsonl files
   c.data.jsonl_field = "text"  # "files": the field of each JSONL line that holds the text
+  # "files": skip (and count, and name) JSONL lines without that text field and files that are
+  # not UTF-8, instead of refusing the first one.
+  c.data.skip_bad_records = False
   c.data.data_dir = ml_collections.config_dict.placeholder(str)  # None: <workdir>/tfds
   c.data.split = "train"
   # The held-out split evaluation reads: the built-in corpus holds out ~5% of its files as

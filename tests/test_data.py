@@ -453,6 +453,32 @@ def test_own_files_errors_name_the_setting(tmp_path):
     build_train_batches(config, str(tmp_path))
 
 
+def test_bad_records_can_be_skipped_counted_and_named(tmp_path, caplog):
+  """data.skip_bad_records=True: a JSONL line without the text field and a file that is not
+  UTF-8 are skipped, counted and named in one line; the good records are the corpus."""
+  import logging
+
+  lines = [json.dumps({"text": f"good line {i} " * 20}) for i in range(40)]
+  lines.insert(3, '{"body": "no text"}')
+  lines.insert(7, "not json at all")
+  (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+  (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 20)
+  files = f"{tmp_path}/*.jsonl,{tmp_path}/*.txt"
+  config = make_config(
+    **{"data.dataset": "files", "data.files": files, "data.skip_bad_records": True}
+  )
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    build_train_batches(config, str(tmp_path / "work"))
+  (line,) = [r.getMessage() for r in caplog.records if "skip_bad_records" in r.getMessage()]
+  assert line.startswith("data.skip_bad_records: skipped 3 bad record(s) of data.files: ")
+  for name in (
+    "mixed.jsonl:4 (KeyError",
+    "mixed.jsonl:8 (JSONDecodeError",
+    "latin1.txt (not UTF-8",
+  ):
+    assert name in line, line
+
+
 def llama_like_sentencepiece(path):
   """A SentencePiece model with another id layout than pwtrain's own: unk 0, bos 1, eos 2, no
   pad (as LLaMA's)."""

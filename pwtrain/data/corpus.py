@@ -43,6 +43,8 @@ EVAL_FRACTION = 0.05
 # without scanning a large dataset; a corpus this small is checked exhaustively.
 _NUM_CHECKED = 64
 
+log = logging.getLogger(__name__)
+
 
 def stdlib_dir() -> str:
   return sysconfig.get_paths()["stdlib"]
@@ -132,13 +134,16 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _generate_examples(self, documents: dict, keep):
     for key, where in documents.items():
       if keep(key):
-        yield key, {"text": self._read(key, where)}
+        text = self._read(key, where)
+        if text is not None:  # a bad record that data.skip_bad_records skips
+          yield key, {"text": text}
 
 
 @dataclasses.dataclass(kw_only=True)
 class LocalFilesConfig(tfds.core.BuilderConfig):
   paths: tuple[str, ...] = ()
   jsonl_field: str = "text"
+  skip_bad_records: bool = False
 
 
 class LocalFiles(PyStdlib, skip_registration=True):
@@ -169,32 +174,62 @@ class LocalFiles(PyStdlib, skip_registration=True):
             documents[f"{path}:{number}"] = line
     return documents
 
-  def _read(self, key: str, where: Any) -> bytes:
+  def _read(self, key: str, where: Any) -> bytes | None:
+    """The document's text; None for a bad record that data.skip_bad_records skips (a JSONL
+    line without the text field, or, when skipping, a file that is not UTF-8)."""
+    skip = self.builder_config.skip_bad_records
     if isinstance(where, str):
-      return super()._read(key, where)
+      data = super()._read(key, where)
+      if skip:
+        try:
+          data.decode("utf-8")
+        except UnicodeDecodeError as e:
+          return self._skipped(key, f"not UTF-8 ({e.reason} at byte {e.start})")
+      return data
     field = self.builder_config.jsonl_field
     try:
       text = json.loads(where)[field]
       if not isinstance(text, str):
         raise TypeError(f"is {type(text).__name__}")
     except (ValueError, KeyError, TypeError) as e:
+      why = f"{type(e).__name__}: {e}"
+      if skip:
+        return self._skipped(key, why)
       raise DataError(
         f"data.files: line {key} is not a JSON object with a string field "
-        f"data.jsonl_field={field!r} ({type(e).__name__}: {e}); fix or remove that line"
+        f"data.jsonl_field={field!r} ({why}); fix or remove that line, or set "
+        "data.skip_bad_records=True to skip such records"
       ) from None
     return text.encode("utf-8")
+
+  def _skipped(self, key: str, why: str) -> None:
+    self.__dict__.setdefault("skipped", []).append(f"{key} ({why})")
+    return None
 
 
 def prepare_files(data_cfg: Any, data_dir: str) -> LocalFiles:
   """Builds the files matched by `data.files` into `data_dir` unless that exact build exists
   (see `files_identity`)."""
   paths, name = files_identity(data_cfg)
-  config = LocalFilesConfig(name=name, paths=tuple(paths), jsonl_field=data_cfg.jsonl_field)
+  config = LocalFilesConfig(
+    name=name,
+    paths=tuple(paths),
+    jsonl_field=data_cfg.jsonl_field,
+    skip_bad_records=data_cfg.skip_bad_records,
+  )
   with _quiet_tfds():
     builder = LocalFiles(config=config, data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
       _check_writable(data_dir)
+      builder.skipped = []
       builder.download_and_prepare()
+      if builder.skipped:  # named once, when they are skipped
+        shown = "; ".join(builder.skipped[:5])
+        more = f"; and {len(builder.skipped) - 5} more" if len(builder.skipped) > 5 else ""
+        log.warning(
+          "data.skip_bad_records: skipped %d bad record(s) of data.files: %s%s",
+          len(builder.skipped), shown, more,
+        )  # fmt: skip
   return builder
 
 
@@ -226,7 +261,7 @@ def files_identity(data_cfg: Any) -> tuple[list[str], str]:
       f"data.files={data_cfg.files!r} matches no files (data.dataset={FILES!r} needs a glob, "
       f"or globs separated by commas, of text or .jsonl files)"
     )
-  identity = hashlib.sha1(repr(data_cfg.jsonl_field).encode())
+  identity = hashlib.sha1(repr((data_cfg.jsonl_field, data_cfg.skip_bad_records)).encode())
   for path in paths:
     stat = os.stat(path)
     identity.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
