@@ -439,7 +439,13 @@ def test_own_files_are_built_split_and_rebuilt_when_they_change(tmp_path):
   ]
   assert any(ex["text"].startswith(b"changed") for ex in rebuilt)
   _, fresh = build_train_batches(config, str(tmp_path))
-  with pytest.raises(ValueError, match="data.files"):
+  with pytest.raises(ValueError, match=r"data.files: files changed .*own/a\.txt") as refused:
+    fresh.set_state(state)
+  assert "added" not in str(refused.value) and "removed" not in str(refused.value)
+  (tmp_path / "own" / "e.txt").write_text("new " * 300)
+  (tmp_path / "own" / "b.md").unlink()
+  _, fresh = build_train_batches(config, str(tmp_path))
+  with pytest.raises(ValueError, match=r"files added .*e\.txt; removed .*b\.md; changed .*a\.txt"):
     fresh.set_state(state)
 
 

@@ -268,6 +268,16 @@ def files_identity(data_cfg: Any) -> tuple[list[str], str]:
   return paths, f"files_{identity.hexdigest()[:16]}"
 
 
+def files_seen(data_cfg: Any) -> dict[str, str]:
+  """{path: "<size> bytes, modified <ns>"} of the files `data.files` matches: what a resume
+  compares to name the files that changed."""
+  out = {}
+  for path in files_identity(data_cfg)[0]:
+    stat = os.stat(path)
+    out[path] = f"{stat.st_size} bytes, modified {stat.st_mtime_ns}"
+  return out
+
+
 def held_out_keys(keys: list[str], fraction: float) -> set[str]:
   """The keys whose stable hash falls in the lowest `fraction` of the range: the documents
   kept out of training. Decided by each key alone (not by position or count), so a document

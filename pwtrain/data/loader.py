@@ -146,8 +146,14 @@ class TrainBatches:
       for key, value in state["stream"].items()
       if self._stream.get(key) != value
     }
+    seen = changed.pop("data.files_seen", None)
+    if seen and "data.files" in changed:  # which files: added, removed or changed since
+      changed["data.files"] = _files_changed(*seen)
     if changed:
-      details = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+      details = ", ".join(
+        f"{k}: {old}" if k == "data.files" and seen else f"{k}: saved {old!r}, now {new!r}"
+        for k, (old, new) in changed.items()
+      )
       raise DataError(
         f"The data iterator state was saved with other settings ({details}); resuming would "
         f"produce a different token stream. Restore those settings or use a fresh workdir."
@@ -282,11 +288,26 @@ def _stream_settings(config: Any) -> dict[str, Any]:
     settings["data.max_files"] = config.data.max_files
   if config.data.dataset == corpus.FILES:  # which files, as they are now
     settings["data.files"] = corpus.files_identity(config.data)[1]
+    settings["data.files_seen"] = corpus.files_seen(config.data)  # named if they change
   if config.data.tokenizer_path:  # the tokenizer file's content
     settings["data.tokenizer_path"] = tokenizer_lib.file_identity(config.data.tokenizer_path)
   elif config.data.tokenizer == "sentencepiece":
     settings["data.sp_vocab_size"] = config.data.sp_vocab_size
   return settings
+
+
+def _files_changed(saved: dict, now: dict) -> tuple[str, None]:
+  """What changed in data.files since the state was saved, naming the files."""
+  parts = []
+  for what, names in (
+    ("added", sorted(set(now) - set(saved))),
+    ("removed", sorted(set(saved) - set(now))),
+    ("changed", sorted(k for k in set(saved) & set(now) if saved[k] != now[k])),
+  ):
+    if names:
+      more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+      parts.append(f"{what} {', '.join(names[:3])}{more}")
+  return "files " + "; ".join(parts or ["differ"]), None
 
 
 def _lookup(config: Any, dotted: str) -> Any:
