@@ -24,7 +24,7 @@ from pwtrain.data import (
   streams_of_rows,
 )
 from pwtrain.elastic import ElasticSteps
-from pwtrain.errors import ConfigError
+from pwtrain.errors import ConfigError, UserError
 from pwtrain.goodput import Goodput
 from pwtrain.harness import Harness
 from pwtrain.metrics import PROGRESS, MetricsLogger, peak_flops
@@ -65,7 +65,15 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
     with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
       plan = plan_lib.build(config, cluster)
       drills.check(config, plan)
-      return _run(config, workdir, context, cluster, plan)
+      before = workdir_lib.snapshot(workdir)
+      try:
+        return _run(config, workdir, context, cluster, plan)
+      except UserError:
+        # Refused before the first step (data, tokenizer, resume checks): the workdir is left
+        # as it was. Once training has begun nothing is removed.
+        if goodput.loop_start is None and jax.process_count() == 1:
+          workdir_lib.undo(workdir, before)
+        raise
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it.
   sizes = plan_lib.island_sizes(config, jax.device_count())

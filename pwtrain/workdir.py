@@ -12,6 +12,7 @@ import datetime
 import fcntl
 import json
 import os
+import shutil
 import socket
 
 from pwtrain.errors import ConfigError
@@ -124,3 +125,23 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     else:
       out[f"{prefix}{key}"] = value
   return out
+
+
+def snapshot(workdir: str) -> set[str] | None:
+  """The entries of `workdir` now (None: it does not exist), for `undo`."""
+  return set(os.listdir(workdir)) if os.path.isdir(workdir) else None
+
+
+def undo(workdir: str, before: set[str] | None) -> None:
+  """Removes what a refused start wrote to `workdir` since `snapshot` gave `before`: the whole
+  directory if it did not exist, else the entries that were not there (nothing else is
+  touched, so a workdir holding a run keeps all of it)."""
+  if before is None:
+    shutil.rmtree(workdir, ignore_errors=True)
+    return
+  for name in set(os.listdir(workdir)) - before if os.path.isdir(workdir) else ():
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.remove(path)

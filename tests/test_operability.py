@@ -127,3 +127,19 @@ def test_a_resume_names_every_changed_setting_and_keeps_each_starts_config(tmp_p
   with pytest.raises(ValueError, match="does not match this config's model") as refused:
     train.run(wider, str(tmp_path), show_progress=False)
   assert isinstance(refused.value.__cause__, IncompatibleCheckpoint)
+
+
+def test_a_refused_run_leaves_the_workdir_as_it_was(tmp_path):
+  """The vocabulary check comes after the corpus is built: a refused start removes what it
+  wrote (the whole workdir if it made it; else only its new entries)."""
+  too_small = small_config(**{"model.vocab_size": 200})  # the byte tokenizer has 258 ids
+  fresh = tmp_path / "fresh"
+  with pytest.raises(ValueError, match="model.vocab_size=200 is smaller"):
+    train.run(too_small, str(fresh), show_progress=False)
+  assert not fresh.exists()
+  kept = tmp_path / "kept"
+  kept.mkdir()
+  (kept / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="model.vocab_size=200 is smaller"):
+    train.run(too_small, str(kept), show_progress=False)
+  assert [p.name for p in kept.iterdir()] == ["notes.txt"]
