@@ -172,6 +172,10 @@ def get_config():
   c.backend.num_processes = 0
   c.backend.process_id = -1
   c.backend.connect_timeout_s = 60  # how long a process waits for all others to join
+  # How long a transfer pulled from another process may take to arrive before that process is
+  # taken for dead or silent (this one then stops, naming it, and the launcher restarts the run);
+  # longer than any compile or checkpoint of the peer.
+  c.backend.pull_timeout_s = 600.0
 
   c.fault = ml_collections.ConfigDict()  # lost workers (remote) or processes (pwtrain.launch)
   c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often

@@ -105,6 +105,7 @@ class Harness:
           max_inflight=config.backend.max_inflight_steps,
           trace=trace,
           serialize_execution=serialize_execution,
+          pull_timeout_s=config.backend.pull_timeout_s,
         )
       tx, schedule = optim.build(config.optim, config.train.num_steps)
       start = time.perf_counter()

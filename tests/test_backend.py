@@ -304,3 +304,29 @@ def test_puller_moves_values_and_a_failed_value_fails_the_pull(monkeypatch):
   puller.offer_error(8, spec, "0:F0.1: boom")
   with pytest.raises(Exception, match="0:F0.1: boom"):
     np.asarray(puller.pull(0, 8, spec))
+
+
+def test_a_pull_that_never_arrives_names_its_peer_in_bounded_time(monkeypatch):
+  """A pulled value whose peer never offers it (dead or silent) is reported within
+  backend.pull_timeout_s, naming the peer, instead of being waited for forever."""
+  import time
+
+  from pwtrain import processes
+  from pwtrain.backend.pulls import Puller
+
+  store, told = {}, []
+  monkeypatch.setattr(processes, "share", lambda key, value: store.__setitem__(key, value))
+  monkeypatch.setattr(processes, "ask", lambda key, timeout_s=600.0: store[key])
+  puller = Puller("silent", timeout_s=1.0, on_timeout=told.append)
+  device = jax.devices()[0]
+  spec = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+  puller.offer(1, jax.device_put(np.ones(2, np.float32), device))
+  np.asarray(puller.pull(0, 1, spec))  # arrives: nothing to report
+  puller.pull(0, 2, spec)  # never offered
+  deadline = time.monotonic() + 30
+  while not told and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert told == [
+    "a transfer from process 0 (pull 2) has not arrived after 1 s (backend.pull_timeout_s): "
+    "that process is dead or silent"
+  ]

@@ -51,7 +51,10 @@ class Controller:
     max_inflight: int = 1,
     trace: Trace | None = None,
     serialize_execution: bool | None = None,
+    pull_timeout_s: float = 600.0,
   ):
+    """`pull_timeout_s`: distributed mode, how long a transfer pulled from another process may
+    take to arrive before that process is taken for dead (backend/pulls.py)."""
     if max_inflight < 0:
       raise ConfigError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
     self.cluster = cluster
@@ -62,7 +65,7 @@ class Controller:
 
       self._dispatcher = RemoteDispatcher(cluster, trace)
     else:
-      self._dispatcher = LocalDispatcher(cluster, trace, serialize_execution)
+      self._dispatcher = LocalDispatcher(cluster, trace, serialize_execution, pull_timeout_s)
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.

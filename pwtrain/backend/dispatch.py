@@ -34,7 +34,13 @@ class LocalDispatcher:
   `serialize_execution` (default: on for CPU devices): see backend.Controller.
   """
 
-  def __init__(self, cluster: Cluster, trace: Trace | None, serialize_execution: bool | None):
+  def __init__(
+    self,
+    cluster: Cluster,
+    trace: Trace | None,
+    serialize_execution: bool | None,
+    pull_timeout_s: float = 600.0,
+  ):
     self.cluster = cluster
     self.trace = trace
     if serialize_execution is None:
@@ -54,6 +60,7 @@ class LocalDispatcher:
     self._id = next(_DISPATCHERS)
     self._distributed = jax.process_count() > 1
     self._puller: pulls_lib.Puller | None = None
+    self._pull_timeout_s = pull_timeout_s
     # Traced: a pull's event runs from the pull to the data's arrival (on "<island>:pulls").
     traced = trace is not None and trace.record_completion and self._distributed
     self._pull_watcher = CompletionWatcher("pulls") if traced else None
@@ -158,7 +165,7 @@ class LocalDispatcher:
       puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
       pulls = pulls_lib.pulls(program, self.cluster.islands) if self._distributed else {}
       if pulls and self._puller is None:  # every process prepares the same programs
-        self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}")
+        self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}", self._pull_timeout_s)
       cached = self._prepared_programs[id(program)] = (program, order, puts, pulls)
     return cached[1:]
 

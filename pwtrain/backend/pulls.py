@@ -16,8 +16,11 @@ pulled it: the pull would fail). Every other transfer between processes goes by 
 """
 
 import dataclasses
+import logging
+import os
 import socket
 import threading
+import time
 from typing import Any
 
 import jax
@@ -25,6 +28,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from pwtrain import processes
 from pwtrain.backend.program import Node, Program, Transfer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,11 @@ class Puller:
   use). `name` names the controller's servers alike on every process: their addresses are
   shared through the coordination service's key-value store."""
 
-  def __init__(self, name: str):
+  def __init__(self, name: str, timeout_s: float = 600.0, on_timeout=None):
+    """`timeout_s`: how long a pulled value may take to arrive before its peer is taken for
+    dead or silent; then `on_timeout(message)` (default: log the message and end this process,
+    so that the run's supervisor restarts it: a pull cannot be cancelled, and everything after
+    it would wait forever)."""
     from jax.experimental import transfer
 
     host = _host()
@@ -103,6 +112,7 @@ class Puller:
     self._connections: dict[int, Any] = {}
     self._lock = threading.Lock()  # islands of one process pull from their own threads
     processes.share(f"{name}/{jax.process_index()}", self._server.address())
+    self._watchdog = _Watchdog(timeout_s, on_timeout or _stop_process)
 
   def offer(self, uuid: int, value) -> None:
     """Offers `value` (computed or not) to the process that will pull `uuid`; returns at once."""
@@ -124,7 +134,45 @@ class Puller:
       if connection is None:
         address = str(processes.ask(f"{self._name}/{process}"))
         connection = self._connections[process] = self._server.connect(address)
-    return connection.pull(uuid, spec)
+    value = connection.pull(uuid, spec)
+    self._watchdog.watch(value, f"a transfer from process {process} (pull {uuid})")
+    return value
+
+
+class _Watchdog:
+  """Waits beside the islands for pulled values to arrive; one that has not after `timeout_s`
+  means its peer is dead or silent: `on_timeout` is told, naming the peer."""
+
+  def __init__(self, timeout_s: float, on_timeout):
+    self.timeout_s = timeout_s
+    self.on_timeout = on_timeout
+    self._waiting: list = []  # (deadline, arrays, what)
+    self._lock = threading.Lock()
+    threading.Thread(target=self._loop, name="pull-watchdog", daemon=True).start()
+
+  def watch(self, value, what: str) -> None:
+    with self._lock:
+      self._waiting.append((time.monotonic() + self.timeout_s, jax.tree.leaves(value), what))
+
+  def _loop(self) -> None:
+    while True:
+      time.sleep(min(0.5, self.timeout_s / 4))
+      now = time.monotonic()
+      with self._lock:
+        waiting = [w for w in self._waiting if not all(x.is_ready() for x in w[1])]
+        late = [w for w in waiting if w[0] <= now]
+        self._waiting = [w for w in waiting if w[0] > now]
+      for _, _, what in late:
+        self.on_timeout(
+          f"{what} has not arrived after {self.timeout_s:.0f} s "
+          "(backend.pull_timeout_s): that process is dead or silent"
+        )
+
+
+def _stop_process(message: str) -> None:
+  log.error("%s; stopping this process so that the run restarts", message)
+  logging.shutdown()
+  os._exit(1)
 
 
 def _host() -> str:
