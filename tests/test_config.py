@@ -120,6 +120,7 @@ def run_main(*args):
   )
 
 
+@pytest.mark.processes
 def test_unknown_key_on_the_command_line_is_refused(tmp_path):
   result = run_main(f"--workdir={tmp_path}", "--config.train.num_stepz=5")
   assert result.returncode != 0
@@ -135,6 +136,7 @@ def test_unknown_key_on_the_command_line_is_refused(tmp_path):
     (["--config.train.global_batch=12", "--dry_run"], "error: train.global_batch=12 must be"),
   ],
 )
+@pytest.mark.processes
 def test_bad_value_on_the_command_line_is_one_line_naming_the_key(args, message, tmp_path):
   """Training and the dry run alike: one line naming the key and what is valid, no traceback,
   nothing written (the layout is checked against the devices before the data is prepared)."""

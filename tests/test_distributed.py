@@ -70,6 +70,11 @@ def launch(
   return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def process_logs(workdir) -> str:
+  """Every process's whole log (the console shows process 0's lines and the others' warnings)."""
+  return "".join(open(path).read() for path in sorted(glob.glob(f"{workdir}/launch/process*.log")))
+
+
 def losses(workdir) -> dict:
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -91,6 +96,8 @@ def embedded_pods(tmp_path_factory):
   return train.run(config_of(PODS), str(tmp_path_factory.mktemp("pods")), show_progress=False)
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   """2 pods (sync exchange) as 2 processes: every logged loss, both evaluations and the final
   parameters and optimizer state equal the embedded run's bitwise; the distributed checkpoint
@@ -115,10 +122,12 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   assert "reads data streams [1]" not in result.stdout
   console = result.stdout.splitlines()
   assert len([line for line in console if "trained steps 1-12 of 12" in line]) == 1
-  assert len([line for line in console if "eval loss" in line]) == 2  # steps 6 and 12
+  assert len([line for line in console if ": eval loss" in line]) == 2  # steps 6 and 12
   assert "\r" not in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   """A 2-stage 1F1B pipeline, one stage per process: activations and gradients cross between
   the processes every microbatch."""
@@ -179,6 +188,8 @@ def _process_pid(launcher: subprocess.Popen, index: int) -> int | None:
   return None
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
   """SIGKILL process 1 after the step-4 checkpoint: the launcher names it, stops process 0,
   starts both again (fault.max_restarts=1), they resume from the last checkpoint, and the run
@@ -209,6 +220,8 @@ def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
   assert_same_state(embedded_pods.state, restored.state)
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
   """fault.max_restarts=0: process 1 is killed, the launcher stops process 0 and gives up,
   saying which process died and which it stopped (not both as "killed by SIGKILL")."""
@@ -230,6 +243,8 @@ def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
   ), line
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_embedded_checkpoint_resumes_in_distributed_mode(embedded_pods, tmp_path):
   """An embedded run's step-4 checkpoint, resumed by 2 processes to step 12: the uninterrupted
   embedded run's losses and parameters."""
@@ -264,6 +279,8 @@ def run_main(workdir, env: dict, overrides: dict, timeout=120):
   )
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_bad_distributed_settings_are_one_clear_line(tmp_path):
   """A process id out of range, a coordinator nobody serves in time, and a layout whose islands
   do not match the processes: each one line naming the setting, with nothing written."""
@@ -290,6 +307,8 @@ def test_bad_distributed_settings_are_one_clear_line(tmp_path):
   assert not os.path.exists(tmp_path / "c" / "checkpoints" / "4")
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_sigterm_to_the_launcher_checkpoints_one_step_and_exits_0(tmp_path):
   """SIGTERM to the launcher reaches every process; they agree on one step, checkpoint it
   together and exit 0, and that checkpoint restores in embedded mode."""
@@ -312,6 +331,8 @@ def test_sigterm_to_the_launcher_checkpoints_one_step_and_exits_0(tmp_path):
   assert final_state(config, tmp_path).start_step == step
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   """2 pods x 2 stages, one island per process: stage transfers within each pod and the
   gradient exchange between the pods' stages all cross processes, and every process also walks
@@ -331,7 +352,9 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   result = launch(tmp_path / "dist", 4, layout)
   assert result.returncode == 0, result.stdout[-3000:]
   # Both stages of a pod read its rows (inputs on the first, targets on the last): one stream.
-  read = re.findall(r"process (\d) reads data streams \[(\d)\] of data.streams=2", result.stdout)
+  read = re.findall(
+    r"process (\d) reads data streams \[(\d)\] of data.streams=2", process_logs(tmp_path / "dist")
+  )
   assert sorted(p for p, _ in read) == ["0", "1", "2", "3"]
   assert sorted(s for _, s in read) == ["0", "0", "1", "1"]
   want = {r["step"]: r["loss"] for r in embedded.history}
@@ -341,6 +364,8 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   assert_same_state(embedded.state, restored.state)
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_one_island_over_two_processes_equals_embedded(tmp_path):
   """One island of 4 devices over 2 processes, its parameters sharded over all 4 (FSDP):
   multi-controller SPMD, each process launching the step on its 2 devices, collectives across
@@ -366,8 +391,9 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   second = launch(tmp_path / "dist", 2, layout)
   assert second.returncode == 0, second.stdout[-3000:]
   assert "resumed from step 4" in second.stdout
+  logs = process_logs(tmp_path / "dist")
   for p in (0, 1):  # the batch rows on its 2 devices: one stream's
-    assert f"process {p} reads data streams [{p}] of data.streams=2" in second.stdout
+    assert f"process {p} reads data streams [{p}] of data.streams=2" in logs
   got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
   assert sorted(got) == sorted(want) == list(range(1, 7))
   assert_close([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], "losses")
@@ -376,6 +402,8 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   assert_trees_close(jax.device_get(restored.state), jax.device_get(embedded.state), "state")
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_pipeline_of_islands_that_span_processes_equals_embedded(tmp_path):
   """A 2-stage pipeline on 4 processes of 1 device: each stage's island spans 2 processes
   (data parallel over them, gloo collectives), and activations and gradients cross between
@@ -395,8 +423,9 @@ def test_pipeline_of_islands_that_span_processes_equals_embedded(tmp_path):
   second = launch(tmp_path / "dist", 4, {**layout, "train.num_steps": 6}, devices=1)
   assert second.returncode == 0, second.stdout[-3000:]
   assert "resumed from step 4" in second.stdout
+  logs = process_logs(tmp_path / "dist")
   for p in range(4):  # process p holds rows of stream p % 2 on either stage
-    assert f"process {p} reads data streams [{p % 2}] of data.streams=2" in second.stdout
+    assert f"process {p} reads data streams [{p % 2}] of data.streams=2" in logs
   got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
   assert got == want and sorted(got) == list(range(1, 7))
   restored = final_state(config_of({**layout, "train.num_steps": 6}), tmp_path / "dist")
@@ -412,6 +441,8 @@ def _running(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_processes_die_with_a_killed_launcher(tmp_path):
   """A launcher killed outright (SIGKILL: no chance to stop its processes) takes them with it
   within seconds, instead of leaving them to hold the coordinator's port and the cores."""

@@ -362,6 +362,7 @@ def _per_layer(remat: str, scanned: bool = False) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "outputs", "full"])
+@pytest.mark.slow
 def test_per_policy_arithmetic_is_what_jax_keeps_and_executes(remat):
   """The dry run's per-token figures against the model itself: the residuals jax.vjp keeps
   (exactly, for every remat policy; "none" is an estimate of what survives XLA's fusion: the
@@ -379,6 +380,7 @@ def test_per_policy_arithmetic_is_what_jax_keeps_and_executes(remat):
   assert flops == block[0] + arithmetic.remat_recompute_flops(m, moe, 32, remat, 0)
 
 
+@pytest.mark.slow
 def test_scanned_model_at_remat_none_keeps_its_matmul_outputs():
   """A scanned model at remat "none" keeps what remat.scanned_policy keeps: exactly the
   residuals jax.vjp stacks per layer, less than the unrolled model, more than "dots"; its
@@ -475,6 +477,7 @@ def test_bad_cluster_is_refused_by_the_plan():
     dryrun.estimate(config)
 
 
+@pytest.mark.processes
 def test_main_dry_run_plans_palm_540b_and_writes_nothing(tmp_path):
   import subprocess
   import sys

@@ -56,6 +56,9 @@ def tpu_config(topology: str, **overrides):
   return c
 
 
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.tpu
 def test_cli_compiles_the_scanned_step_and_reports_it():
   """The command a user runs: plan, then the compiled figures; the compiled FLOPs (a step with
   two loops: the microbatches and the scanned layers) agree with the 6N + 12LHQT arithmetic."""
@@ -72,6 +75,8 @@ def test_cli_compiles_the_scanned_step_and_reports_it():
   assert 0.95 < ratio < 1.15, flops
 
 
+@pytest.mark.slow
+@pytest.mark.tpu
 def test_extrapolated_flops_equal_the_unrolled_steps_count():
   """XLA counts a loop's body once; the extrapolation from loop-free compiles recovers the count
   of the same step compiled with no loops (unrolled, one microbatch). Shapes are TPU-sized
@@ -93,6 +98,8 @@ def test_extrapolated_flops_equal_the_unrolled_steps_count():
   assert step["name"] == "train_step" and step["temporaries"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.tpu
 def test_pods_on_slices_and_pipeline_stages():
   """2 pods x 2 stages on two v4 slices: pod 0's two islands, each a set of compiled pieces whose
   peak is bounded by the resident state plus the largest piece; FLOPs counted per node."""
@@ -121,6 +128,7 @@ def test_pods_on_slices_and_pipeline_stages():
   assert first["held_bytes"] == 2 * f0["outputs"] > 0 and last["held_bytes"] == 0
 
 
+@pytest.mark.tpu
 def test_a_step_that_does_not_fit_is_reported_not_raised():
   """XLA refuses a program bigger than the chip's memory: the report says so in one line."""
   c = tpu_config(
@@ -147,12 +155,15 @@ def test_a_step_that_does_not_fit_is_reported_not_raised():
   ],
   ids=["no_topology", "bad_topology", "compile_without_dry_run"],
 )
+@pytest.mark.processes
+@pytest.mark.tpu
 def test_bad_input_is_one_clear_line(flags, message):
   proc = run_main(*flags)
   assert proc.returncode != 0
   assert message in proc.stderr
 
 
+@pytest.mark.tpu
 def test_a_mesh_axis_that_is_no_product_of_torus_axes_splits_them():
   """jax.make_mesh refuses a 32-way axis on a 4x4x4 torus (no product of whole torus axes);
   backend.cluster.make_mesh splits physical axes instead, as PaLM 540B's tensor=12 on a

@@ -47,6 +47,7 @@ def _losses(result):
   return [row["loss"] for row in result.history if "loss" in row]
 
 
+@pytest.mark.slow
 def test_a_killed_pod_is_dropped_and_the_run_equals_the_uninterrupted_one(
   uninterrupted, tmp_path, caplog
 ):
@@ -66,6 +67,7 @@ def test_a_killed_pod_is_dropped_and_the_run_equals_the_uninterrupted_one(
   assert "resumed" not in caplog.text  # no checkpoint read
 
 
+@pytest.mark.slow
 def test_a_dropped_pod_rejoins_and_every_pod_ends_equal(uninterrupted, tmp_path, caplog):
   inject = "kill:pod0@step3,rejoin:pod0@step6"
   config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
@@ -78,6 +80,7 @@ def test_a_dropped_pod_rejoins_and_every_pod_ends_equal(uninterrupted, tmp_path,
   assert any(r.getMessage().startswith("pod 0 rejoined") for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path):
   """Pod 0 (whose arrays the checkpoints take) is lost right after an asynchronous save of
   step 3, and step 6 is saved with two pods: both commit whole, and a run resumed from step 6
@@ -98,6 +101,7 @@ def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, 
   assert_trees_close(resumed.state["params"], uninterrupted.state["params"], "params")
 
 
+@pytest.mark.slow
 def test_diloco_averages_only_the_live_pods_deltas(tmp_path):
   """DiLoCo with one inner step, outer lr 1 and no momentum averages the pods' SGD steps: after
   pod 2 is lost between outer steps, the two survivors' average over their six rows each is the
@@ -117,6 +121,7 @@ def test_diloco_averages_only_the_live_pods_deltas(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, survivors[0]["params"], survivors[1]["params"])
 
 
+@pytest.mark.slow
 def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
   """The pipeline layout: pod 1's two stage islands are lost, pod 0 runs both stages on alone
   with the whole batch, and pod 1 rejoins; the run equals the uninterrupted one."""

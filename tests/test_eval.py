@@ -59,6 +59,7 @@ def one_device():
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_eval_matches_one_device(one_device, layout):
   config = config_for(layout)
   want = one_device["moe" if config.moe.num_experts else "dense"]

@@ -73,6 +73,7 @@ def value_and_grads(fn, params, x, cotangent):
 
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("dropless", [False, True])
+@pytest.mark.slow
 def test_dispatch_equals_dense_reference(top_k, dropless):
   # capacity_factor = E / top_k gives every expert S slots: nothing can drop.
   config = layer_config(top_k, capacity_factor=E / top_k, dropless=dropless)
@@ -106,6 +107,7 @@ def test_drop_order_top2():
   assert float(jnp.sum(combine)) == pytest.approx(0.6 + 0.7 + 0.8 + 0.4 + 0.1)
 
 
+@pytest.mark.slow
 def test_dropped_tokens_get_zero_output():
   """Top-1, 2 experts, capacity 2: the 3rd+ token of each expert passes through with zeros."""
   config = layer_config(1, num_experts=2, capacity_factor=0.5)  # C = ceil(0.5 * 8 / 2) = 2
@@ -309,6 +311,7 @@ def reference_run():
   )
 
 
+@pytest.mark.slow
 def test_reference_drops_tokens_and_adds_aux_losses(reference_run):
   _, (_, stats), (metrics, _) = reference_run
   assert 0 < float(stats["moe_dropped"]) < float(stats["moe_assignments"])
@@ -327,6 +330,7 @@ def test_reference_drops_tokens_and_adds_aux_losses(reference_run):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_expert_parallel_gradients_match_single_device(reference_run, layout):
   batches, (ref_grads, ref_stats), _ = reference_run
   grads, stats = grads_at_init(moe_config(**LAYOUTS[layout]), batches[0])
@@ -336,6 +340,7 @@ def test_expert_parallel_gradients_match_single_device(reference_run, layout):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_expert_parallel_sgd_steps_match_single_device(reference_run, layout):
   batches, _, (ref_metrics, ref_state) = reference_run
   metrics, state = run_steps(moe_config(**SGD, **LAYOUTS[layout]), batches)
@@ -403,6 +408,7 @@ def pipeline_reference():
 
 
 @pytest.mark.parametrize("layout", sorted(PIPELINES))
+@pytest.mark.slow
 def test_pipeline_with_moe_matches_single_device(pipeline_reference, layout):
   batches, (ref_metrics, ref_state) = pipeline_reference
   metrics, state = run_steps(moe_config(**PIPE_SGD, **PIPELINES[layout]), batches)
@@ -430,6 +436,7 @@ def test_fast_dry_run_model_fns_match_the_moe_model():
   )
 
 
+@pytest.mark.slow
 def test_train_run_logs_moe_metrics_and_resumes(tmp_path):
   """pwtrain.train.run with the shipped MoE config (made smaller): 4 steps, stop, resume."""
 

@@ -37,6 +37,7 @@ def logged_run(tmp_path_factory):
   return workdir, out
 
 
+@pytest.mark.slow
 def test_a_run_logged_to_a_file_prints_plain_lines(logged_run):
   _, out = logged_run
   assert "\r" not in out.stdout and "\r" not in out.stderr
@@ -90,6 +91,7 @@ def test_metrics_rows_say_where_the_time_went(logged_run):
      "error: unknown section trian.num_steps; did you mean train.num_steps?"),
   ],
 )  # fmt: skip
+@pytest.mark.processes
 def test_a_misspelled_key_or_section_is_one_line(flag, message, tmp_path):
   out = main(f"--workdir={tmp_path / 'run'}", flag)
   assert out.returncode != 0
@@ -97,6 +99,7 @@ def test_a_misspelled_key_or_section_is_one_line(flag, message, tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.processes
 def test_the_workdir_is_required_and_the_config_can_be_printed(tmp_path):
   out = main("--config.train.num_steps=7")
   assert out.returncode != 0 and out.stderr.strip().splitlines() == [
@@ -106,6 +109,7 @@ def test_the_workdir_is_required_and_the_config_can_be_printed(tmp_path):
   assert printed.returncode == 0 and "num_steps: 7" in printed.stdout
 
 
+@pytest.mark.slow
 def test_a_resume_names_every_changed_setting_and_keeps_each_starts_config(tmp_path, caplog):
   base = {"train.num_steps": 2, "train.checkpoint_every": 2}
   train.run(small_config(**base), str(tmp_path), show_progress=False)

@@ -58,6 +58,7 @@ def devices_for(layout):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_gradients_match_single_device(reference, layout):
   batches, (ref_grads, ref_stats), _, _ = reference
   config = tiny_test_config(**LAYOUTS[layout])
@@ -74,6 +75,7 @@ def assert_metrics_close(metrics, ref_metrics):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_sgd_steps_match_single_device(reference, layout):
   batches, _, _, (ref_metrics, ref_state) = reference
   config = tiny_test_config(**SGD, **LAYOUTS[layout])
@@ -85,6 +87,7 @@ def test_sgd_steps_match_single_device(reference, layout):
 
 
 @pytest.mark.parametrize("layout", ["mixed222", "dp4_tp2_micro2"])
+@pytest.mark.slow
 def test_adafactor_steps_match_single_device(reference, layout):
   batches, _, (ref_metrics, _), _ = reference
   config = tiny_test_config(**LAYOUTS[layout])

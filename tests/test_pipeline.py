@@ -59,6 +59,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_pipeline_matches_single_device(reference, layout):
   batches, (ref_metrics, ref_state), _ = reference
   overrides = dict(LAYOUTS[layout])
@@ -72,6 +73,7 @@ def test_pipeline_matches_single_device(reference, layout):
   assert_trees_close(state["opt_state"], ref_state["opt_state"], "opt_state")
 
 
+@pytest.mark.slow
 def test_pipeline_with_adafactor_matches_single_device(reference):
   batches, _, (ref_metrics, _) = reference
   metrics, _ = run_steps(tiny_test_config(**pipe(2, "1f1b", 2)), batches)
@@ -136,6 +138,7 @@ def test_bad_pipeline_configs(overrides, message):
     plan_lib.build(config, plan_lib.make_cluster(config))
 
 
+@pytest.mark.slow
 def test_whole_step_is_dispatched_before_it_runs():
   """Parallel asynchronous dispatch: every node of a 4-stage step is enqueued in a small fraction
   of the step's run time, and the trace shows the islands working on the step concurrently."""
@@ -161,6 +164,7 @@ def test_whole_step_is_dispatched_before_it_runs():
   assert last_dispatch < first_done  # all enqueued before the last stage finished anything
 
 
+@pytest.mark.slow
 def test_activation_memory_1f1b_below_gpipe():
   """Live-buffer accounting: the bytes of saved stage inputs held at the peak of each schedule,
   from the compiled forward's input size."""
@@ -180,6 +184,7 @@ def test_activation_memory_1f1b_below_gpipe():
 
 
 @pytest.mark.parametrize("remat", ["dots", "none_scanned", "none"])
+@pytest.mark.slow
 def test_stage_remat_none_keeps_residuals_instead_of_recomputing(remat):
   """parallel.stage_remat="none": F returns its stage's VJP residuals, as many bytes per token
   as the dry run counts for the stage's blocks under model.remat (estimate.activation_bytes;
@@ -221,6 +226,7 @@ def run(workdir, **overrides):
 PIPE2 = pipe(2, "1f1b", 2, **{"model.num_layers": 2, "train.checkpoint_every": 3})
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_resumes_exactly_and_across_topologies(tmp_path):
   straight = run(tmp_path / "straight", **PIPE2)
   losses = [r["loss"] for r in straight.history]

@@ -47,6 +47,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_pods_match_one_island(reference, layout):
   batches, (ref_metrics, ref_state) = reference
   config = tiny_test_config(**{**SGD, **PODS, **LAYOUTS[layout]})
@@ -104,6 +105,7 @@ def test_compressed_exchange_keeps_pods_identical(reference, compression):
   )
 
 
+@pytest.mark.slow
 def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
   import json
 
@@ -125,6 +127,7 @@ def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
   assert all("pod0_loss" in r for r in rows if "loss" in r)
 
 
+@pytest.mark.slow
 def test_stale_exchange_applies_last_steps_gradients():
   """Documented numerics: step t computes g_t at the current parameters and applies g_{t-1}
   (nothing at step 1). So after 2 steps stale equals sync after 1; after 3 steps, with SGD with
@@ -160,6 +163,7 @@ def test_stale_exchange_applies_last_steps_gradients():
   jax.tree.map(np.testing.assert_array_equal, after3["state/0.0"], after3["state/1.0"])
 
 
+@pytest.mark.slow
 def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
   """H=1, outer lr 1, no outer momentum: each step the pods' parameters become the mean of
   their own SGD steps, theta - lr * mean_p(g_p / tokens_p), g_p from pod p's half-batch."""
@@ -189,6 +193,7 @@ def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
   assert program.per_pod_checkpoint
 
 
+@pytest.mark.slow
 def test_diloco_pods_diverge_between_outer_steps_and_resume_exactly(tmp_path):
   from pwtrain import train
 
@@ -228,6 +233,7 @@ def test_error_feedback_loses_nothing_over_steps():
   assert np.abs(residual["w"]).max() > 0  # int8 did lose something, and it was kept
 
 
+@pytest.mark.slow
 def test_pods_with_error_feedback_stay_identical_and_resume(tmp_path):
   from pwtrain import train
 

@@ -71,6 +71,7 @@ def rows(workdir):
   return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path):
   """Batches 5 and 6 (steps 6 and 7) are bad. Both steps are skipped; at the next log (step 8)
   two consecutive skips trigger a rollback to the checkpoint of step 4 (the one of step 6 is set
@@ -106,6 +107,7 @@ def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path
   assert [r["loss"] for r in result.history[8:]] == [r["loss"] for r in clean.history[4:]]
 
 
+@pytest.mark.slow
 def test_a_run_that_keeps_diverging_stops_with_checkpoints_intact(monkeypatch, tmp_path):
   patch_batches(monkeypatch, poison=set(range(5, 100)))
   with pytest.raises(guard.Diverged, match="train.max_rollbacks=1"):
@@ -224,6 +226,7 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(
   ckpt.close()
 
 
+@pytest.mark.processes
 def test_a_damaged_checkpoint_prints_one_line_not_tracebacks(tmp_path):
   """In a process of its own (pytest would catch what it prints): the reads Orbax abandons when
   one array file is truncated must not print their tracebacks ("Event loop is closed")."""
@@ -300,6 +303,7 @@ def test_fingerprint_ignores_sharding_and_sees_any_change():
   assert integrity.fingerprint({"x": one_ulp}) != integrity.fingerprint({"x": x})
 
 
+@pytest.mark.slow
 def test_trainer_resumes_from_the_checkpoint_before_a_damaged_one(tmp_path, caplog):
   """Train 8 steps (checkpoints 4, 8), damage step 8, rerun to 12: resumes from 4 and steps
   5..12 repeat the straight run's losses exactly."""
@@ -332,6 +336,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
   directory = str(tmp_path / "checkpoints")
   proc = subprocess.run(
@@ -381,6 +386,7 @@ SKIP_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(SKIP_LAYOUTS))
+@pytest.mark.slow
 def test_a_nonfinite_step_changes_no_stage_or_pod(layout):
   """Only pod 0's half of the batch is bad, yet every cell keeps its parameters and optimizer
   state (all decide from the same global loss), and the next clean step trains again."""

@@ -122,6 +122,7 @@ def test_put_fetch_and_worker_to_worker_transfer(workers):
     time.sleep(0.05)
 
 
+@pytest.mark.processes
 def test_shutdown_rpc_stops_the_worker():
   with launcher.launch([1], names=["solo"]) as w:
     md = auth.call_metadata(w.token)
@@ -233,6 +234,7 @@ def assert_same_run(config, workers, num_steps=3):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_remote_pipeline_matches_embedded(workers):
   config = tiny_test_config(
     **{
@@ -245,6 +247,7 @@ def test_remote_pipeline_matches_embedded(workers):
   assert_same_run(config, workers)
 
 
+@pytest.mark.slow
 def test_remote_pods_match_embedded(workers):
   assert_same_run(tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2}), workers)
 
@@ -316,6 +319,7 @@ def uninterrupted(tmp_path_factory):
   return train.run(small_config(), str(workdir), show_progress=False)
 
 
+@pytest.mark.slow
 def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
   """launch_workers: 8 steps, then resume to 10 from the step-8 checkpoint the workers wrote,
   then embedded mode resumes that run's step-10 checkpoint to 12; same as embedded throughout."""
@@ -338,6 +342,7 @@ def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes(uninterrupted, tmp_path):
   """SIGKILL a worker after the step-4 checkpoint: the run restarts its workers, resumes from
   the last checkpoint and ends with the uninterrupted run's parameters."""
@@ -370,6 +375,8 @@ def test_killed_worker_restarts_and_resumes(uninterrupted, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_external_workers_restarted_by_an_operator_are_reset_and_resumed(uninterrupted, tmp_path):
   """Workers the controller did not launch: one is SIGKILLed after the step-4 checkpoint and
   started again on its address by someone else; the controller waits for it, resets the

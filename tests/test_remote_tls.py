@@ -70,6 +70,7 @@ def tls_worker(certificates):
     proc.wait(timeout=30)
 
 
+@pytest.mark.processes
 def test_off_loopback_without_tls_is_refused_in_one_line():
   proc = start_worker()
   _, err = proc.communicate(timeout=120)
@@ -81,6 +82,7 @@ def test_off_loopback_without_tls_is_refused_in_one_line():
   ]
 
 
+@pytest.mark.processes
 def test_insecure_serves_off_loopback_when_asked():
   proc = start_worker("--insecure")
   try:
@@ -92,6 +94,7 @@ def test_insecure_serves_off_loopback_when_asked():
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_the_controller_verifies_the_worker_certificate(certificates, tls_worker):
   (cert, _), (stranger, _) = certificates
   client = WorkerClient(tls_worker, TOKEN, timeout_s=60, tls_ca=cert)
@@ -104,6 +107,7 @@ def test_the_controller_verifies_the_worker_certificate(certificates, tls_worker
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+@pytest.mark.slow
 def test_training_over_tls_equals_embedded(certificates, tls_worker):
   """Two steps on the TLS worker: the same losses and parameters as embedded mode, bitwise."""
   (cert, _), _ = certificates

@@ -188,6 +188,7 @@ def _printed(stdout):
   return {k: (header, "\n".join(lines)) for k, (header, lines) in out.items()}
 
 
+@pytest.mark.processes
 def test_command_greedy_continues_the_prompt_as_the_trained_model_does(trained):
   """`--temperature=0` prints the prompt and the greedy continuation of the trained params
   (computed here without a checkpoint, a KV cache's restore, or the command)."""
@@ -233,6 +234,7 @@ def _generate_n(fns, params, ids, n, tokenizer):
   return jax.device_get(fn(params, ids[None], np.asarray([len(ids)], np.int32)))
 
 
+@pytest.mark.processes
 def test_command_reads_config_json_and_a_prompt_file(trained, tmp_path):
   """Without --config the run's <workdir>/config.json is used; every prompt of the file gets
   --num_samples samples."""
@@ -260,6 +262,7 @@ def test_command_reads_config_json_and_a_prompt_file(trained, tmp_path):
     assert text.startswith(["import os", "class A:"][p])
 
 
+@pytest.mark.processes
 def test_command_without_a_config_says_how_to_give_one(tmp_path):
   proc = _sample_command(tmp_path, "--prompt=x")
   assert proc.returncode != 0

@@ -51,6 +51,7 @@ def remat_runs():
   return out
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradients(remat_runs):
   grads, _ = remat_runs["none"]
   for remat in ("dots", "outputs", "full"):
@@ -92,6 +93,7 @@ def test_model_with_xla_attention_matches_einsum():
   assert_trees_close(grads, ref_grads, "grads", TOL)
 
 
+@pytest.mark.slow
 def test_bf16_activations_with_float32_params_match_float32():
   """model.dtype=bfloat16: parameters, gradients and loss sums stay float32, and agree with
   the float32 model to bf16 precision, on one device and on a 2 x 2 x 2 mesh."""

@@ -63,6 +63,7 @@ def stage_state(config, key, **stage):
   [({"model.num_layers": 3}, {}), (MOE, {"num_layers": 2, "layer_offset": 2, "has_embed": False})],
   ids=["dense", "moe_last_stage"],
 )
+@pytest.mark.slow
 def test_scanned_init_is_the_unrolled_init_stacked(overrides, stage):
   """Bitwise the unrolled parameters, stacked by period; logical axes lead with "layers"."""
   key = jax.random.key(3)
@@ -96,6 +97,7 @@ GRAD_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(GRAD_LAYOUTS))
+@pytest.mark.slow
 def test_gradients_match_unrolled_single_device(grad_reference, layout):
   """Loss sums (MoE sums included) and gradients at init, against the unrolled model."""
   batch, references = grad_reference
@@ -186,6 +188,7 @@ def assert_steps_close(metrics, state, ref_metrics, ref_state):
 
 
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
+@pytest.mark.slow
 def test_sgd_steps_match_unrolled_single_device(reference, layout):
   batches, references = reference
   model, overrides = STEP_LAYOUTS[layout]
@@ -197,6 +200,7 @@ def test_sgd_steps_match_unrolled_single_device(reference, layout):
 @pytest.mark.parametrize(
   "mode", [{"exchange.mode": "stale"}, {"exchange.mode": "diloco", "exchange.inner_steps": 2}]
 )
+@pytest.mark.slow
 def test_pods_whose_states_differ_match_unrolled(reference, mode):
   """stale and diloco pods against the unrolled model in the same layout (every pod's state).
 
@@ -216,6 +220,7 @@ def test_pods_whose_states_differ_match_unrolled(reference, mode):
     assert_trees_close(pod_got, pod_want, "pod state")
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_layouts(reference, tmp_path):
   """Real Orbax checkpoints: unrolled -> scanned (one island) -> scanned (2 stages) ->
   unrolled, one step between each (and the eval program on each restored state), equals
@@ -273,6 +278,7 @@ def test_checkpoints_restore_across_layouts(reference, tmp_path):
   assert texts[0] == texts[1] and texts[1][0].checkpoint_step == NUM_STEPS
 
 
+@pytest.mark.slow
 def test_scanned_decode_equals_unrolled():
   """Greedy decoding with the KV cache: the scanned MoE model (stacked cache per position of
   the period, scanned decode) produces the unrolled model's tokens."""

@@ -51,6 +51,7 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(uninterrupted):
   assert np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path):
   """Stop after 6 steps (checkpoint at 4 and 6), rerun: steps 7..12 equal the straight run."""
   ref_dir, ref = uninterrupted
@@ -72,6 +73,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_resume_onto_a_different_mesh(uninterrupted, tmp_path):
   """A checkpoint saved data-parallel restores onto a tensor/fsdp mesh and continues."""
   _, ref = uninterrupted
@@ -97,6 +99,7 @@ def test_resume_false_refuses_to_overwrite(uninterrupted):
   assert sorted(os.listdir(workdir / "checkpoints")) == before
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
   workdir, _ = uninterrupted
   with pytest.raises(ValueError, match="does not match this config"):
@@ -104,6 +107,8 @@ def test_incompatible_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+@pytest.mark.slow
+@pytest.mark.processes
 def test_main_interrupted_resumes(sig, uninterrupted, tmp_path):
   """The README's command, interrupted (Ctrl-C, or SIGTERM as a preempting scheduler sends) and
   run again: it checkpoints at the next step boundary, exits cleanly, and the rerun's losses
@@ -193,6 +198,7 @@ def test_evaluation_is_logged_to_jsonl_tensorboard_and_wandb(tmp_path, monkeypat
     assert key in logged, key
 
 
+@pytest.mark.processes
 def test_pathways_without_pathwaysutils_is_one_clear_line(tmp_path):
   """JAX_PLATFORMS=proxy asks for Pathways on Cloud: without pathwaysutils, say what to install
   before JAX starts (not JAX's own error about an unknown platform)."""
@@ -209,6 +215,8 @@ def test_pathways_without_pathwaysutils_is_one_clear_line(tmp_path):
   assert not os.listdir(tmp_path)  # nothing written
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_a_restart_loads_its_programs_from_the_workdirs_compile_cache(tmp_path):
   """train.compile_cache_dir="": JAX's persistent cache under the workdir; a second start of the
   run (a restart) finds every program there and compiles nothing new."""

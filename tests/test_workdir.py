@@ -31,6 +31,7 @@ def _holder(path):
   return proc
 
 
+@pytest.mark.processes
 def test_a_second_run_on_the_workdir_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path):
   holder = _holder(tmp_path)
   try:
