@@ -139,6 +139,7 @@ def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
   assert live == [2, 2, 1, 1, 1, 2, 2, 2]
 
 
+@pytest.mark.slow
 def test_the_batch_may_shrink_instead(tmp_path):
   config = small_config(
     **THREE_PODS,

@@ -66,6 +66,7 @@ def test_pods_match_one_island(reference, layout):
     jax.tree.map(np.testing.assert_array_equal, states[f"state/0.{s}"], states[f"state/1.{s}"])
 
 
+@pytest.mark.slow
 def test_overlapped_sends_each_bucket_before_the_backward_ends():
   """Each bucket's gradients leave the pod before the backward of the buckets below it."""
   config = tiny_test_config(**SGD, **PODS, **LAYOUTS["overlapped_4buckets"])
@@ -91,6 +92,7 @@ def test_compression_round_trip_error(compression, bound):
 
 
 @pytest.mark.parametrize("compression", ["bf16", "int8"])
+@pytest.mark.slow
 def test_compressed_exchange_keeps_pods_identical(reference, compression):
   batches, (ref_metrics, _) = reference
   config = tiny_test_config(**SGD, **PODS, **{"exchange.compression": compression})

@@ -252,6 +252,7 @@ def test_remote_pods_match_embedded(workers):
   assert_same_run(tiny_test_config(**{"parallel.pods": 2, "parallel.islands": 2}), workers)
 
 
+@pytest.mark.slow
 def test_remote_eval_matches_embedded(workers):
   """The forward-only program on the workers: the same sums as embedded mode, bit for bit."""
   config = tiny_test_config(
