@@ -20,8 +20,9 @@ faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps
          its drop lines; detection in a drill is the step boundary itself (0 s), the steps run
          again are counted from the log.
 first    time to first step (process start to the first metrics row) of palm_tiny and of
-         palm_tiny_pipeline, with an empty compilation cache and then with the cache the first
-         run left, side by side per block (--blocks), medians.
+         palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
+         in a fresh workdir; and a restart in that workdir (see first_step), side by side per
+         block (--blocks), medians.
 """
 
 import argparse
@@ -197,30 +198,41 @@ def faults(args, cache: str) -> dict:
 
 
 def first_step(args) -> dict:
+  """Per block, three starts that share one compilation cache: cold (empty cache, fresh
+  workdir), warm (the cache the first left, a fresh workdir: the corpus is built again) and a
+  restart (the warm run's workdir again, one step further: corpus built, checkpoint restored,
+  every program in the cache). Time to first step: process start to the new metrics row."""
   out = {}
   configs = {
     "palm_tiny": ("palm_tiny.py", {"data.max_files": 40}),
     "palm_tiny_pipeline": ("palm_tiny_pipeline.py", {"data.max_files": 40}),
   }
   for name, (file, overrides) in configs.items():
-    cold, warm = [], []
+    times = {"cold": [], "warm": [], "restart": []}
     for _ in range(args.blocks):
       root = tempfile.mkdtemp(prefix="bench_first_")
       cache = os.path.join(root, "cache")
-      for times in (cold, warm):  # the same cache: empty, then as the first run left it
-        workdir = tempfile.mkdtemp(dir=root)
+      workdirs = {"cold": tempfile.mkdtemp(dir=root), "warm": tempfile.mkdtemp(dir=root)}
+      workdirs["restart"] = workdirs["warm"]
+      for side, steps in (("cold", 1), ("warm", 1), ("restart", 2)):
+        workdir = workdirs[side]
+        seen = len(logged_steps(workdir))
+        run = {**overrides, "train.num_steps": steps, "train.eval_every": 0,
+               "train.checkpoint_every": 1, "train.log_every": 1}  # fmt: skip
         begin = time.perf_counter()
-        proc = start(
-          workdir, file, {**overrides, "train.num_steps": 1, "train.eval_every": 0}, cache
-        )
-        while proc.poll() is None and not logged_steps(workdir):
+        proc = start(workdir, file, run, cache)
+        while proc.poll() is None and len(logged_steps(workdir)) <= seen:
           time.sleep(0.005)
-        times.append(time.perf_counter() - begin)
+        times[side].append(time.perf_counter() - begin)
         log = proc.communicate()[0]
         assert proc.returncode == 0, log[-3000:]
-    c, w = statistics.median(cold), statistics.median(warm)
-    out[name] = {"cold_s": cold, "warm_s": warm, "cold_median_s": c, "warm_median_s": w}
-    print(f"{name}: time to first step cold {c:.2f} s, warm {w:.2f} s: {c / w:.2f}x")
+    medians = {side: statistics.median(t) for side, t in times.items()}
+    out[name] = {"seconds": times, "medians_s": medians}
+    c, w, r = medians["cold"], medians["warm"], medians["restart"]
+    print(
+      f"{name}: time to first step cold {c:.2f} s, warm (fresh workdir) {w:.2f} s ({c / w:.2f}x), "
+      f"restart (same workdir) {r:.2f} s ({c / r:.2f}x)"
+    )
   return out
 
 

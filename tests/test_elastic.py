@@ -140,6 +140,22 @@ def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["overlapped", "stale"])
+def test_overlapped_and_stale_exchanges_carry_on_without_a_pod(mode, tmp_path):
+  """overlapped (a pod's chunks are its cells) and stale (the in-flight gradient, summed over
+  every pod before the loss, is applied; then the survivors' over the whole batch) lose pod 2
+  and equal their uninterrupted runs."""
+  exchange = {**THREE_PODS, "exchange.mode": mode, "train.num_steps": 6}
+  if mode == "overlapped":
+    exchange["exchange.buckets"] = 2
+  straight = train.run(small_config(**exchange), str(tmp_path / "a"), show_progress=False)
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod2@step3"}
+  elastic = train.run(small_config(**exchange, **drills), str(tmp_path / "b"), show_progress=False)
+  assert_close(_losses(elastic), _losses(straight), "losses")
+  assert_trees_close(elastic.state["params"], straight.state["params"], "params")
+
+
+@pytest.mark.slow
 def test_the_batch_may_shrink_instead(tmp_path):
   config = small_config(
     **THREE_PODS,
