@@ -38,6 +38,7 @@ import numpy as np
 
 from pwtrain.backend import Cluster
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
 from pwtrain.harness import Harness, StepOutputs
 from pwtrain.parallel.pipeline.state import state_key
@@ -95,7 +96,6 @@ class ElasticSteps:
     self._head: dict | None = None
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
-    self.events: list[dict] = []  # every drop and rejoin, as logged
 
   @property
   def harness(self) -> Harness:
@@ -104,10 +104,6 @@ class ElasticSteps:
   @property
   def step_program(self):
     return self.harness.step_program
-
-  @property
-  def plan(self):
-    return self.harness.plan
 
   # -- steps ----------------------------------------------------------------------------------
 
@@ -266,7 +262,7 @@ class ElasticSteps:
     program = self.step_program
     if hasattr(program, "pod_whole"):  # only the kept pods' cells: a lost pod's may have failed
       state = {k: v for k, v in state.items() if _pod_of_key(k) in keep}
-    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+    state = results(state)
     for leaf in jax.tree.leaves(state):
       if isinstance(leaf, jax.Array) and leaf.is_deleted():
         raise RuntimeError("the survivors' state was consumed by the failed step; cannot drop")
@@ -292,9 +288,6 @@ class ElasticSteps:
   def _record(self, kind, pods, cause, step, seconds, **parts) -> None:
     if self.goodput is not None:
       self.goodput.add("rerun", seconds)
-    event = {"event": kind, "pods": pods, "cause": cause, "step": step, "seconds": seconds}
-    event.update(parts, pods_live=len(self.live))
-    self.events.append(event)
     detail = ", ".join(
       f"{k.removesuffix('_s')} {v:.2f} s" for k, v in parts.items() if k[-2:] == "_s"
     )

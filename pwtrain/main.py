@@ -155,9 +155,10 @@ def _explain(argv: list[str], error: Exception) -> str:
   path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
   if path is not None:
     from pwtrain import config as config_lib
+    from pwtrain import workdir as workdir_lib
 
     try:
-      keys = _keys(config_lib.load(path))
+      keys = list(workdir_lib.flatten(config_lib.load(path).to_dict()))
     except Exception:  # noqa: BLE001 - the config itself is at fault: its own error below
       keys = None
     for arg in argv:
@@ -172,14 +173,6 @@ def _explain(argv: list[str], error: Exception) -> str:
           return f"unknown {what} {key}{hint}"
   lines = str(error).strip().strip("'\"").splitlines()
   return lines[0] if lines else type(error).__name__
-
-
-def _keys(config, prefix: str = "") -> list[str]:
-  out = []
-  for name, value in config.items():
-    key = f"{prefix}{name}"
-    out += _keys(value, f"{key}.") if hasattr(value, "items") else [key]
-  return out
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def save_config(workdir: str, config, start_step: int = 0) -> list[str]:
   changes = []
   if start_step and os.path.isfile(path):
     with open(path) as f:
-      before = _flat(json.load(f))
-    after = _flat(now)
+      before = flatten(json.load(f))
+    after = flatten(now)
     for key in sorted(set(before) | set(after)):
       if before.get(key, "(absent)") != after.get(key, "(absent)"):
         changes.append(f"{key}: {before.get(key, '(absent)')!r} -> {after.get(key, '(absent)')!r}")
@@ -117,11 +117,12 @@ def save_config(workdir: str, config, start_step: int = 0) -> list[str]:
   return changes
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """{"section.key": value} of a nested dict (a config's `to_dict()`)."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
+      out.update(flatten(value, f"{prefix}{key}."))
     else:
       out[f"{prefix}{key}"] = value
   return out
