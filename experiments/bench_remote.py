@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from pwtrain.backend import Cluster  # noqa: E402
 from pwtrain.backend.remote import arrays, launcher, saves  # noqa: E402
 from pwtrain.backend.remote import protocol_pb2 as pb  # noqa: E402
-from pwtrain.backend.remote.dispatch import fetch_value  # noqa: E402
+from pwtrain.backend.remote.values import fetch_value  # noqa: E402
 from pwtrain.checkpoint import Checkpointer  # noqa: E402
 from pwtrain.harness import Harness  # noqa: E402
 

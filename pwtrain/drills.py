@@ -1,8 +1,9 @@
 """Fault drills (`fault.inject`) and the checks of the elastic pods' settings (fault.*).
 
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
-step 6 is dispatched, as if their devices had failed; `rejoin:pod1@step10` brings them back
-before step 10. pwtrain/elastic.py carries them out.
+step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
+are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
+workers answer again). pwtrain/elastic.py carries them out.
 """
 
 import dataclasses
@@ -32,10 +33,11 @@ def check(config, plan) -> None:
       raise ConfigError(f"fault.inject={f.inject!r} is a drill of fault.elastic=True")
     return
   parse_inject(f.inject, plan.num_pods)
-  if config.backend.mode != "embedded":
+  if config.backend.mode not in ("embedded", "remote"):
     raise ConfigError(
-      f"fault.elastic=True works in backend.mode='embedded'; backend.mode={config.backend.mode!r} "
-      "restarts from the last checkpoint instead (fault.max_restarts): set fault.elastic=False"
+      f"fault.elastic=True works in backend.mode='embedded' or 'remote'; "
+      f"backend.mode={config.backend.mode!r} restarts from the last checkpoint instead "
+      "(fault.max_restarts): set fault.elastic=False"
     )
   if plan.num_pods < 2:
     raise ConfigError(

@@ -3,9 +3,11 @@
 `ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
 `settle`, `evaluate`, `step_program`), over one controller and one cluster:
 
-  detect   a step fails with `backend.faults.IslandLost` (a pod's devices failed, or a drill
-           marked its island lost: `fault.inject`). Each step is confirmed (its metrics read)
-           while the next one runs, so a loss is seen one step after it happens.
+  detect   a step fails with `backend.faults.IslandLost`: a pod's devices failed (embedded),
+           its worker died or went silent (remote: `WorkerLost`), or a drill made it so
+           (`fault.inject`: embedded marks the islands lost, remote SIGKILLs their workers).
+           Each step is confirmed (its metrics read) while the next one runs, so a loss is seen
+           one step after it happens, or at once where the next step cannot be sent.
   drop     the lost pods leave the live pod set. The step program for the survivors is built
            (compiled once per pod set, then cached), the state the first failed step started
            from is taken from a survivor's islands and laid out on the survivors
@@ -14,8 +16,11 @@
   batch    by default the survivors take the lost pods' rows (`fault.keep_global_batch`), so
            with the sync or overlapped exchange the trajectory is the uninterrupted run's; else
            the batch shrinks to the live pods' rows.
-  rejoin   when a lost pod's islands can run again (a drill's `rejoin:podP@stepN`), the live
-           pods' state is copied onto them at that step boundary and every pod runs again.
+  rejoin   when a lost pod's islands can run again (remote: its workers answer again, relaunched
+           by the supervisor or by someone else; or a drill's `rejoin:podP@stepN`, which in
+           remote mode waits for them), they are given every executable again and the live
+           pods' state is copied onto them, island to island, at the next step boundary; then
+           every pod runs again.
   too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
 
 What the exchange modes do with a lost pod: sync and overlapped sum the survivors' gradients over
@@ -32,11 +37,12 @@ import copy
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import jax
 import numpy as np
 
-from pwtrain.backend import Cluster
+from pwtrain.backend import Cluster, Program, Transfer
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
@@ -96,6 +102,7 @@ class ElasticSteps:
     self._head: dict | None = None
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
+    self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
 
   @property
   def harness(self) -> Harness:
@@ -112,10 +119,20 @@ class ElasticSteps:
     once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
     may be replaced by the state of their run again after a drop."""
     self._drill(step + 1)
+    answering = self.controller.answering()
+    for p in range(self.num_pods):
+      if p not in self.live and all(i.name in answering for i in self._islands[p]):
+        self._rejoining.add(p)  # remote: its workers answer again
     if self._rejoining:
       state = self._rejoin(self.settle(state), step)
     self._confirm(keep=self.config.backend.max_inflight_steps)
-    pending = self._dispatch(self._current(state), batch, step, _Metrics(self))
+    state, metrics = self._current(state), _Metrics(self)
+    try:
+      pending = self._dispatch(state, batch, step, metrics)
+    except IslandLost as e:  # remote: a lost worker refused the step
+      self._pending.append(_Pending(step, batch, state, None, metrics))
+      self._drop(e)
+      pending = self._pending[-1]
     self._given = pending.out.state
     return StepOutputs(self._given, pending.metrics)
 
@@ -192,22 +209,30 @@ class ElasticSteps:
       )
       self._fatal = error
       raise error
+    detect_s = None if self._killed_at is None else start - self._killed_at  # a drill's
+    self._killed_at = None
     compile_s, state = self._move(live, self._pending[0].before)
     redo = list(self._pending)
     self._pending.clear()
     moved = time.perf_counter() - start - compile_s
-    for pending in redo:
-      state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
     self._record(
       "drop",
       lost,
       cause,
       redo[0].step + 1,
       time.perf_counter() - start,
+      detect_s,
       compile_s=compile_s,
       state_s=moved,
       rerun_steps=len(redo),
     )
+    for i, pending in enumerate(redo):
+      try:
+        state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
+      except IslandLost as e:  # another pod lost on the way: the rest wait for the next drop
+        self._pending.extend(_Pending(p.step, p.batch, state, None, p.metrics) for p in redo[i:])
+        self._drop(e)
+        return
 
   def _rejoin(self, state: dict, step: int) -> dict:
     """Copies the live pods' state onto the returning pods at this step boundary."""
@@ -238,11 +263,30 @@ class ElasticSteps:
     old, new = self.step_program, harness.step_program
     sources = [self.live.index(p) if p in self.live else 0 for p in live]
     moved = _keep_cells(old, new, state, sources, same=[p in self.live for p in live])
-    if moved is None:
+    if moved is not None:  # the rejoining pods' cells: copied from a live pod's islands
+      moved = self._copy_cells(live, moved)
+    else:
       whole = self._whole(state, keep=sorted(set(sources)))
       moved = new.from_checkpoint(_for_pods(whole, new, getattr(new, "num_pods", 1)))
     self.live = live
     return compile_s, moved
+
+  def _copy_cells(self, live: tuple, cells: dict) -> dict:
+    """`cells` ({state key: value, or (value, shardings) to copy}) with each copy made onto
+    its cell's island of pod set `live`, by one program of transfers: device to device
+    (embedded), worker to worker (remote), never through this process."""
+    nodes, inputs, outputs = [], {}, {}
+    for key, value in cells.items():
+      if not isinstance(value, _Copy):
+        continue
+      pod, stage = (int(x) for x in key.removeprefix("state/").split("."))
+      island = self._islands[live[pod]][stage].name
+      inputs[f"from/{key}"] = value.value
+      nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
+      outputs[key] = (f"copy/{key}", 0)
+    if not nodes:
+      return cells
+    return {**cells, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
 
   def _harness_for(self, live: tuple) -> Harness:
     """The harness of pod set `live`: built (compiled) the first time, then cached."""
@@ -280,38 +324,41 @@ class ElasticSteps:
       if drill.action == "kill" and drill.pod in self.live:
         self._confirm(keep=0)  # the fault hits this step, not one still in flight
         self.controller.wait()
+        self._killed_at = time.perf_counter()
         for island in self._islands[drill.pod]:
           self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
         self._rejoining.add(drill.pod)
 
-  def _record(self, kind, pods, cause, step, seconds, **parts) -> None:
+  def _record(self, kind, pods, cause, step, seconds, detect_s=None, rerun_steps=0, **parts):
+    """One log line for a drop or a rejoin (`parts`: its seconds by cause); its own seconds
+    (not the detection's) are badput of steps run again."""
     if self.goodput is not None:
       self.goodput.add("rerun", seconds)
-    detail = ", ".join(
-      f"{k.removesuffix('_s')} {v:.2f} s" for k, v in parts.items() if k[-2:] == "_s"
-    )
-    verb = "lost" if kind == "drop" else "rejoined"
-    log.warning(
-      "pod %s %s (%s) at step %d: %d of %d pods live; took %.2f s (%s)%s",
-      ",".join(map(str, pods)),
-      verb,
-      cause,
-      step,
-      len(self.live),
-      self.num_pods,
-      seconds,
-      detail,
-      f"; steps {step}-{step + parts['rerun_steps'] - 1} run again"
-      if "rerun_steps" in parts
-      else "",
-    )
+    pods = ",".join(map(str, pods))
+    line = f"pod {pods} {'lost' if kind == 'drop' else 'rejoined'} ({cause}) at step {step}: "
+    line += f"{len(self.live)} of {self.num_pods} pods live; "
+    if detect_s is not None:  # a drill's: from the kill to the drop
+      line += f"found {detect_s:.2f} s after the fault; "
+    detail = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in parts.items())
+    line += f"took {seconds:.2f} s ({detail})"
+    if rerun_steps:
+      line += f"; steps {step}-{step + rerun_steps - 1} run again"
+    log.warning("%s", line)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+  """A cell's state to be copied onto another island, laid out as `shardings`."""
+
+  value: Any
+  shardings: Any
 
 
 def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> dict | None:
-  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]` (as they
-  are where `same[i]`: the same pod on the same islands; else copied onto pod i's islands), or
-  None where the two programs' cells are not laid out alike."""
+  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]`: as they
+  are where `same[i]` (the same pod on the same islands), else a `_Copy` for pod i's islands;
+  or None where the two programs' cells are not laid out alike."""
   if not (hasattr(old, "cell_shardings") and hasattr(new, "cell_shardings")):
     return None
   out = {}
@@ -320,8 +367,7 @@ def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> 
     if jax.tree.structure(shardings) != jax.tree.structure(old.cell_shardings.get(source)):
       return None
     value = state[state_key(source)]
-    value = value.result() if hasattr(value, "result") else value
-    out[state_key((i, s))] = value if same[i] else jax.device_put(value, shardings)
+    out[state_key((i, s))] = value if same[i] else _Copy(value, shardings)
   return out
 
 

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from pwtrain.processes import describe_exit
+
 PREFIX = "[launch]"
 
 
@@ -189,12 +191,6 @@ def status(code: int) -> int:
   return 128 - code if code < 0 else code
 
 
-def describe(code: int) -> str:
-  if code < 0:
-    return f"was killed by {signal.Signals(-code).name}"
-  return f"exited with status {code}"
-
-
 def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
@@ -228,7 +224,7 @@ def run(args) -> int:
       if failed is not None and not stopping.is_set():
         print(
           f"{PREFIX} process {failed} (pid {procs[failed].pid}) "
-          f"{describe(procs[failed].returncode)}; stopping the other processes"
+          f"{describe_exit(procs[failed].returncode)}; stopping the other processes"
         )
         sys.stdout.flush()
         stopped = {i for i, p in enumerate(procs) if p.poll() is None}
@@ -242,7 +238,9 @@ def run(args) -> int:
     worst = max(status(c) for c in codes)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
-        bad = [f"process {i} {describe(c)}" for i, c in enumerate(codes) if c and i not in stopped]
+        bad = [
+          f"process {i} {describe_exit(c)}" for i, c in enumerate(codes) if c and i not in stopped
+        ]
         if stopped:
           bad.append(f"process(es) {', '.join(map(str, sorted(stopped)))} stopped by the launcher")
         print(f"{PREFIX} giving up after {attempt} restart(s): {'; '.join(bad)}")

@@ -10,6 +10,7 @@ nothing, so callers need no second path.
 import collections
 import itertools
 import json
+import signal
 
 import jax
 import numpy as np
@@ -145,3 +146,11 @@ def _decode(obj):
   if "dict" in obj:
     return {k: _decode(v) for k, v in obj["dict"].items()}
   return np.asarray(obj["array"], dtype=np.dtype(obj["dtype"]))
+
+
+def describe_exit(code: int) -> str:
+  """How a child process ended, from its return code: "was killed by SIGKILL", "exited with
+  status 1"."""
+  if code < 0:
+    return f"was killed by {signal.Signals(-code).name}"
+  return f"exited with status {code}"

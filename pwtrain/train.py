@@ -15,6 +15,7 @@ from pwtrain import drills, guard, processes
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace, modes, run_mode
+from pwtrain.backend.faults import IslandLost
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import (
   TrainBatches,
@@ -130,6 +131,8 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
     part_writer=mode.part_writer(plan.islands),
+    # Elastic pods: a save whose worker was lost is discarded; the run goes on without the pod.
+    discard_if=(lambda e: isinstance(e, IslandLost)) if config.fault.elastic else None,
   )
   state, start = _restore_or_init(config, ckpt, step_program, batches)
   for change in workdir_lib.save_config(host_dir, config, start):  # what this start uses

@@ -8,7 +8,11 @@ appears once in metrics.jsonl, and no checkpoint is read.
 
 import json
 import logging
+import os
+import re
 import shutil
+import threading
+import time
 
 import jax
 import numpy as np
@@ -16,6 +20,7 @@ import pytest
 from helpers import SGD, assert_close, assert_trees_close, small_config
 
 from pwtrain import train
+from pwtrain.backend.remote import auth, launcher
 from pwtrain.errors import ConfigError
 
 # 3 pods of 2 devices (a 2-way data mesh each): 12 rows split over 3 or 2 pods.
@@ -48,36 +53,43 @@ def _losses(result):
 
 
 @pytest.mark.slow
-def test_a_killed_pod_is_dropped_and_the_run_equals_the_uninterrupted_one(
+def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(
   uninterrupted, tmp_path, caplog
 ):
-  config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": "kill:pod1@step4"})
-  with caplog.at_level(logging.WARNING, logger="pwtrain"):
-    result = train.run(config, str(tmp_path), show_progress=False)
-  assert result.final_step == 10
-  assert_close(_losses(result), _losses(uninterrupted), "losses")
-  assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
-  steps = [row["step"] for row in _rows(tmp_path) if "loss" in row]
-  assert steps == list(range(1, 11))  # each step once
-  live = [row["pods_live"] for row in _rows(tmp_path) if "loss" in row]
-  assert live == [3, 3, 3, 2, 2, 2, 2, 2, 2, 2]
-  (line,) = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
-  assert line.startswith("pod 1 lost (fault.inject kill:pod1@step4) at step 4: 2 of 3 pods live")
-  assert "compile" in line and "state" in line
-  assert "resumed" not in caplog.text  # no checkpoint read
-
-
-@pytest.mark.slow
-def test_a_dropped_pod_rejoins_and_every_pod_ends_equal(uninterrupted, tmp_path, caplog):
-  inject = "kill:pod0@step3,rejoin:pod0@step6"
+  """Pod 1 is lost at step 3 and rejoins at step 6: the survivors run steps 3-5 with the whole
+  batch, no checkpoint is read, each step appears once, and the losses, the final parameters
+  and every pod's gradient norm (after the rejoin: the rejoined pod's too) are the uninterrupted
+  run's."""
+  inject = "kill:pod1@step3,rejoin:pod1@step6"
   config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
   with caplog.at_level(logging.WARNING, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
+  assert result.final_step == 10
+  _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
+  assert _pods_live(tmp_path) == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
+  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert line.startswith("pod 1 lost (fault.inject kill:pod1@step3) at step 3: 2 of 3 pods live")
+  assert "compile" in line and "state" in line
+  assert any(r.getMessage().startswith("pod 1 rejoined") for r in caplog.records)
+  assert "resumed" not in caplog.text  # no checkpoint read
+
+
+def _pods_live(workdir) -> list[int]:
+  return [row["pods_live"] for row in _rows(workdir) if "loss" in row]
+
+
+def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
+  """Each step once in metrics.jsonl; its losses, final parameters and, where every pod is
+  live, each pod's gradient norm equal the uninterrupted run's."""
   assert_close(_losses(result), _losses(uninterrupted), "losses")
   assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
-  live = [row["pods_live"] for row in _rows(tmp_path) if "loss" in row]
-  assert live == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
-  assert any(r.getMessage().startswith("pod 0 rejoined") for r in caplog.records)
+  rows = [row for row in _rows(workdir) if "loss" in row]
+  assert [row["step"] for row in rows] == list(range(1, len(_losses(uninterrupted)) + 1))
+  want = {row["step"]: row for row in uninterrupted.history}
+  norms = [f"pod{q}_grad_norm" for q in range(THREE_PODS["parallel.pods"])]
+  for row in rows:
+    if row["pods_live"] == THREE_PODS["parallel.pods"] and norms[0] in want[row["step"]]:
+      assert_close([row[k] for k in norms], [want[row["step"]][k] for k in norms], "grad norms")
 
 
 @pytest.mark.slow
@@ -220,7 +232,86 @@ def test_a_computation_that_finds_its_devices_gone_loses_its_island():
     scheduler.stop()
 
 
-def test_elastic_pods_are_refused_outside_embedded_mode(tmp_path):
+def test_elastic_pods_are_refused_in_distributed_mode(tmp_path):
   config = small_config(**THREE_PODS, **{"fault.elastic": True, "backend.mode": "distributed"})
-  with pytest.raises(ConfigError, match="fault.elastic=True works in backend.mode='embedded'"):
+  with pytest.raises(
+    ConfigError, match="fault.elastic=True works in backend.mode=.embedded. or .remote."
+  ):
     train.run(config, str(tmp_path / "run"), show_progress=False)
+
+
+# -- remote mode: worker processes on loopback, SIGKILLed by the drill --------------------------
+
+
+def _remote(**overrides):
+  remote = {"backend.mode": "remote", "fault.elastic": True, "fault.heartbeat_s": 0.5}
+  return small_config(**{**THREE_PODS, **remote, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, tmp_path, caplog):
+  """3 pods as 3 worker processes the run launches: pod 1's worker is SIGKILLed before step 3.
+  The survivors carry on without a restart; the supervisor relaunches the worker, and pod 1
+  rejoins once it answers (by step 6: the drill waits for it), given its executables again and
+  pod 0's state worker to worker. The run is the uninterrupted embedded one."""
+  inject = "kill:pod1@step3,rejoin:pod1@step6"
+  config = _remote(**{"backend.launch_workers": True, "fault.inject": inject})
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    result = train.run(config, str(tmp_path), show_progress=False)
+  assert result.final_step == 10
+  _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
+  live = _pods_live(tmp_path)
+  assert live[:3] == [3, 3, 2] and live[5:] == [3] * 5, live
+  messages = [r.getMessage() for r in caplog.records]
+  (lost,) = [m for m in messages if m.startswith("pod 1 lost")]
+  assert "at step 3: 2 of 3 pods live" in lost and "s after the fault" in lost, lost
+  assert any(
+    re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
+  )
+  assert any(m.startswith("pod 1 rejoined") for m in messages)
+  assert not any("restart" in m or "resumed" in m for m in messages)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog):
+  """2 pods on workers started outside the run: pod 0's worker, which holds the checkpoints'
+  arrays, is SIGKILLed while its asynchronous save of step 3 may still be writing; pod 1 runs on
+  alone (its state through the controller: one pod has no exchange) and saves step 6 by
+  itself; someone starts the worker again and pod 0 rejoins at step 8. Every checkpoint that
+  committed is whole: the step-3 save committed or was discarded, and a plain embedded run
+  resumed from step 6 continues the uninterrupted trajectory."""
+  two = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
+  straight = train.run(
+    small_config(**{**THREE_PODS, **two}), str(tmp_path / "a"), show_progress=False
+  )
+  workdir = tmp_path / "b"
+  config = _remote(**two, **{"fault.inject": "kill:pod0@step4,rejoin:pod0@step8"})
+  with launcher.launch([2, 2]) as workers:
+    os.environ[auth.TOKEN_ENV] = workers.token
+    config.backend.workers = tuple(workers.addresses)
+
+    def operator():  # starts the killed worker again on its address
+      deadline = time.time() + 300
+      while time.time() < deadline and workers.procs[0].poll() is None:
+        time.sleep(0.05)
+      workers.start([0])
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    with caplog.at_level(logging.WARNING, logger="pwtrain"):
+      result = train.run(config, str(workdir), show_progress=False)
+    thread.join(60)
+  assert_close(_losses(result), _losses(straight), "losses")
+  assert_trees_close(result.state["params"], straight.state["params"], "params")
+  live = _pods_live(workdir)  # back by step 8: once the worker answers, or the drill waits
+  assert live[:4] == [2, 2, 2, 1] and live[7:] == [2, 2, 2], live
+  committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert committed in ([3, 6, 9, 10], [6, 9, 10]), committed
+  for later in ("9", "10"):
+    shutil.rmtree(workdir / "checkpoints" / later)
+  resumed = train.run(small_config(**{**THREE_PODS, **two}), str(workdir), show_progress=False)
+  assert resumed.start_step == 6
+  assert_close(_losses(resumed), _losses(straight)[6:], "losses after resuming")
+  assert_trees_close(resumed.state["params"], straight.state["params"], "params")

@@ -138,9 +138,12 @@ class Cluster:
     timeout_s=30.0,
     heartbeat_s=2.0,
     tls_ca: str = "",
+    isolate_losses: bool = False,
   ) -> "Cluster":
     """Attaches island workers (remote mode), one island each, named as the workers say; over
     TLS verified against the PEM file `tls_ca` when given (backend/remote/channel.py).
+    `isolate_losses` (elastic pods): a lost worker loses its island only, not the cluster
+    (backend/remote/client.py's Monitor).
 
     Pieces are still traced on this process's devices (as many as the largest island has),
     which stand in for the worker's devices: only the mesh's shape travels.
@@ -161,7 +164,7 @@ class Cluster:
     names = [i.name for i in islands]
     if len(set(names)) != len(names):
       raise ConfigError(f"workers {list(addresses)} serve islands {names}: names must be unique")
-    monitor = Monitor([i.worker for i in islands], heartbeat_s)
+    monitor = Monitor([i.worker for i in islands], heartbeat_s, isolate=isolate_losses)
     for island in islands:
       island.worker.monitor = monitor
     return cls(tuple(islands))

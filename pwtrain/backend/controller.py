@@ -72,7 +72,6 @@ class Controller:
     self._inflight_lock = threading.Lock()
     self._inflight: collections.deque = collections.deque()
     self._step = 0
-    self._lost: dict[str, str] = {}
 
   def runs_here(self, island: str) -> bool:
     """Whether this process launches `island`'s nodes (always, outside distributed mode)."""
@@ -81,21 +80,26 @@ class Controller:
   # -- lost islands (backend/faults.py) ------------------------------------------------------
 
   def lose(self, island: str, cause: str) -> None:
-    """Marks `island` lost (a drill, or its devices failed): every node of it fails with
-    IslandLost from now on, and so does whatever reads its outputs."""
+    """Makes `island` lost, as a fault would (a drill, `cause`): embedded, every node of it
+    fails with IslandLost from now on, and so does whatever reads its outputs; remote, its
+    worker is killed, and the calls that fail and the health monitor find it lost."""
     self.cluster[island]
-    self._lost[island] = cause
     self._dispatcher.lose(island, cause)
 
   def restore(self, island: str) -> None:
-    """`island` can run again (it rejoins at the next program)."""
-    self._lost.pop(island, None)
+    """`island` can run again (it rejoins at the next program); remote: waits until its worker
+    answers, which then compiles again every executable it had."""
     self._dispatcher.restore(island)
 
   @property
   def lost(self) -> dict[str, str]:
     """{island: cause} of the islands lost now."""
-    return dict(self._lost)
+    return self._dispatcher.lost()
+
+  def answering(self) -> set[str]:
+    """The lost islands that answer again and may rejoin (remote: their workers were
+    relaunched or restarted; embedded islands come back only by a drill)."""
+    return self._dispatcher.answering()
 
   # -- compilation --------------------------------------------------------------------------
 

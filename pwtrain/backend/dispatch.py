@@ -73,6 +73,12 @@ class LocalDispatcher:
     """`island` runs again (its devices are back)."""
     self._schedulers[island].lost = None
 
+  def lost(self) -> dict[str, str]:
+    return {name: s.lost.cause for name, s in self._schedulers.items() if s.lost is not None}
+
+  def answering(self) -> set[str]:
+    return set()  # a lost island's devices come back only by a drill (`restore`)
+
   def runs_here(self, island: str) -> bool:
     """Whether this process launches `island`'s nodes (always, outside distributed mode)."""
     return self._here[island]

@@ -14,14 +14,10 @@ for another model (its saved shapes differ from this config's) is an error inste
 falling back past it would silently train something else.
 """
 
-import contextlib
-import gc
 import logging
 import os
 import shutil
-import sys
 import threading
-import time
 import uuid
 
 import jax
@@ -31,7 +27,7 @@ from absl import flags
 
 from pwtrain import processes
 from pwtrain.checkpoint import parts as checkpoint_parts
-from pwtrain.checkpoint import process_parts
+from pwtrain.checkpoint import process_parts, quiet
 from pwtrain.checkpoint.integrity import (
   CorruptCheckpoint,
   IncompatibleCheckpoint,
@@ -69,9 +65,12 @@ class Checkpointer:
     async_save: bool = True,
     part_writer: PartWriter | None = None,
     read_only: bool = False,
+    discard_if=None,
   ):
     """`read_only`: a reader beside a possibly running job (sampling): it neither removes
-    uncommitted parts nor moves damaged checkpoints aside (it skips them), and cannot save."""
+    uncommitted parts nor moves damaged checkpoints aside (it skips them), and cannot save.
+    `discard_if(error)`: whether a save that failed with `error` is only discarded (one line;
+    elastic pods: a worker holding its arrays was lost) rather than raised."""
     if jax.process_count() > 1:
       # Orbax's default barrier between processes is a collective over every device, which
       # would run beside the islands' own computations and deadlock on CPU; this flag makes it
@@ -108,6 +107,7 @@ class Checkpointer:
     self._commit: threading.Thread | None = None
     self._num_saves = 0
     self._commit_error: BaseException | None = None
+    self._discard_if = discard_if or (lambda error: False)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -149,7 +149,14 @@ class Checkpointer:
     suffix = str(self._num_saves) if shared else uuid.uuid4().hex[:8]
     pending = os.path.join(self.pending_root, f"{step}-{suffix}")
     os.makedirs(pending, exist_ok=shared)
-    save = self._part_writer(state, pending)  # phase one starts on every worker
+    try:
+      save = self._part_writer(state, pending)  # phase one starts on every worker
+    except Exception as e:
+      shutil.rmtree(pending, ignore_errors=True)
+      if not self._discard_if(e):
+        raise
+      log.warning("checkpoint %d discarded: %s", step, e)
+      return
 
     def commit():
       try:
@@ -164,6 +171,9 @@ class Checkpointer:
           ),
         )
       except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by _join_commit
+        if self._discard_if(e):
+          log.warning("checkpoint %d discarded: %s", step, e)
+          return
         log.error("checkpoint %d not committed: %s", step, e)
         self._commit_error = e
       finally:
@@ -246,7 +256,7 @@ class Checkpointer:
     items["data"] = ocp.args.JsonRestore()
     if has_integrity:
       items["integrity"] = ocp.args.JsonRestore()
-    with _quiet_if_failed():
+    with quiet.quiet_if_failed():
       failure = None
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -279,7 +289,7 @@ class Checkpointer:
 
     Damaged checkpoints are reported and moved aside, newest first, until one restores.
     """
-    with _abandoned_reads_dropped():
+    with quiet.abandoned_reads_dropped():
       return self._restore_latest(abstract_state)
 
   def _restore_latest(self, abstract_state):
@@ -328,69 +338,3 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
-
-
-# How long a failed read waits for the reads Orbax abandoned. Their TensorStore callbacks, when
-# they fire after the read's event loop has closed, print "RuntimeError: Event loop is closed"
-# around Python's hooks (neither sys.excepthook nor sys.unraisablehook sees it; Orbax's loop is
-# closed before its error reaches us, and TensorStore's futures cannot be found to wait on): 2
-# of 40 runs of a truncated-file restore printed it without the wait, 0 of 80 with it. Only a
-# damaged checkpoint pays it.
-_ABANDONED_READS_S = 0.5
-
-
-@contextlib.contextmanager
-def _quiet_if_failed():
-  """Holds back what a failing read prints on its way down, and drops it if the read fails.
-
-  When one array of a damaged checkpoint cannot be read, Orbax abandons the reads of the others:
-  their coroutines die with "Event loop is closed" or their own TensorStore error, which Python
-  prints through sys.excepthook / sys.unraisablehook, pages of tracebacks around the one line
-  the caller reports. These are collected here (a garbage collection at the end lets the
-  abandoned coroutines finish dying inside, once nothing holds the read's exception: its
-  traceback keeps them alive, so the caller drops it inside); if the read failed they are
-  logged at DEBUG only, and if it succeeded they are passed on to the hooks as usual. Those
-  that die later are `_abandoned_reads_dropped`'s.
-  """
-  held = []
-  saved = sys.excepthook, sys.unraisablehook
-  sys.excepthook = lambda *exc: held.append((saved[0], exc))
-  sys.unraisablehook = lambda unraisable: held.append((saved[1], (unraisable,)))
-  failed = True
-  try:
-    yield
-    failed = False
-  finally:
-    if failed:  # let the reads Orbax abandoned finish while the guard holds (see above)
-      time.sleep(_ABANDONED_READS_S)
-    gc.collect()
-    sys.excepthook, sys.unraisablehook = saved
-    for hook, args in held:
-      if failed:
-        log.debug("while reading a damaged checkpoint: %s", args)
-      else:
-        hook(*args)
-
-
-@contextlib.contextmanager
-def _abandoned_reads_dropped():
-  """While a restore and its fallbacks run: the death of a read coroutine Orbax abandoned when
-  another array of the checkpoint failed goes to the DEBUG log, not to stderr. Some die only
-  when Orbax drops what held them, at the next restore (the fallback to the step before); every
-  other unraisable error reaches the hook that was there before, and that hook is back when the
-  restore is done (after a garbage collection lets the last of them die inside)."""
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    code = getattr(unraisable.object, "cr_code", None)
-    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
-      log.debug("an abandoned checkpoint read died: %s", unraisable.exc_value)
-    else:
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    gc.collect()
-    sys.unraisablehook = previous

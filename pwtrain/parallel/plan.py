@@ -175,6 +175,7 @@ def make_cluster(config, devices=None) -> Cluster:
       timeout_s=config.backend.rpc_timeout_s,
       heartbeat_s=config.fault.heartbeat_s,
       tls_ca=config.backend.tls_ca,
+      isolate_losses=config.fault.elastic,
     )
   devices = list(jax.devices() if devices is None else devices)
   sizes = island_sizes(config, len(devices))

@@ -14,11 +14,9 @@ import collections
 import contextlib
 import dataclasses
 import itertools
-import threading
+import logging
 import time
 import uuid
-import weakref
-from typing import Any
 
 import grpc
 import jax
@@ -27,9 +25,12 @@ from jax.sharding import NamedSharding
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.program import Executable, Node, Transfer
-from pwtrain.backend.remote import arrays
+from pwtrain.backend.remote import arrays, launcher
 from pwtrain.backend.remote import protocol_pb2 as pb
-from pwtrain.backend.remote.client import WorkerClient, WorkerLost
+from pwtrain.backend.remote.client import WorkerClient
+from pwtrain.backend.remote.values import Ref, RemoteValue, rpc_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,68 +38,6 @@ class RemoteExecutable:
   worker: WorkerClient
   name: str  # unique on the worker
   outputs: tuple  # per top-level output: (treedef, ShapeDtypeStructs with stand-in shardings)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-  """A value in a worker's store: its handle and what it looks like on the controller."""
-
-  worker: WorkerClient
-  handle: str
-  treedef: Any
-  avals: tuple
-
-
-class RemoteValue:
-  """A program output living on a worker. Later programs read it where it is; `.result()`
-  fetches it once and rebuilds it as (stand-in) jax.Arrays. Dropped on the worker when the
-  controller lets go of it."""
-
-  def __init__(self, ref: _Ref):
-    self.ref = ref
-    self._lock = threading.Lock()
-    self._value = None
-    self._done = False
-    weakref.finalize(self, ref.worker.release_later, ref.handle)
-
-  @property
-  def island(self) -> str:
-    return self.ref.worker.island
-
-  def done(self) -> bool:
-    return self._done
-
-  def result(self, timeout=None):
-    del timeout  # fetches wait for the computation; a lost worker is reported as WorkerLost
-    with self._lock:
-      if not self._done:
-        self._value = fetch_value(self.ref)
-        self._done = True
-      return self._value
-
-
-def fetch_value(ref: _Ref):
-  """The referenced value fetched now and rebuilt as (stand-in) jax.Arrays; not cached."""
-  try:
-    leaves = ref.worker.fetch(ref.handle)
-  except grpc.RpcError as e:
-    raise _rpc_error(ref.worker, e) from None
-  # Unspecified shardings (a host upload's, say) land on the default device.
-  placed = [jax.device_put(x, a.sharding) for x, a in zip(leaves, ref.avals, strict=True)]
-  return jax.tree.unflatten(ref.treedef, placed)
-
-
-def _rpc_error(worker: WorkerClient, e: grpc.RpcError) -> Exception:
-  """WorkerLost if any worker of the cluster is gone (a failed transfer on a live worker may be
-  the symptom), else the worker's own error message."""
-  if worker.monitor is not None:
-    try:
-      worker.monitor.check_now()
-    except WorkerLost as lost:
-      return lost
-  if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-    return WorkerLost(f"worker {worker.address} ({worker.island}): {e.code().name}: {e.details()}")
-  return RuntimeError(f"worker {worker.address} ({worker.island}): {e.details()}")
 
 
 class RemoteDispatcher:
@@ -116,11 +55,33 @@ class RemoteDispatcher:
     del island
     return True  # the controller dispatches every island's operations
 
-  def lose(self, island: str, cause: str) -> None:
-    raise NotImplementedError(f"{island}: a remote island is lost when its worker is ({cause})")
+  # -- lost islands (backend/faults.py) ------------------------------------------------------
 
-  def restore(self, island: str) -> None:
-    raise NotImplementedError(f"{island}: a remote island returns when its worker answers")
+  def lose(self, island: str, cause: str) -> None:
+    """A drill: kills `island`'s worker as a crash would (SIGKILL, where this process launched
+    it; else a Shutdown call). Its loss is then found as any other: by the calls that fail and
+    the health monitor."""
+    worker = self.cluster[island].worker
+    log.warning("%s: killing worker %s of island %s", cause, worker.address, island)
+    if not launcher.kill_at(worker.address):
+      worker.shutdown()
+
+  def restore(self, island: str, timeout_s: float = 300.0) -> None:
+    """Waits (up to `timeout_s`) until `island`'s lost worker answers again, then has it rejoin
+    (WorkerClient.rejoin): every program built for the island runs there again."""
+    worker = self.cluster[island].worker
+    deadline = time.monotonic() + timeout_s
+    while worker.lost and not (worker.answering or worker.probe(worker.timeout_s)):
+      if time.monotonic() > deadline:
+        raise worker.lost_error()
+      time.sleep(0.2)
+    worker.rejoin()
+
+  def lost(self) -> dict[str, str]:
+    return {i.name: i.worker.lost for i in self.cluster.islands if i.worker.lost}
+
+  def answering(self) -> set[str]:
+    return {i.name for i in self.cluster.islands if i.worker.lost and i.worker.answering}
 
   def compile(
     self,
@@ -203,9 +164,10 @@ class RemoteDispatcher:
   # -- dispatch -----------------------------------------------------------------------------
 
   def dispatch(self, program, inputs: dict, step: int) -> dict:
-    for island in self.cluster.islands:
-      if island.worker.lost:
-        raise WorkerLost(island.worker.lost)
+    islands = frozenset(node.island for node in program.nodes)
+    for island in sorted(islands):
+      if self.cluster[island].worker.lost:
+        raise self.cluster[island].worker.lost_error()
     prefix = f"{self._session}.{step}"
     reads: collections.Counter = collections.Counter()  # in-program reads of each value
     for node in program.nodes:
@@ -232,7 +194,7 @@ class RemoteDispatcher:
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         for x, s in zip(host, shardings or [None] * len(host), strict=True)
       )
-      return _Ref(worker, handle, treedef, avals)
+      return Ref(worker, handle, treedef, avals, islands)
 
     def source(ref, node):
       if not isinstance(ref, str):
@@ -263,7 +225,7 @@ class RemoteDispatcher:
         for i, (treedef, avals) in enumerate(exe.outputs):
           handle = f"{prefix}/{node.name}/{i}"
           outs.append(pb.Output(handle=handle, uses=uses((node.name, i))))
-          values[(node.name, i)] = _Ref(worker, handle, treedef, avals)
+          values[(node.name, i)] = Ref(worker, handle, treedef, avals, islands)
         op = pb.Execute(executable=exe.name, args=args, outputs=outs)
         ops[worker].append(pb.Op(name=node.name, execute=op, trace_id=trace_id))
         continue
@@ -293,7 +255,7 @@ class RemoteDispatcher:
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
         for a, s in zip(src.avals, shardings, strict=True)
       )
-      values[key] = _Ref(worker, handle, src.treedef, avals)
+      values[key] = Ref(worker, handle, src.treedef, avals, islands)
 
     for worker, worker_ops in ops.items():
       calls.append((worker, worker.enqueue_async(worker_ops)))
@@ -301,7 +263,7 @@ class RemoteDispatcher:
       try:
         call.result()
       except grpc.RpcError as e:
-        raise _rpc_error(worker, e) from None
+        raise rpc_error(worker, e, islands) from None
     wrapped: dict = {}
     out = {}
     for name, ref in program.outputs.items():

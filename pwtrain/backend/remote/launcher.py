@@ -35,6 +35,7 @@ class Workers:
     self.start_timeout_s = start_timeout_s
     self.procs: list = [None] * len(self.sizes)
     self.ports: list = [0] * len(self.sizes)
+    self.lock = threading.RLock()  # held by whoever starts or stops workers (the supervisor)
     _LIVE.add(self)
     try:
       self.start()
@@ -112,6 +113,16 @@ class Workers:
 
   def __exit__(self, *exc):
     self.stop()
+
+
+def kill_at(address: str) -> bool:
+  """SIGKILLs the live worker this process launched at `address`; whether there was one."""
+  for workers in live():
+    for i, (proc, port) in enumerate(zip(workers.procs, workers.ports, strict=True)):
+      if f"127.0.0.1:{port}" == address and proc is not None and proc.poll() is None:
+        workers.kill(i)
+        return True
+  return False
 
 
 def launch(sizes, **kwargs) -> Workers:

@@ -4,8 +4,8 @@ writing its own part of a checkpoint (backend/modes.py has the interface)."""
 from collections.abc import Callable, Sequence
 
 from pwtrain.backend.remote import supervisor
-from pwtrain.backend.remote.dispatch import RemoteValue
 from pwtrain.backend.remote.saves import PendingSave, leaf_refs
+from pwtrain.backend.remote.values import RemoteValue
 from pwtrain.backend.run_mode import RunMode, results
 
 

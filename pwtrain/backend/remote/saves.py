@@ -17,6 +17,7 @@ import jax
 
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient, WorkerLost
+from pwtrain.backend.remote.values import rpc_error
 from pwtrain.checkpoint import integrity
 
 
@@ -76,7 +77,7 @@ class PendingSave:
       try:
         call.result()
       except grpc.RpcError as e:
-        raise WorkerLost(f"worker {worker.address}: save not queued: {e.details()}") from None
+        raise WorkerLost(worker.island, f"save not queued: {e.details()}") from None
     self._workers = list(per_worker)
 
   def wait(self) -> dict:
@@ -86,9 +87,12 @@ class PendingSave:
     for worker, future in futures:
       try:
         reply = future.result()
+      except grpc.FutureCancelledError:  # by the health monitor: the worker is lost
+        raise worker.lost_error() from None
       except grpc.RpcError as e:
-        if worker.lost:
-          raise WorkerLost(worker.lost) from None
+        lost = rpc_error(worker, e, frozenset({worker.island}))
+        if isinstance(lost, WorkerLost):  # the worker is gone, not only its save
+          raise lost from None
         errors.append(f"{worker.address} ({worker.island}): {e.code().name}: {e.details()}")
         continue
       if reply.error:

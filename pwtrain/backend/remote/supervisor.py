@@ -1,17 +1,21 @@
 """Remote mode's supervisor: starts the island workers if asked, and survives losing one.
 
 A lost worker (dead, or silent for `fault.heartbeat_s` x 3) fails the step in flight with
-`WorkerLost`. With `fault.max_restarts > 0` the supervisor then restarts the workers it launched
-(on their old ports), or waits for externally started ones to answer again and resets them,
-and runs the job again: it resumes from the last committed checkpoint, so at most the steps
-since then are lost.
+`WorkerLost`. With `fault.elastic` the run carries on without the worker's pod
+(pwtrain/elastic.py), and the supervisor relaunches a worker it launched as soon as its process
+has exited, on its old port, so that the pod rejoins. Otherwise, or when too few pods are left,
+with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on their old
+ports), or waits for externally started ones to answer again and resets them, and runs the job
+again: it resumes from the last committed checkpoint, so at most the steps since then are lost.
 """
 
 import copy
 import logging
 import os
+import threading
 import time
 
+from pwtrain import processes
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.backend.remote.client import WorkerLost
 
@@ -36,6 +40,11 @@ def run_remote(config, run_once, island_sizes: list[int]):
       workers.log_dir,
     )
   restarts = 0
+  stop_relaunching = threading.Event()
+  if workers is not None and config.fault.elastic:
+    threading.Thread(
+      target=_relaunch, args=(workers, stop_relaunching), name="relaunch", daemon=True
+    ).start()
   try:
     while True:
       try:
@@ -51,13 +60,44 @@ def run_remote(config, run_once, island_sizes: list[int]):
           config.fault.max_restarts,
         )
         if workers is not None:
-          workers.stop()
-          workers.start()
+          with workers.lock:
+            workers.stop()
+            workers.start()
         else:
           _wait_for_workers(config)
   finally:
+    stop_relaunching.set()
     if workers is not None:
-      workers.stop()
+      with workers.lock:
+        workers.stop()
+
+
+def _relaunch(workers, stop: threading.Event, period_s: float = 0.2) -> None:
+  """Elastic pods: starts again, on its old port, every worker whose process has exited, until
+  `stop`; a worker that cannot start is left down (one line)."""
+  down: set[int] = set()
+  while not stop.wait(period_s):
+    with workers.lock:
+      if stop.is_set():
+        return
+      for i, proc in enumerate(workers.procs):
+        if i in down or proc is None or proc.poll() is None:
+          continue
+        how = processes.describe_exit(proc.returncode)
+        try:
+          workers.start([i])
+        except RuntimeError as e:
+          log.error("worker %s %s and could not be started again: %s", workers.names[i], how, e)
+          down.add(i)
+          continue
+        log.warning(
+          "worker %s (pid %d) %s; relaunched it on port %d (pid %d)",
+          workers.names[i],
+          proc.pid,
+          how,
+          workers.ports[i],
+          workers.procs[i].pid,
+        )
 
 
 def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
@@ -74,7 +114,9 @@ def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
         break
       except Exception:  # noqa: BLE001 - not up yet
         if time.monotonic() > deadline:
-          raise WorkerLost(f"worker {address} did not come back within {timeout_s:.0f} s") from None
+          raise WorkerLost(
+            f"at {address}", f"its worker did not come back within {timeout_s:.0f} s"
+          ) from None
         time.sleep(1.0)
   # The survivors still hold the lost session's queued ops and pinned values: drop them.
   for client in clients:
