@@ -76,7 +76,9 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
           workdir_lib.undo(workdir, before)
         raise
 
-  # Remote mode launches (and after a lost worker restarts) the island workers around it.
+  # Remote mode launches (and after a lost worker restarts) the island workers around it; the
+  # workers it launches share the compilation cache.
+  _use_compile_cache(config.train.compile_cache_dir, os.path.abspath(workdir))
   sizes = plan_lib.island_sizes(config, jax.device_count())
   return mode.supervise(config, run_once, sizes)
 
@@ -93,7 +95,6 @@ class RunContext:
 def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
   """One start of the run in `workdir` on `plan` over `cluster`."""
   workdir = workdir_lib.prepare(workdir)
-  _use_compile_cache(config.train.compile_cache_dir, workdir)
   # Distributed mode: process 0 holds the workdir and builds the data first; every process
   # writes its checkpoint shards to <workdir>/checkpoints and its own logs (metrics, traces) to
   # its host directory, <workdir> for process 0 and <workdir>/processes/<i> for the others.

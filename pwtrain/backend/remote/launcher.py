@@ -27,8 +27,12 @@ def live() -> list:
 
 
 class Workers:
-  def __init__(self, sizes, *, token=None, names=None, log_dir=None, start_timeout_s=120.0):
+  def __init__(
+    self, sizes, *, token=None, names=None, log_dir=None, start_timeout_s=120.0, env=None
+  ):
+    """`env`: more environment variables for the workers (e.g. the compilation cache's)."""
     self.sizes = list(sizes)
+    self.env = dict(env or {})
     self.names = list(names or [f"island{i}" for i in range(len(self.sizes))])
     self.token = token or secrets.token_hex(16)
     self.log_dir = log_dir or tempfile.mkdtemp(prefix="pwtrain_workers_")
@@ -52,7 +56,7 @@ class Workers:
     a restarted worker keeps its address; all start in parallel."""
     which = range(len(self.sizes)) if which is None else which
     for i in which:
-      env = {**os.environ, auth.TOKEN_ENV: self.token}
+      env = {**os.environ, **self.env, auth.TOKEN_ENV: self.token}
       log = open(os.path.join(self.log_dir, f"{self.names[i]}.log"), "ab")  # noqa: SIM115
       self.procs[i] = subprocess.Popen(
         [

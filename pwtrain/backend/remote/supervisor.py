@@ -29,7 +29,7 @@ def run_remote(config, run_once, island_sizes: list[int]):
   workers = None
   if config.backend.launch_workers:
     token = os.environ.get(config.backend.token_env) or None
-    workers = launcher.launch(list(island_sizes), token=token)
+    workers = launcher.launch(list(island_sizes), token=token, env=_compile_cache_env())
     os.environ[config.backend.token_env] = workers.token  # where make_cluster reads it
     config.backend.token_file = ""
     config.backend.workers = tuple(workers.addresses)
@@ -122,3 +122,18 @@ def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
   for client in clients:
     client.reset()
     client.close()
+
+
+def _compile_cache_env() -> dict:
+  """The controller's persistent compilation cache, for the workers it launches on this machine:
+  a relaunched worker loads its programs instead of compiling them again."""
+  import jax
+
+  directory = jax.config.jax_compilation_cache_dir
+  if not directory:
+    return {}
+  return {
+    "JAX_COMPILATION_CACHE_DIR": directory,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
