@@ -69,6 +69,9 @@ def test_metrics_rows_say_where_the_time_went(logged_run):
   assert once["step"] == 0 and once["compile_s"] > 0
   intervals = [r for r in rows if "tokens_per_s" in r]
   assert [r["step"] for r in intervals] == [2, 4, 6, 8]
+  steps = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in steps] == list(range(1, 9))
+  assert all(r["param_norm"] > 0 and r["update_norm"] > 0 for r in steps), steps
   for r in intervals:
     for key in ("time", "elapsed_s", "step_time_s", "data_wait_s", "host_rss_bytes"):
       assert key in r, (key, r)
