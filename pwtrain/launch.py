@@ -1,6 +1,6 @@
 """The local launcher: N processes of `pwtrain.main` on this machine, one distributed run.
 
-  python -m pwtrain.launch --nproc=2 -- --config=configs/palm_tiny.py --workdir=/tmp/run \\
+  python -m pwtrain.launch --nproc=2 -- --config=palm_tiny --workdir=/tmp/run \\
       --config.parallel.islands=2 --config.parallel.pods=2
 
 starts process 0..N-1 of `python -m pwtrain.main <args> --config.backend.mode=distributed`
