@@ -108,14 +108,15 @@ def _join_distributed(config) -> None:
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    # Libraries stay quiet below WARNING (Orbax logs every save step at INFO, JAX each step of
+    # joining a distributed run); pwtrain's own lines (resumed from, fell back to, workers'
+    # logs, the closing summary) are shown.
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   _connect_pathways()
   if not _DRY_RUN.value:
     _join_distributed(_CONFIG.value)
-  if not flags.FLAGS["verbosity"].present:
-    # Libraries stay quiet below WARNING (Orbax logs every save step at INFO); pwtrain's own
-    # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.
-    logging.set_verbosity(logging.WARNING)
-    std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   if _COMPILE.value and not _DRY_RUN.value:
     raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
   if _PRINT_CONFIG.value:
