@@ -3,7 +3,7 @@
 Run (8 simulated CPU devices, all data-parallel; then one device):
   python experiments/bench_controller.py
   python experiments/bench_controller.py --devices 1 --out /tmp/bench_controller_1dev.json
-Options: --config=configs/palm_tiny.py, --set parallel.data=8 (any config key, repeatable),
+Options: --config=palm_tiny, --set parallel.data=8 (any config key, repeatable),
 --steps (per timed block), --warmup, --repeats, --devices (or env PWTRAIN_BENCH_DEVICES).
 
 What it measures. Both sides run the same compiled train step (pwtrain.step's model_fns ->

@@ -4,7 +4,7 @@ island, for a sweep of microbatch counts M, in one run.
 Run (8 simulated CPU devices; about 3 minutes on 2 cores):
   python experiments/bench_pipeline.py
   python experiments/bench_pipeline.py --stages=2 --microbatches=1,2,4 --out=/tmp/bp2.json
-Options: --config (default configs/palm_tiny.py), --set KEY=VALUE (any config key, repeatable,
+Options: --config (default palm_tiny), --set KEY=VALUE (any config key, repeatable,
 applied to both sides), --stages, --microbatches, --schedules, --steps (per timed block),
 --repeats, --compile_cache (a directory to keep compiled pieces between runs).
 

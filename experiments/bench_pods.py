@@ -4,7 +4,7 @@ loss cost of the relaxed exchanges, in one run.
 Run (8 simulated CPU devices; about 5-6 minutes on 2 cores):
   python experiments/bench_pods.py
   python experiments/bench_pods.py --sections=throughput --repeats=5 --out=/tmp/bench_pods.json
-Options: --config (default configs/palm_tiny.py), --set KEY=VALUE (any config key, repeatable,
+Options: --config (default palm_tiny), --set KEY=VALUE (any config key, repeatable,
 applied to every side of sections 1-2), --modes (pod variants of section 1), --steps (per timed
 block), --repeats, --train_steps and --inner_steps (section 3), --sections, --compile_cache (keep
 compiled pieces between runs), --no_concurrent (skip the 1-device-island overlap line).

@@ -46,8 +46,9 @@ COMPARISON_MODEL = {
 
 
 def add_config_args(parser, default: str = "palm_tiny") -> None:
-  """--config (a config file; default configs/<default>.py) and repeatable --set KEY=VALUE."""
-  parser.add_argument("--config", default=str(REPO / "configs" / f"{default}.py"))
+  """--config (a shipped config's name or a config file; default `default`) and repeatable
+  --set KEY=VALUE."""
+  parser.add_argument("--config", default=default)
   parser.add_argument(
     "--set",
     action="append",
@@ -73,13 +74,11 @@ def parse_sets(items: list[str]) -> dict:
 
 
 def load_config(config: str, overrides: dict | None = None):
-  """pwtrain.config.load of `config` (a file, or the name of one in configs/) with `overrides`
+  """pwtrain.config.load of `config` (a shipped config's name or a file) with `overrides`
   {"section.key": value}, checked by pwtrain.config.validate."""
   from pwtrain import config as config_lib
 
-  named = "/" not in config and ".py" not in config
-  path = REPO / "configs" / f"{config}.py" if named else config
-  loaded = config_lib.load(path, overrides)
+  loaded = config_lib.load(config, overrides)
   config_lib.validate(loaded)
   return loaded
 

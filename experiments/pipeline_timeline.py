@@ -4,7 +4,7 @@ Run (records a few steps of configs/palm_tiny_pipeline.py: 4 islands x 2 simulat
   python experiments/pipeline_timeline.py
   python experiments/pipeline_timeline.py --schedule=gpipe --microbatches=4
 Draw an existing trace (e.g. from a training run with tracing on):
-  python -m pwtrain.main --config=configs/palm_tiny_pipeline.py --workdir=/tmp/pp \
+  python -m pwtrain.main --config=palm_tiny_pipeline --workdir=/tmp/pp \
       --config.train.num_steps=5 --config.backend.trace=True
   python experiments/pipeline_timeline.py --trace=/tmp/pp/trace.json
 Options: --config, --set KEY=VALUE (any config key, repeatable), --schedule (gpipe|1f1b),

@@ -1,6 +1,10 @@
-"""Config checks that need no devices: each error names the key, the value and what is valid."""
+"""Config checks that need no devices (each error names the key, the value and what is valid),
+and loading a config: a shipped one by name (pwtrain/configs/) or a file by its path.
+"""
 
+import difflib
 import os
+import pathlib
 
 from pwtrain import optim
 from pwtrain.backend import distributed
@@ -233,19 +237,63 @@ def validate_backend(config) -> None:
     raise ConfigError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
 
 
+CONFIGS_PACKAGE = "pwtrain.configs"  # the configs that ship with pwtrain, one file each
+
+
+def shipped() -> dict[str, pathlib.Path]:
+  """{name: path} of the shipped configs (pwtrain/configs/<name>.py), sorted by name."""
+  import importlib.resources
+
+  folder = pathlib.Path(str(importlib.resources.files(CONFIGS_PACKAGE)))
+  files = sorted(f for f in folder.glob("*.py") if f.name != "__init__.py")
+  return {f.stem: f for f in files}
+
+
+def resolve(spec) -> str:
+  """A `--config` value as a config file's path: `spec` is `name` or `path`, optionally with
+  `:arg`. An existing file is used as it is; a name (no "/", no ".py") names a shipped config
+  (`palm_tiny` is pwtrain/configs/palm_tiny.py); anything else is kept as the path it is (load
+  then says that it does not exist). An unknown name is a ConfigError listing the shipped ones."""
+  file, colon, arg = str(spec).partition(":")
+  if os.path.isfile(os.path.expanduser(file)) or "/" in file or file.endswith(".py"):
+    return str(spec)
+  configs = shipped()
+  if file not in configs:
+    close = difflib.get_close_matches(file, configs, n=1)
+    hint = f"; did you mean {close[0]}?" if close else "."
+    raise ConfigError(
+      f"--config={file} names no shipped config and no file{hint} The shipped configs: "
+      f"{', '.join(configs)}; or give a config file's path"
+    )
+  return f"{configs[file]}{colon}{arg}"
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+  """`argv` with its `--config=<spec>` (or `--config <spec>`) flag's spec `resolve`d: what
+  `pwtrain.main` and `pwtrain.sample` parse, so that ml_collections' config_flags, which reads
+  files only, is given a file."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith("--config="):
+      out[i] = "--config=" + resolve(arg.removeprefix("--config="))
+    elif arg == "--config" and i + 1 < len(out):
+      out[i + 1] = resolve(out[i + 1])
+  return out
+
+
 def load(path, overrides: dict | None = None):
   """The config that `path`'s `get_config(arg)` returns, with `overrides` applied.
 
-  `path` is a config file, optionally followed by `:arg` as with `--config=path:arg` (config_flags):
-  `arg` (a string) is passed to `get_config`, else None. `overrides` maps dotted keys to values,
+  `path` is a shipped config's name or a config file (`resolve`), optionally followed by `:arg`
+  as with `--config=path:arg` (config_flags): `arg` (a string) is passed to `get_config`, else
+  None. `overrides` maps dotted keys to values,
   e.g. {"parallel.data": 8, "seed": 1}; each key must already exist in the config (a ValueError
   names the first that does not) and is set as `--config.<key>=<value>` would set it. The result is
   locked or not as `get_config` left it.
   """
   import importlib.util
-  import pathlib
 
-  file, _, arg = str(path).partition(":")
+  file, _, arg = resolve(path).partition(":")
   file = pathlib.Path(file).expanduser().resolve()
   if not file.is_file():
     raise ConfigError(f"config file {str(file)!r} does not exist")
@@ -272,10 +320,8 @@ def load(path, overrides: dict | None = None):
 def base_config(config_file: str, name: str, arg=None):
   """The config `name` from the same directory as `config_file`, unlocked, to start from.
 
-  Lets `configs/palm_8b.py` begin from `configs/palm_tiny.py` however the file was loaded.
+  Lets `palm_8b` begin from `palm_tiny` however the file was loaded (by name or by path).
   """
-  import pathlib
-
   path = pathlib.Path(config_file).resolve().with_name(f"{name}.py")
   config = load(path if arg is None else f"{path}:{arg}")
   config.unlock()

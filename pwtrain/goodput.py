@@ -10,8 +10,13 @@ is the rest, by cause, each a fraction of the wall time (they and the goodput su
   eval        evaluations
   data_wait   waiting for the next batch
   rerun       steps run again: after a rollback the abandoned steps, after a lost pod the steps
-              that failed with it and the drop itself
+              that failed with it and the drop itself, after a restart (a resume, or a start
+              after a lost worker) the steps that an earlier start had trained and logged past
+              the checkpoint it resumed from (metrics.MetricsLogger: metrics.jsonl says which)
   other       everything else: start-up (data preparation, restore), and the end
+
+A run that restarts in the same process (remote mode, after a lost worker) has one Goodput for
+all its starts: the time of each start's step loop counts, the time between loops is `other`.
 """
 
 import collections
@@ -28,12 +33,22 @@ class Goodput:
 
   def __init__(self, start: float | None = None):
     self.start = time.perf_counter() if start is None else start
-    self.loop_start: float | None = None
+    self.loop_start: float | None = None  # when the first start's step loop began
     self.badput: dict[str, float] = collections.defaultdict(float)
+    self._looped = 0.0  # seconds in the step loops of earlier starts
+    self._loop_began: float | None = None  # when this start's step loop began, while it runs
 
-  def begin_loop(self) -> None:
-    """The step loop starts: everything before it that was not compiling is `other`."""
-    self.loop_start = time.perf_counter()
+  def begin_loop(self, now: float | None = None) -> None:
+    """A start's step loop starts: everything before it that was not compiling is `other`."""
+    now = time.perf_counter() if now is None else now
+    self.loop_start = now if self.loop_start is None else self.loop_start
+    self._loop_began = now
+
+  def end_loop(self, now: float | None = None) -> None:
+    """A start's step loop has ended (done, or failed): until the next begins is `other`."""
+    if self._loop_began is not None:
+      self._looped += (time.perf_counter() if now is None else now) - self._loop_began
+      self._loop_began = None
 
   @contextlib.contextmanager
   def bad(self, cause: str):
@@ -50,11 +65,11 @@ class Goodput:
     self.badput[cause] += max(seconds, 0.0)
 
   def productive_s(self, now: float | None = None) -> float:
+    """Seconds of the step loops so far less the badput counted inside them."""
     now = time.perf_counter() if now is None else now
-    if self.loop_start is None:
-      return 0.0
+    looped = self._looped + (now - self._loop_began if self._loop_began is not None else 0.0)
     inside = sum(v for k, v in self.badput.items() if k not in ("compile", "other"))
-    return max(now - self.loop_start - inside, 0.0)
+    return max(looped - inside, 0.0)
 
   def row(self, now: float | None = None) -> dict[str, float]:
     """{"goodput", "badput_<cause>"...} as fractions of the wall time since the start."""

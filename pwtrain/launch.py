@@ -1,6 +1,6 @@
 """The local launcher: N processes of `pwtrain.main` on this machine, one distributed run.
 
-  python -m pwtrain.launch --nproc=2 -- --config=configs/palm_tiny.py --workdir=/tmp/run \\
+  python -m pwtrain.launch --nproc=2 -- --config=palm_tiny --workdir=/tmp/run \\
       --config.parallel.islands=2 --config.parallel.pods=2
 
 starts process 0..N-1 of `python -m pwtrain.main <args> --config.backend.mode=distributed`
@@ -137,6 +137,7 @@ class Attempt:
           start_new_session=True,  # our signals reach them only as we forward them
         )
       )
+    self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
     self.echo = threading.Thread(target=self._echo, daemon=True)
     self.echo.start()
 
@@ -155,9 +156,16 @@ class Attempt:
         text = line.decode(errors="replace")
         self.logs[key.data].write(text)
         self.logs[key.data].flush()
-        if key.data == 0 or not _INFO_LINE.match(text):  # one console: process 0's, and
-          sys.stdout.write(f"[p{key.data}] {text}")  # the others' warnings and errors
+        if self._on_console(key.data, text):
+          sys.stdout.write(f"[p{key.data}] {text}")
           sys.stdout.flush()
+
+  def _on_console(self, process: int, line: str) -> bool:
+    """One console: process 0's lines and the others' warnings and errors, without Gloo's
+    notices unless pwtrain.main's flags set --verbosity (every line is in the process logs)."""
+    if process != 0 and _INFO_LINE.match(line):
+      return False
+    return self.verbose or not _GLOO_LINE.search(line)
 
   def signal_all(self, sig) -> None:
     for proc in self.procs:
@@ -184,6 +192,10 @@ class Attempt:
 
 # An absl INFO line ("I1125 21:24:23.123456 ..."): the other processes' go to their logs only.
 _INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
+# Gloo's notice once a process's collectives are connected ("[Gloo] Rank 0 is connected to 1 peer
+# ranks. Expected number of connected peer ranks is : 1"), written to stdout by C++ from threads
+# that may share a line: in the process logs only, unless --verbosity is set.
+_GLOO_LINE = re.compile(r"\[Gloo\]|connected peer ranks")
 
 
 def status(code: int) -> int:

@@ -1,4 +1,8 @@
-"""Entry point: `python -m pwtrain.main --config=configs/palm_tiny.py --workdir=/tmp/run`.
+"""Entry point: `python -m pwtrain.main --config=palm_tiny --workdir=/tmp/run`.
+
+`--config` names a config that ships with pwtrain (pwtrain/configs/<name>.py), or gives the path
+of a config file (`--config=configs/palm_tiny.py` in the repository, `--config=my_config.py`),
+either optionally with `:arg` for its `get_config(arg)`.
 
 Any config value can be overridden on the command line, e.g. `--config.train.num_steps=50`; a
 key that does not exist is one line naming the closest that does. `--print_config` prints the
@@ -33,12 +37,17 @@ if (
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from pwtrain import config as config_lib  # noqa: E402
 from pwtrain import dryrun, train  # noqa: E402
+from pwtrain import workdir as workdir_lib  # noqa: E402
 from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 from pwtrain.errors import UserError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Path to a config file.", lock_config=True
+  "config",
+  None,
+  "A shipped config's name (palm_tiny, ...: pwtrain/configs/) or a config file's path.",
+  lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Checkpoints, metrics and traces (required to train; created if absent)."
@@ -99,14 +108,15 @@ def _join_distributed(config) -> None:
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    # Libraries stay quiet below WARNING (Orbax logs every save step at INFO, JAX each step of
+    # joining a distributed run); pwtrain's own lines (resumed from, fell back to, workers'
+    # logs, the closing summary) are shown.
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   _connect_pathways()
   if not _DRY_RUN.value:
     _join_distributed(_CONFIG.value)
-  if not flags.FLAGS["verbosity"].present:
-    # Libraries stay quiet below WARNING (Orbax logs every save step at INFO); pwtrain's own
-    # lines (resumed from, fell back to, workers' logs, the closing summary) are shown.
-    logging.set_verbosity(logging.WARNING)
-    std_logging.getLogger("pwtrain").setLevel(std_logging.INFO)
   if _COMPILE.value and not _DRY_RUN.value:
     raise app.UsageError("--compile is a kind of dry run: give --dry_run --compile")
   if _PRINT_CONFIG.value:
@@ -141,8 +151,13 @@ def main(argv):
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a mistake in a `--config.<key>` override as one line that names
-  the closest key that exists, not ml_collections' traceback."""
+  """absl's flag parsing, with `--config=<name>` naming a shipped config (config.resolve), and
+  a mistake in it or in a `--config.<key>` override as one line (an unknown config lists the
+  shipped ones; an unknown key names the closest that exists), not ml_collections' traceback."""
+  try:
+    argv = config_lib.resolve_argv(argv)
+  except UserError as e:
+    raise SystemExit(f"error: {e}") from None
   try:
     return flags.FLAGS(argv)
   except (KeyError, AttributeError, TypeError, ValueError, flags.Error) as e:
@@ -154,9 +169,6 @@ def _explain(argv: list[str], error: Exception) -> str:
   keys; else the error's own first line."""
   path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
   if path is not None:
-    from pwtrain import config as config_lib
-    from pwtrain import workdir as workdir_lib
-
     try:
       keys = list(workdir_lib.flatten(config_lib.load(path).to_dict()))
     except Exception:  # noqa: BLE001 - the config itself is at fault: its own error below

@@ -7,7 +7,9 @@ one batch, so logging never makes the controller wait for each step's results.
 The workdir's logs hold one row per step of the run's one trajectory: when a run resumes from
 step N, or rolls back to it, the rows of steps after N (steps that will run again) are moved from
 metrics.jsonl to metrics.rolled_back.jsonl (kept, not deleted), and TensorBoard is told to purge
-its events of those steps (`purge_step`).
+its events of those steps (`purge_step`). The steps a resume so runs again (an earlier start
+trained and logged them, then stopped before its next checkpoint) are badput, `rerun`: each
+interval moves the productive time of its re-run steps there (goodput.py).
 
 Evaluation rows ({"step", "eval_loss", "eval_perplexity", "eval_bits_per_byte", ...}) go to the
 same file, after the step's own rows, and to TensorBoard under eval/.
@@ -94,7 +96,9 @@ class MetricsLogger:
     self._pending: list[tuple[int, object]] = []
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
-    self._jsonl, self._tb = self._open_from(start_step)
+    self._jsonl, self._tb, earlier = self._open_from(start_step)
+    # Steps after the start that an earlier start trained and logged: they run again.
+    self.rerun_through = max((r["step"] for r in earlier if "loss" in r), default=start_step)
     self.progress = progress
     self._bar = tqdm.tqdm(
       total=num_steps,
@@ -104,6 +108,7 @@ class MetricsLogger:
       dynamic_ncols=True,
     )
     self.goodput = goodput
+    self._productive = goodput.productive_s() if goodput is not None else 0.0  # at the last flush
     self.devices = devices
     self._start_time = self._last_time = time.perf_counter()
     self._start_step = self._last_step = start_step
@@ -166,6 +171,7 @@ class MetricsLogger:
     speed["data_wait_s"], self._data_wait = self._data_wait, 0.0
     speed.update(goodput_lib.memory_row(self.devices) if self.devices else {})
     if self.goodput is not None:
+      self._count_reruns(steps, now)
       speed.update(self.goodput.row(now))
     for k, x in speed.items():
       self._tb.add_scalar(f"perf/{k}", x, steps[-1])
@@ -180,6 +186,15 @@ class MetricsLogger:
     self._show()
     if self.progress == "lines":
       print(self._line(steps[-1], speed), flush=True)
+
+  def _count_reruns(self, steps: list[int], now: float) -> None:
+    """Moves the share of this interval's productive time that went to steps an earlier start
+    had already trained (`rerun_through`) to the `rerun` badput."""
+    productive = self.goodput.productive_s(now)
+    rerun = sum(1 for s in steps if s <= self.rerun_through)
+    if rerun:
+      self.goodput.add("rerun", (productive - self._productive) * rerun / len(steps))
+    self._productive = self.goodput.productive_s(now)
 
   def _line(self, step: int, speed: dict) -> str:
     """One plain progress line: step/total, loss, tokens/s, MFU, step time, ETA, memory."""
@@ -233,16 +248,18 @@ class MetricsLogger:
     self.wandb.log({"step": row["step"], **values})
 
   def _open_from(self, step: int):
-    """Opens the logs to continue after `step`: later rows set aside, later events purged."""
-    set_aside_after(self.path, step)
-    return open(self.path, "a"), SummaryWriter(self._tb_dir, purge_step=step + 1)
+    """Opens the logs to continue after `step`: later rows set aside (returned, as dicts), later
+    events purged."""
+    later = set_aside_after(self.path, step)
+    return open(self.path, "a"), SummaryWriter(self._tb_dir, purge_step=step + 1), later
 
   def rewind(self, step: int, **event) -> None:
     """After a rollback to `step`: log the event; rates and the bar restart from there."""
     self.flush()
     self._jsonl.close()
     self._tb.close()
-    self._jsonl, self._tb = self._open_from(step)
+    self._jsonl, self._tb, _ = self._open_from(step)  # train.py counts the abandoned steps
+    self.rerun_through = min(self.rerun_through, step)
     self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
     self._jsonl.flush()
     self.evals = [row for row in self.evals if row["step"] <= step]
@@ -294,25 +311,32 @@ def start_wandb(project: str, entity: str, workdir: str, config: dict, start_ste
   return run
 
 
-def set_aside_after(path: str, step: int) -> None:
+def set_aside_after(path: str, step: int) -> list[dict]:
   """Moves the rows of `path` (JSONL, each with a "step") whose step is after `step` to
-  `<path minus .jsonl>.rolled_back.jsonl`, appending; the rows at or before it stay, in order."""
+  `<path minus .jsonl>.rolled_back.jsonl`, appending; the rows at or before it stay, in order.
+  Returns the rows moved."""
   if not os.path.exists(path):
-    return
+    return []
   with open(path) as f:
     rows = f.readlines()
-  keep, later = [], []
+  keep, later, moved = [], [], []
   for line in rows:
     try:
-      after = json.loads(line)["step"] > step
+      row = json.loads(line)
+      after = row["step"] > step
     except (ValueError, KeyError, TypeError):
       after = False  # not a row of ours (a torn last line): leave it where it is
-    (later if after else keep).append(line)
+    if after:
+      later.append(line)
+      moved.append(row)
+    else:
+      keep.append(line)
   if not later:
-    return
+    return []
   with open(path.removesuffix(".jsonl") + ".rolled_back.jsonl", "a") as f:
     f.writelines(later)
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
     f.writelines(keep)
   os.replace(tmp, path)
+  return moved

@@ -33,6 +33,7 @@ from absl import app, flags, logging
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
+from pwtrain import config as config_lib
 from pwtrain import optim
 from pwtrain import step as step_lib
 from pwtrain import workdir as workdir_lib
@@ -49,7 +50,10 @@ from pwtrain.parallel.pipeline.state import train_state
 from pwtrain.sharding import MESH_AXES
 
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "The run's config file; default: <workdir>/config.json.", lock_config=True
+  "config",
+  None,
+  "The run's config: a shipped config's name or a file's path; default: <workdir>/config.json.",
+  lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (checkpoints, tokenizer).")
 _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue.")
@@ -251,6 +255,14 @@ def main(argv):
     print(s.text)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with `--config=<name>` naming a shipped config (config.resolve)."""
+  try:
+    return flags.FLAGS(config_lib.resolve_argv(argv))
+  except ConfigError as e:
+    raise SystemExit(f"pwtrain.sample: {e}") from None
+
+
 if __name__ == "__main__":
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -131,6 +131,27 @@ def sum_of_squares(tree) -> jax.Array:
   return sum((jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
+def norm_sums(old_params, new_params) -> dict:
+  """{"param_sumsq": squared L2 norm of `new_params`, "update_sumsq": that of new - old}: one
+  share of the parameter and update norms that `with_norms` reports. A layout whose params are
+  split (pipeline stages) passes each share of the model once (stages.Stage.counted)."""
+  delta = jax.tree.map(jnp.subtract, new_params, old_params)
+  return {"param_sumsq": sum_of_squares(new_params), "update_sumsq": sum_of_squares(delta)}
+
+
+def with_norms(metrics: dict, sums: list[dict]) -> dict:
+  """`metrics` plus "param_norm" (the global L2 norm of the params after the step) and
+  "update_norm" (that of the update the step applied: new params - old params, after clipping,
+  the learning rate and weight decay; 0 for a skipped step), from the `norm_sums` of every
+  share of the model, added in list order."""
+  total = {k: sum(s[k] for s in sums) for k in sums[0]}
+  return {
+    **metrics,
+    "param_norm": jnp.sqrt(total["param_sumsq"]),
+    "update_norm": jnp.sqrt(total["update_sumsq"]),
+  }
+
+
 def apply_update(tx: optax.GradientTransformation, schedule, clip_norm: float) -> Callable:
   """(state, summed grads, summed stats[, sumsq]) -> (new state, metrics).
 
@@ -162,8 +183,11 @@ def apply_update(tx: optax.GradientTransformation, schedule, clip_norm: float) -
 
 
 def train_step(grad_fn: Callable, update_fn: Callable) -> Callable:
+  """(state, batch) -> (new state, metrics): gradients, the update, and its norms."""
+
   def step(state, batch):
     grads, stats = grad_fn(state["params"], batch)
-    return update_fn(state, grads, stats)
+    new_state, metrics = update_fn(state, grads, stats)
+    return new_state, with_norms(metrics, [norm_sums(state["params"], new_state["params"])])
 
   return step

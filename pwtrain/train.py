@@ -212,6 +212,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   finally:
     profiler.close()
     logger.close()
+    goodput.end_loop()
     try:
       ckpt.wait()  # a failed save is raised here, once this and then the harness are closed
       latest = ckpt.latest_step()

@@ -25,11 +25,11 @@ TINY = {  # an even smaller model than palm_tiny, for fast compiles
 
 
 def load_config(name="palm_tiny", overrides=None):
-  """configs/<name>.py's get_config(), as `--config=configs/<name>.py` would load it, with
+  """The shipped config `name`'s get_config(), as `--config=<name>` would load it, with
   `overrides` {"section.key": value} applied (pwtrain.config.load)."""
   from pwtrain import config as config_lib
 
-  return config_lib.load(REPO / "configs" / f"{name}.py", overrides)
+  return config_lib.load(name, overrides)
 
 
 def tiny_test_config(**overrides):

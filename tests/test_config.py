@@ -1,5 +1,6 @@
 """Bad configs fail early with a ValueError naming the key, the value and what is valid."""
 
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,38 @@ def test_shipped_configs_validate(name):
   config = load_config(name)
   config_lib.validate(config)
   assert config.is_locked
-  assert "python -m pwtrain.main" in (REPO / "configs" / f"{name}.py").read_text()
+  # Its docstring gives the command that runs it.
+  assert f"python -m pwtrain.main --config={name} " in config_lib.shipped()[name].read_text()
+
+
+def test_configs_ship_in_the_package_and_paths_still_work():
+  shipped = config_lib.shipped()
+  files = sorted(p.stem for p in (REPO / "pwtrain" / "configs").glob("*.py"))
+  assert list(shipped) == [f for f in files if f != "__init__"] and "palm_tiny" in shipped
+  assert config_lib.resolve("palm_8b:x") == f"{shipped['palm_8b']}:x"
+  assert config_lib.resolve("configs/palm_tiny.py") == "configs/palm_tiny.py"  # a path as it is
+  assert (REPO / "configs" / "palm_tiny.py").samefile(shipped["palm_tiny"])
+  with pytest.raises(ConfigError, match="did you mean palm_tiny[?] The shipped configs: palm_1b"):
+    config_lib.resolve("palm_tyni")
+
+
+@pytest.mark.processes
+def test_a_shipped_config_is_named_from_any_directory(tmp_path):
+  """`--config=<name>` away from the repository (this tree's pwtrain on the path, as installed);
+  an unknown name is one line naming the closest and listing the shipped configs."""
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  main = [sys.executable, "-m", "pwtrain.main", "--print_config"]
+  run = lambda *args: subprocess.run(
+    [*main, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+  )
+  printed = run("--config=palm_tiny_pipeline", "--config.train.num_steps=7")
+  assert printed.returncode == 0, printed.stderr[-2000:]
+  assert "stages: 4" in printed.stdout and "num_steps: 7" in printed.stdout
+  wrong = run("--config=palm_tyni")
+  assert wrong.returncode != 0 and wrong.stderr.strip().splitlines() == [
+    "error: --config=palm_tyni names no shipped config and no file; did you mean palm_tiny? The "
+    f"shipped configs: {', '.join(config_lib.shipped())}; or give a config file's path"
+  ]
 
 
 @pytest.mark.parametrize(

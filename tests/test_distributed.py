@@ -124,6 +124,11 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   assert len([line for line in console if "trained steps 1-12 of 12" in line]) == 1
   assert len([line for line in console if ": eval loss" in line]) == 2  # steps 6 and 12
   assert "\r" not in result.stdout
+  # Quiet at the default verbosity: no Gloo notice (kept in the process logs), no INFO line of
+  # JAX joining the run (libraries are at WARNING from the start), no Orbax notice at each save.
+  assert "[Gloo]" in process_logs(tmp_path)
+  for noise in ("[Gloo]", "peer ranks", "JAX distributed service", "TypeHandlerRegistry"):
+    assert noise not in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.slow

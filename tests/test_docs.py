@@ -233,11 +233,21 @@ def module_flags(module: str) -> frozenset[str]:
 
 @functools.cache
 def load_config(spec: str):
-  """The config `--config=<spec>` loads (relative to the repository root)."""
+  """The config `--config=<spec>` loads (a path relative to the repository root)."""
   from pwtrain import config as config_lib
 
+  return config_lib.load(in_repo(spec))
+
+
+def in_repo(spec: str) -> str:
+  """`--config=<spec>` as pwtrain.main run at the repository root reads it: a shipped config's
+  name as it is (pwtrain.config.resolve), a path relative to the root."""
   file, sep, arg = spec.partition(":")
-  return config_lib.load(f"{REPO / file}{sep}{arg}")
+  return spec if is_name(file) else f"{REPO / file}{sep}{arg}"
+
+
+def is_name(file: str) -> bool:
+  return "/" not in file and not file.endswith(".py")
 
 
 def _has_key(config, key: str) -> bool:
@@ -276,9 +286,8 @@ def check_overrides(spec: str, overrides: dict[str, str]) -> str | None:
   if unknown:
     return f"{spec.partition(':')[0]} has no key {unknown[0]}"
   values = {key: _value(config, key, text) for key, text in overrides.items()}
-  file, sep, arg = spec.partition(":")
   try:
-    config_lib.load(f"{REPO / file}{sep}{arg}", values)
+    config_lib.load(in_repo(spec), values)
   except ConfigError as e:
     return str(e)
   return None
@@ -313,8 +322,12 @@ def check_command(words: list[str], where: str) -> list[str]:
   if module == "pwtrain.main" and config_spec is None:
     problems.append(f"{where}: pwtrain.main needs --config=<file>")
   if config_spec is not None:
+    from pwtrain import config as config_lib
+
     file = config_spec.partition(":")[0]
-    if not (REPO / file).is_file():
+    if is_name(file) and file not in config_lib.shipped():
+      return [*problems, f"{where}: --config={config_spec}: no shipped config {file}"]
+    if not is_name(file) and not (REPO / file).is_file():
       return [*problems, f"{where}: --config={config_spec}: no file {file} in the repository"]
     wrong = check_overrides(config_spec, overrides)
     if wrong:
@@ -370,6 +383,9 @@ def test_command_extraction_and_checks():
   assert check_command(_tokens(tuples), "g") == []
   missing = "python -m pwtrain.main --config=configs/nothing.py"
   assert "no file" in check_command(_tokens(missing), "e")[0]
+  assert check_command(_tokens("python -m pwtrain.main --config=palm_tiny --dry_run"), "h") == []
+  unknown = "python -m pwtrain.main --config=palm_nothing --dry_run"
+  assert "no shipped config" in check_command(_tokens(unknown), "i")[0]
 
 
 # -- the front page and links ---------------------------------------------------------------------

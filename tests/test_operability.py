@@ -12,6 +12,7 @@ from helpers import REPO, TINY, small_config
 
 from pwtrain import train
 from pwtrain.checkpoint import IncompatibleCheckpoint
+from pwtrain.goodput import Goodput
 
 FLAGS = [f"--config.{k}={v}" for k, v in TINY.items()] + ["--config.data.max_files=40"]
 
@@ -69,6 +70,9 @@ def test_metrics_rows_say_where_the_time_went(logged_run):
   assert once["step"] == 0 and once["compile_s"] > 0
   intervals = [r for r in rows if "tokens_per_s" in r]
   assert [r["step"] for r in intervals] == [2, 4, 6, 8]
+  steps = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in steps] == list(range(1, 9))
+  assert all(r["param_norm"] > 0 and r["update_norm"] > 0 for r in steps), steps
   for r in intervals:
     for key in ("time", "elapsed_s", "step_time_s", "data_wait_s", "host_rss_bytes"):
       assert key in r, (key, r)
@@ -80,6 +84,20 @@ def test_metrics_rows_say_where_the_time_went(logged_run):
   assert times == sorted(times)
   (summary,) = [line for line in out.stderr.splitlines() if "trained steps" in line]
   assert "tokens/s on average" in summary and "goodput " in summary
+
+
+def test_goodput_counts_the_step_loops_of_every_start():
+  """A run restarted in its process (remote mode, after a lost worker): each start's step loop
+  is productive time less its badput; the time between the loops is `other`."""
+  goodput = Goodput(start=0.0)
+  goodput.begin_loop(now=10.0)
+  goodput.add("data_wait", 2.0)
+  goodput.end_loop(now=30.0)  # the first start fails at 30 s and restarts
+  goodput.begin_loop(now=50.0)
+  assert goodput.productive_s(now=60.0) == 20.0 + 10.0 - 2.0
+  row = goodput.row(now=60.0)
+  assert row["goodput"] == 28.0 / 60 and row["badput_other"] == 30.0 / 60
+  assert goodput.loop_start == 10.0  # training had begun: a failed start undoes nothing
 
 
 @pytest.mark.parametrize(

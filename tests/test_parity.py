@@ -81,6 +81,9 @@ def test_sgd_steps_match_single_device(reference, layout):
   config = tiny_test_config(**SGD, **LAYOUTS[layout])
   metrics, state = run_steps(config, batches, devices=devices_for(layout))
   assert_metrics_close(metrics, ref_metrics)
+  for got, want in zip(metrics, ref_metrics, strict=True):
+    for key in ("param_norm", "update_norm"):  # SGD's update is linear in the gradient
+      assert_close(got[key], want[key], key)
   assert_trees_close(state["params"], ref_state["params"], "params")
   assert_trees_close(state["opt_state"], ref_state["opt_state"], "opt_state")
   assert int(state["step"]) == NUM_STEPS
@@ -94,6 +97,28 @@ def test_adafactor_steps_match_single_device(reference, layout):
   metrics, state = run_steps(config, batches, devices=devices_for(layout))
   assert_metrics_close(metrics, ref_metrics)
   assert int(state["step"]) == NUM_STEPS
+
+
+def test_param_and_update_norms_are_those_of_the_params_before_and_after_a_step(reference):
+  """param_norm and update_norm of one island's step, against the params before and after it."""
+  import numpy as np
+
+  from pwtrain.harness import Harness
+
+  batches = reference[0]
+  with Harness.build(tiny_test_config(), jax.devices()[:1]) as harness:
+    program = harness.step_program
+    state = harness.init()
+    before = jax.device_get(program.to_checkpoint(state)["params"])
+    out = harness.step(state, batches[0], 0)
+    metrics = jax.device_get(out.metrics.result())
+    after = jax.device_get(program.to_checkpoint({k: v.result() for k, v in out.state.items()}))
+  norm = lambda tree: np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in tree))
+  after = after["params"]
+  assert_close(metrics["param_norm"], norm(jax.tree.leaves(after)), "param_norm")
+  update = jax.tree.leaves(jax.tree.map(np.subtract, after, before))
+  assert_close(metrics["update_norm"], norm(update), "update_norm")
+  assert metrics["update_norm"] > 0
 
 
 def test_parity_check_detects_a_wrong_layout(reference):

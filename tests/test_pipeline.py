@@ -67,7 +67,8 @@ def test_pipeline_matches_single_device(reference, layout):
     overrides["parallel.devices_per_island"] = 1  # 4 one-device islands
   metrics, state = run_steps(tiny_test_config(**SGD, **overrides), batches)
   for got, want in zip(metrics, ref_metrics, strict=True):
-    for key in ("loss", "ce_loss", "z_loss", "grad_norm", "tokens", "lr"):
+    keys = ("loss", "ce_loss", "z_loss", "grad_norm", "param_norm", "update_norm", "tokens", "lr")
+    for key in keys:
       assert_close(got[key], want[key], key)
   assert_trees_close(state["params"], ref_state["params"], "params")
   assert_trees_close(state["opt_state"], ref_state["opt_state"], "opt_state")

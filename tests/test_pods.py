@@ -33,6 +33,11 @@ def reference():
   return batches, run_steps(config, batches, jax.devices()[:1])
 
 
+def tree_norm(tree) -> float:
+  """The global L2 norm of a tree of host arrays, in float64."""
+  return float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(tree))))
+
+
 def run_pods(config, batches):
   """(program, metrics, every pod's final state), on all 8 devices."""
   return run_program(config, batches)
@@ -53,7 +58,7 @@ def test_pods_match_one_island(reference, layout):
   config = tiny_test_config(**{**SGD, **PODS, **LAYOUTS[layout]})
   program, metrics, states = run_pods(config, batches)
   for got, want in zip(metrics, ref_metrics, strict=True):
-    for key in ("loss", "grad_norm", "tokens"):
+    for key in ("loss", "grad_norm", "param_norm", "update_norm", "tokens"):
       assert_close(got[key], want[key], key)
     # Per-pod losses and gradient norms are logged.
     assert {"pod0_loss", "pod1_loss", "pod0_grad_norm", "pod1_grad_norm"} <= set(got)
@@ -162,6 +167,11 @@ def test_stale_exchange_applies_last_steps_gradients():
   assert_trees_close(after3["state/0.0"]["params"], expected, "params")
   # The logged loss is the current step's: at theta_0 for steps 1 and 2.
   assert_close(stale_metrics[0]["loss"], sync_metrics[0]["loss"], "loss")
+  # The logged update is the one applied: none at step 1, g_2's at step 3.
+  assert stale_metrics[0]["update_norm"] == 0
+  delta = jax.tree.map(np.subtract, after3["state/0.0"]["params"], after2["state/0.0"]["params"])
+  assert_close(stale_metrics[2]["update_norm"], tree_norm(delta), "update_norm")
+  assert_close(stale_metrics[2]["param_norm"], tree_norm(after3["state/0.0"]["params"]), "norm")
   jax.tree.map(np.testing.assert_array_equal, after3["state/0.0"], after3["state/1.0"])
 
 
@@ -178,7 +188,7 @@ def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
   }  # fmt: skip
   config = tiny_test_config(**overrides)
   batches = random_batches(config, 1)
-  program, _, states = run_pods(config, batches)
+  program, metrics, states = run_pods(config, batches)
   _, _, init_states = run_pods(config, [])
   one = tiny_test_config(**SGD, **{"model.num_layers": 4, "train.global_batch": 8})
   steps = []
@@ -193,6 +203,11 @@ def test_diloco_with_one_inner_step_averages_the_pods_sgd_steps():
     np.testing.assert_array_equal, states["state/0.0"]["params"], states["state/1.0"]["params"]
   )
   assert program.per_pod_checkpoint
+  # The logged update is the step's inner and outer update together: theta_1 - theta_0.
+  theta1 = states["state/0.0"]["params"]
+  delta = jax.tree.map(np.subtract, theta1, theta0)
+  assert_close(metrics[0]["update_norm"], tree_norm(delta), "update_norm")
+  assert_close(metrics[0]["param_norm"], tree_norm(theta1), "param_norm")
 
 
 @pytest.mark.slow

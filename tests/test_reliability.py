@@ -316,6 +316,11 @@ def test_trainer_resumes_from_the_checkpoint_before_a_damaged_one(tmp_path, capl
   assert "checkpoint 8 is damaged" in caplog.text
   assert resumed.start_step == 4
   assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history[4:]]
+  # Steps 5..8, trained and logged by the first start, ran again: their time is badput.
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  intervals = [r for r in rows if "goodput" in r]
+  assert [r["step"] for r in intervals] == [2, 4, 6, 8, 10, 12]
+  assert [r["badput_rerun"] > 0 for r in intervals] == [False, False, True, True, True, True]
 
 
 # --- kill -9 in the middle of an asynchronous save -----------------------------------------

@@ -196,7 +196,7 @@ def test_command_greedy_continues_the_prompt_as_the_trained_model_does(trained):
   prompt = "def main("
   proc = _sample_command(
     workdir,
-    "--config=configs/palm_tiny.py",
+    "--config=palm_tiny",
     *MODEL_FLAGS,
     f"--prompt={prompt}",
     "--max_new_tokens=8",

@@ -65,6 +65,9 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
     small_config(**{"train.checkpoint_every": 4}), str(tmp_path), show_progress=False
   )
   assert second.start_step == 6 and second.final_step == 12
+  # It resumed from the last step the first start trained: nothing ran twice.
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert all(r["badput_rerun"] == 0 for r in rows if "goodput" in r)
   ref_losses = [r["loss"] for r in ref.history]
   got = [r["loss"] for r in first.history] + [r["loss"] for r in second.history]
   np.testing.assert_array_equal(got, ref_losses)  # bitwise on CPU

@@ -83,10 +83,10 @@ def test_rows_after_a_resume_point_are_set_aside(tmp_path):
   path = tmp_path / "metrics.jsonl"
   rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4)] + [{"step": 4, "tokens_per_s": 9}]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  metrics.set_aside_after(str(path), 2)
+  returned = metrics.set_aside_after(str(path), 2)
   kept = [json.loads(line) for line in path.read_text().splitlines()]
   moved = [
     json.loads(line) for line in (tmp_path / "metrics.rolled_back.jsonl").read_text().splitlines()
   ]
   assert [r["step"] for r in kept] == [1, 2]
-  assert [r["step"] for r in moved] == [3, 4, 4]
+  assert [r["step"] for r in moved] == [3, 4, 4] and returned == moved

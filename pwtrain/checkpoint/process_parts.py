@@ -11,6 +11,7 @@ array put onto its island.
 """
 
 import asyncio
+import logging
 import os
 import threading
 
@@ -84,10 +85,23 @@ def island_checkpointer(owners, name: str) -> ocp.AsyncCheckpointer:
   )
 
 
+class _NoArrayMetadataNotice(logging.Filter):
+  """Drops Orbax's warning "No jax.Array in TypeHandlerRegistry: ArrayMetadata persistence is
+  disabled", which a checkpointer without a jax.Array handler logs at every save: the process
+  checkpointer has none by design (it writes host arrays, which have no such metadata)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "No jax.Array in TypeHandlerRegistry" not in record.getMessage()
+
+
+_NO_ARRAY_METADATA_NOTICE = _NoArrayMetadataNotice()
+
+
 def process_checkpointer() -> ocp.Checkpointer:
   """An Orbax pytree checkpointer of this process alone (no barriers with the run's other
   processes), for the numpy parts that one process writes by itself (save with
   `ocp.args.PyTreeSave`)."""
+  logging.getLogger("absl").addFilter(_NO_ARRAY_METADATA_NOTICE)  # Orbax logs through absl
   registry = type_handler_registry.create_type_handler_registry((np.ndarray, _ThisProcessNumpy()))
   handler = ocp.PyTreeCheckpointHandler(
     multiprocessing_options=_this_process_only(), type_handler_registry=registry

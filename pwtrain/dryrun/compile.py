@@ -89,7 +89,7 @@ def topology_devices(config) -> list:
     raise ConfigError(
       "--dry_run --compile needs hardware.topology, the TPU topology of one slice (one pod), "
       "e.g. --config.hardware.topology=v4:4x4x4 (needs a `hardware` section; see "
-      "configs/palm_540b.py)"
+      "pwtrain/configs/palm_540b.py)"
     )
   if importlib.util.find_spec("libtpu") is None:
     raise SystemExit(

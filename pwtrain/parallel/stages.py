@@ -44,6 +44,12 @@ class Stage:
       "layer_offset": self.start,  # the MoE schedule counts global layers
     }
 
+  def counted(self, params: dict) -> dict:
+    """The share of a param-shaped dict of this stage (gradients, parameters) that whole-model
+    norms count: the shared embedding, held by the first and the last stage, on the first only,
+    so that the stages' squared norms add up to the whole model's."""
+    return {k: v for k, v in params.items() if self.first or k != "embedding"}
+
 
 def balanced_boundaries(costs: list[float], num_stages: int, first_extra=0.0, last_extra=0.0):
   """Contiguous split of layers into stages minimising the most expensive stage (exact DP).

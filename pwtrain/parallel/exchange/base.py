@@ -100,10 +100,12 @@ class Exchange:
     del step
     return "step"
 
-  def outer_nodes(self, builder, final: dict) -> dict:
-    """For a program kind other than "step": nodes after the apply; returns the new state refs."""
+  def outer_nodes(self, builder, final: dict, norm_sums: dict) -> tuple[dict, dict]:
+    """For a program kind other than "step": nodes after the apply. `final` and `norm_sums` map
+    each cell to the ref of its new state and of its share of the step's parameter and update
+    norms (step.norm_sums); returns both as the nodes change them."""
     del builder
-    return final
+    return final, norm_sums
 
   # -- cost (the dry run) ---------------------------------------------------------------------
 

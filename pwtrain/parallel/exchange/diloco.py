@@ -6,11 +6,16 @@ pseudo-gradient, compressed like gradients), all average the deltas in pod order
 shared anchor with SGD + Nesterov momentum (`exchange.outer_lr`, `exchange.outer_momentum`), and
 set their parameters to it. Pods are identical after each outer step; their inner optimizer
 states stay their own, so checkpoints hold every pod's state.
+
+An outer step's parameter update is the inner step's and the outer step's together: each cell
+keeps a copy of its parameters from before the step (`keep`, one parameter-sized buffer during
+the step's apply and outer nodes) so that the outer node reports the norm of all of it.
 """
 
 import jax
 import optax
 
+from pwtrain import step as step_lib
 from pwtrain.errors import ConfigError
 from pwtrain.parallel.exchange import compression as codec
 from pwtrain.parallel.exchange.base import Exchange
@@ -58,27 +63,46 @@ class DiLoCo(Exchange):
 
     delta = cell.compile("delta", delta_fn, {"state": cell.state_abs})
 
-    def outer_fn(state, deltas):
+    stage = cell.stage
+    cell.compile(
+      "keep",
+      lambda state: state["params"],
+      {"state": cell.state_abs},
+      out_shardings=cell.grads_sharding,
+    )
+
+    def outer_fn(state, deltas, before):
       deltas = [codec.decode(d, compression) for d in deltas]
       mean = jax.tree.map(lambda x: x / len(deltas), codec.tree_sum(deltas))
       outer = state["outer"]
       updates, opt_state = self.outer_tx.update(mean, outer["opt_state"], outer["anchor"])
       anchor = optax.apply_updates(outer["anchor"], updates)
-      return {**state, "params": anchor, "outer": {"anchor": anchor, "opt_state": opt_state}}
+      new_state = {**state, "params": anchor, "outer": {"anchor": anchor, "opt_state": opt_state}}
+      return new_state, step_lib.norm_sums(stage.counted(before), stage.counted(anchor))
 
     cell.compile(
       "outer",
       outer_fn,
-      {"state": cell.state_abs, "deltas": [delta.out_abstract] * self.num_pods},
-      out_shardings=cell.shardings,
+      {
+        "state": cell.state_abs,
+        "deltas": [delta.out_abstract] * self.num_pods,
+        "before": cell.grads_abs,
+      },
+      out_shardings=(cell.shardings, cell.replicated),
       donate=("state",),
     )
 
-  def outer_nodes(self, builder, final: dict) -> dict:
+  def apply_refs(self, builder, cell: tuple) -> dict:
+    """Before an outer step's apply: the cell's parameters from before the step (`keep`)."""
+    if builder.kind == "outer":
+      builder.node(cell, "keep", state=builder.state_key(cell))
+    return {}
+
+  def outer_nodes(self, builder, final: dict, norm_sums: dict) -> tuple[dict, dict]:
     """Every pod sends its delta; each averages them and steps the anchor."""
     for key in builder.cells:
       builder.node(key, "delta", state=final[key])
-    final = dict(final)
+    final, norm_sums = dict(final), dict(norm_sums)
     for p, s in builder.cells:
       outer = builder.piece((p, s), "outer")
       deltas = [
@@ -89,8 +113,10 @@ class DiLoCo(Exchange):
         )
         for i, q in enumerate(builder.pods)
       ]
-      final[(p, s)] = (builder.node((p, s), "outer", state=final[(p, s)], deltas=deltas), 0)
-    return final
+      before = (f"{p}:keep{s}", 0)
+      name = builder.node((p, s), "outer", state=final[(p, s)], deltas=deltas, before=before)
+      final[(p, s)], norm_sums[(p, s)] = (name, 0), (name, 1)
+    return final, norm_sums
 
   # -- cost -----------------------------------------------------------------------------------
 

@@ -63,8 +63,8 @@ class Sync(Exchange):
       parts = [codec.decode(part, compression) for part in parts]
       # Each pod's squared gradient norm, for per-pod metrics. Under pipelining a pod's
       # embedding gradient is split in two halves; it is counted by its first-stage half.
-      counted = [{k: v for k, v in g.items() if stage.first or k != "embedding"} for g in parts]
-      return codec.tree_sum(parts), jnp.stack([step_lib.sum_of_squares(g) for g in counted])
+      sumsqs = [step_lib.sum_of_squares(stage.counted(g)) for g in parts]
+      return codec.tree_sum(parts), jnp.stack(sumsqs)
 
     cell.compile(
       "reduce",

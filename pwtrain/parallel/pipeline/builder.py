@@ -3,11 +3,12 @@
 Cell (p, s) is stage s of pod p, on the island the plan gives it. Besides the stage's pieces
 (pieces.py) the step moves activations forward, activation gradients backward, the shared
 embedding's gradient halves between the first and last stage, the loss statistics and squared
-norms to every cell, and whatever the exchange sends between pods (exchange/*.py). Node names
-are prefixed with the pod ("1:F0.3"); transfers are named for what they carry ("1:act2.0",
-"0>1:g1" from pod 0 to pod 1). Each island's nodes follow the schedule (schedule.py); the
-controller enqueues the whole step at once and each island's scheduler launches its nodes in
-that order as their inputs appear.
+norms to every cell, each of pod 0's stages' share of the parameter and update norms to its
+last stage (which reports the metrics), and whatever the exchange sends between pods
+(exchange/*.py). Node names are prefixed with the pod ("1:F0.3"); transfers are named for what
+they carry ("1:act2.0", "0>1:g1" from pod 0 to pod 1). Each island's nodes follow the schedule
+(schedule.py); the controller enqueues the whole step at once and each island's scheduler
+launches its nodes in that order as their inputs appear.
 """
 
 import jax
@@ -110,7 +111,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
 def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int) -> None:
   """Every piece of one cell: init, zeros, the stage's F/B/FB, the exchange's, emb, finish,
-  apply."""
+  apply, and on pod 0's last stage norms."""
   stage, num_stages = cell.stage, cell.num_stages
   cell.compile("init", lambda: to_stage(whole_init(), stage), {}, out_shardings=cell.shardings)
 
@@ -143,8 +144,7 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
     if other is not None:
       own = grads["embedding"]
       grads = {**grads, "embedding": own + other if stage.first else other + own}
-    counted = {k: v for k, v in grads.items() if stage.first or k != "embedding"}
-    return grads, step_lib.sum_of_squares(counted)
+    return grads, step_lib.sum_of_squares(stage.counted(grads))
 
   cell.compile(
     "finish",
@@ -157,7 +157,10 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
   pod = cell.key[0]
 
   def apply_fn(state, grads, stats, sumsq, **extras):
-    return exchange.update(update, pod, state, grads, stats, sum(sumsq), **extras)
+    new_state, metrics = exchange.update(update, pod, state, grads, stats, sum(sumsq), **extras)
+    # The stage's share of the parameter and update norms, counted as the gradient norm is.
+    shares = [stage.counted(st["params"]) for st in (state, new_state)]
+    return new_state, metrics, step_lib.norm_sums(*shares)
 
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=cell.replicated)
   cell.compile(
@@ -170,9 +173,17 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
       "sumsq": [scalar] * num_stages,
       **exchange.apply_inputs(cell),
     },
-    out_shardings=(cell.shardings, cell.replicated),
+    out_shardings=(cell.shardings, cell.replicated, cell.replicated),
     donate=("state",),
   )
+  if cell.key == (0, num_stages - 1):  # the cell that reports the step's metrics
+    sums = cell.pieces[("apply", *cell.key)].out_abstract[2]
+    cell.compile(
+      "norms",
+      lambda metrics, sums: step_lib.with_norms(metrics, sums),
+      {"metrics": cell.pieces[("apply", *cell.key)].out_abstract[1], "sums": [sums] * num_stages},
+      out_shardings=cell.replicated,
+    )
 
 
 class ProgramBuilder:
@@ -189,6 +200,7 @@ class ProgramBuilder:
     self.schedule = config.parallel.schedule
     self.has_moe = moe_lib.enabled(config.moe)
     self.per_cell: dict = {c: [] for c in self.cells}
+    self.kind = "step"  # the program kind being built (exchange.program_kinds)
 
   def piece(self, cell: tuple, kind: str) -> pieces_lib.Piece:
     return self.pieces[(kind, *cell)]
@@ -208,7 +220,7 @@ class ProgramBuilder:
     return name
 
   def program(self, kind: str = "step") -> Program:
-    last = self.num_stages - 1
+    self.kind, last = kind, self.num_stages - 1
     grads, stats = self._backward()
     grads = self.exchange.gradient_nodes(self, grads)
 
@@ -248,11 +260,22 @@ class ProgramBuilder:
         **extras,
       )
     final = {c: (f"{c[0]}:apply{c[1]}", 0) for c in self.cells}
+    norm_sums = {c: (f"{c[0]}:apply{c[1]}", 2) for c in self.cells}
     if kind != "step":
-      final = self.exchange.outer_nodes(self, final)
+      final, norm_sums = self.exchange.outer_nodes(self, final, norm_sums)
+    # Pod 0's last stage reports the metrics: the parameter and update norms of pod 0's model,
+    # its stages' shares added as the gradient norm's are.
+    reporter = (0, last)
+    sums = [
+      norm_sums[(0, t)]
+      if t == last
+      else self.move(reporter, f"0:norms{t}to{last}", norm_sums[(0, t)], ())
+      for t in range(self.num_stages)
+    ]
+    metrics = self.node(reporter, "norms", metrics=(f"0:apply{last}", 1), sums=sums)
     return Program(
       nodes=interleave(list(self.per_cell.values())),
-      outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (f"0:apply{last}", 1)},
+      outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (metrics, 0)},
       carried=tuple(state_key(c) for c in self.cells),
     )
 

@@ -20,8 +20,10 @@ Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
        The chunks of exchange.mode="overlapped" are stages too.
   FB   on the last stage: forward, loss and backward in one piece
 and once per step: init, zeros (the running sums), emb (the shared embedding's gradient half),
-finish (tie the embedding halves; the squared norm), apply (the optimizer update), plus the
-exchange's own pieces (exchange/*.py). Evaluation has its own two, compiled on first use:
+finish (tie the embedding halves; the squared norm), apply (the optimizer update; the stage's
+share of the parameter and update norms), norms (pod 0's last stage: the step's metrics with
+those norms, from every stage's share), plus the exchange's own pieces (exchange/*.py).
+Evaluation has its own two, compiled on first use:
   EF   forward at inference (MoE at eval capacity, no jitter): input -> output activation
   EL   on the last stage: forward and loss -> the microbatch's {"ce_sum", "z_sum", "tokens"}
 """

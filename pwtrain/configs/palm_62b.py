@@ -1,9 +1,9 @@
 """PaLM 62b (Chowdhery et al., 2022, Table 1): 64 layers, 32 heads, d_model 8192, 62.50B parameters.
 
 Run (needs an accelerator cluster; here it only loads, validates and plans):
-  python -m pwtrain.main --config=configs/palm_62b.py --workdir=/tmp/palm_62b
+  python -m pwtrain.main --config=palm_62b --workdir=/tmp/palm_62b
 Plan it, and compile its real step for the TPU topology on this host (the [tpu] extra):
-  python -m pwtrain.main --config=configs/palm_62b.py --dry_run --compile
+  python -m pwtrain.main --config=palm_62b --dry_run --compile
 
 palm_8b with the 62B shapes (d_ff = 4 d_model, head_dim 256, multi-query attention) and global
 batch 1024 sequences (the end of PaLM 62B's 512 -> 1024 ramp).

@@ -1,7 +1,7 @@
 """Tiny PaLM-style model that trains on CPU in a few minutes (the default run).
 
 Run:
-  python -m pwtrain.main --config=configs/palm_tiny.py --workdir=/tmp/pwtrain_tiny
+  python -m pwtrain.main --config=palm_tiny --workdir=/tmp/pwtrain_tiny
 
 Trains a 4-layer, d_model=128 decoder (byte tokenizer, vocab padded to 512) on the Python
 standard library's own source text for 300 steps of 16 x 128 tokens. Expected: the loss falls

@@ -1,10 +1,10 @@
 """A ~1B-parameter PaLM-style model for one accelerator (949M parameters): what MFU is measured on.
 
 Run (one NVIDIA GPU; on a CPU this config is far too slow to train):
-  python -m pwtrain.main --config=configs/palm_1b.py --workdir=/tmp/palm_1b
+  python -m pwtrain.main --config=palm_1b --workdir=/tmp/palm_1b
 Every log line then gives tokens/s, model TFLOP/s and MFU (model FLOPs 6N + 12LHKT per token
 over the device's peak: 989 TFLOP/s dense bf16 for an H100). Its memory plan:
-  python -m pwtrain.main --config=configs/palm_1b.py --dry_run
+  python -m pwtrain.main --config=palm_1b --dry_run
 
 16 layers, d_model 2048, 16 heads of 128 with one shared key/value head (multi-query), SwiGLU
 d_ff 8192 (4 d_model), sequence length 2048, global batch 16 sequences (32k tokens per step).

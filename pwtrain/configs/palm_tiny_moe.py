@@ -1,7 +1,7 @@
 """palm_tiny with sparse Mixture-of-Experts FFNs, one expert per device (expert parallelism).
 
 Run:
-  python -m pwtrain.main --config=configs/palm_tiny_moe.py --workdir=/tmp/pwtrain_tiny_moe
+  python -m pwtrain.main --config=palm_tiny_moe --workdir=/tmp/pwtrain_tiny_moe
 
 Layers 1 and 3 (every second layer) replace the dense SwiGLU by 8 SwiGLU experts of hidden size
 256 with top-2 (GShard) routing, so a token's active FFN parameters and FLOPs equal palm_tiny's

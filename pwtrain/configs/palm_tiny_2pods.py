@@ -1,7 +1,7 @@
 """palm_tiny on two pods: 2 islands of 4 devices, each a data-parallel replica (PaLM's setup).
 
 Run:
-  python -m pwtrain.main --config=configs/palm_tiny_2pods.py --workdir=/tmp/pwtrain_2pods
+  python -m pwtrain.main --config=palm_tiny_2pods --workdir=/tmp/pwtrain_2pods
 
 The controller sends half of each global batch to each pod; each pod computes its gradients with
 its own 4-device mesh, the pods exchange gradients across islands and sum them in the same order,

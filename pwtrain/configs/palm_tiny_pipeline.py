@@ -1,7 +1,7 @@
 """palm_tiny as a 4-stage pipeline: 4 islands of 2 devices, data parallel inside each island.
 
 Run:
-  python -m pwtrain.main --config=configs/palm_tiny_pipeline.py --workdir=/tmp/pwtrain_pipe
+  python -m pwtrain.main --config=palm_tiny_pipeline --workdir=/tmp/pwtrain_pipe
 
 Each stage (one of the 4 layers; the embedding on the first stage, the output layer on the last,
 sharing the embedding matrix) runs on its own island; 8 microbatches of 2 sequences flow through

@@ -1,9 +1,9 @@
 """PaLM 540b (Chowdhery et al., 2022, Table 1): 118 layers, 48 heads, d_model 18432, 540.35B params.
 
 Run (needs an accelerator cluster; here it only loads, validates and plans):
-  python -m pwtrain.main --config=configs/palm_540b.py --workdir=/tmp/palm_540b
+  python -m pwtrain.main --config=palm_540b --workdir=/tmp/palm_540b
 Plan it for its cluster without devices (memory per chip, bytes across pods, step time):
-  python -m pwtrain.main --config=configs/palm_540b.py --dry_run
+  python -m pwtrain.main --config=palm_540b --dry_run
 Expected: 540.36B parameters on 2 pods x 3072 TPU v4 chips, mesh data=1 x fsdp=256 x tensor=12,
 ~0.73 GB of parameters per chip, ~1.4 GB of bf16 gradients per host pair per step across pods
 (PaLM reports ~1.3 GB), ~23 GB per chip with the configured remat and microbatches (fits the
@@ -13,7 +13,7 @@ from PaLM's measurements; PaLM measured 46.2% MFU (57.8% hardware FLOPs utilisat
 
 Compile its real step for two v4:8x16x24 slices on this host ([tpu] extra; ~12 minutes here,
 ~3 of them compiling the step and the rest counting its FLOPs):
-  python -m pwtrain.main --config=configs/palm_540b.py --dry_run --compile
+  python -m pwtrain.main --config=palm_540b --dry_run --compile
 Compiled: at most 23.3 GB per chip (the FB piece's 19.6 GB of temporaries plus the train
 state), so it fits by XLA's numbers too; FLOPs 1.02x the analytic count.
 

@@ -1,9 +1,9 @@
 """PaLM 8b (Chowdhery et al., 2022, Table 1): 32 layers, 16 heads, d_model 4096, 8.63B parameters.
 
 Run (needs an accelerator cluster; here it only loads, validates and plans):
-  python -m pwtrain.main --config=configs/palm_8b.py --workdir=/tmp/palm_8b
+  python -m pwtrain.main --config=palm_8b --workdir=/tmp/palm_8b
 Plan it, and compile its real step for the TPU topology on this host (the [tpu] extra):
-  python -m pwtrain.main --config=configs/palm_8b.py --dry_run --compile
+  python -m pwtrain.main --config=palm_8b --dry_run --compile
 
 Shapes from the paper: d_ff = 4 d_model, head_dim 256, multi-query attention, 256k SentencePiece
 vocabulary, sequence length 2048, global batch 512 sequences (the end of PaLM 8B's 256 -> 512
