@@ -4,21 +4,26 @@ with a cold and a warm compilation cache.
   python experiments/bench_elastic.py                       # both sections
   python experiments/bench_elastic.py --sections=faults --steps=200 --fault_every=50 \
     --fault_offset=25 --rejoin_after=10
+  python experiments/bench_elastic.py --sections=faults --mode=remote
 
-faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps in embedded
-         mode, and pod 1 is lost every --fault_every steps (--fault_offset into each interval),
-         three sides run one after another, after a short warm-up run that fills the cache:
+faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps in --mode
+         (embedded, or remote: one worker process per pod, launched by the run), and pod 1 is
+         lost every --fault_every steps (--fault_offset into each interval), three sides run
+         one after another, after a short warm-up run that fills the cache:
            clean    no fault (the reference step time)
-           elastic  fault.elastic=True, the drill `kill:pod1@stepN` and `rejoin:pod1@stepN+R`
-                    (R = --rejoin_after): the run drops the pod and carries on in process
-           restart  today's path: the process is SIGKILLed once step N is logged, and started
-                    again, resuming from the last checkpoint (train.checkpoint_every); the
-                    compilation cache is warm for every restart
+           elastic  fault.elastic=True and the drill `kill:pod1@stepN`; embedded: the pod's
+                    islands fail, and `rejoin:pod1@stepN+R` (R = --rejoin_after) brings them
+                    back; remote: pod 1's worker process is SIGKILLed, the supervisor relaunches
+                    it and the pod rejoins once it answers. The run drops the pod and carries on
+           restart  today's path, resuming from the last checkpoint (train.checkpoint_every) with
+                    a warm compilation cache: embedded, the process is SIGKILLed once step N is
+                    logged and started again; remote, pod 1's worker is SIGKILLed and the
+                    supervisor restarts every worker and resumes (fault.max_restarts)
          Goodput = (kept steps x the clean run's median step time) / wall time, where wall time
          runs from the first process start to the last exit; seconds lost per fault = (wall -
-         clean wall) / faults. The elastic side's breakdown (compile, state move) is read from
-         its drop lines; detection in a drill is the step boundary itself (0 s), the steps run
-         again are counted from the log.
+         clean wall) / faults. The elastic side's breakdown (detection, compile, state move) is
+         read from its drop lines: detection is from the drill's kill to the drop (embedded: 0,
+         the kill is the step boundary); the steps run again are counted from the log.
 first    time to first step (process start to the first metrics row) of palm_tiny and of
          palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
          in a fresh workdir; and a restart in that workdir (see first_step), side by side per
@@ -73,19 +78,26 @@ def start(workdir: str, config: str, overrides: dict, cache: str) -> subprocess.
   )
 
 
-def logged_steps(workdir: str) -> list[int]:
-  path = os.path.join(workdir, "metrics.jsonl")
+def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
+  path = os.path.join(workdir, name)
   if not os.path.isfile(path):
     return []
   with open(path) as f:
     return [json.loads(line)["step"] for line in f if '"loss"' in line]
 
 
-def run_clean(root: str, steps: int, cache: str) -> dict:
+def pods(args) -> dict:
+  """The three pods' settings in --mode."""
+  if args.mode == "remote":
+    return {**THREE_PODS, "backend.mode": "remote", "backend.launch_workers": True}
+  return THREE_PODS
+
+
+def run_clean(root: str, args, cache: str) -> dict:
   workdir = os.path.join(root, "clean")
   begin = time.perf_counter()
   first, times = None, {}
-  proc = start(workdir, "palm_tiny.py", {**THREE_PODS, "train.num_steps": steps}, cache)
+  proc = start(workdir, "palm_tiny.py", {**pods(args), "train.num_steps": args.steps}, cache)
   while proc.poll() is None:  # step times from when each row appears (log_every=1)
     for step in logged_steps(workdir):
       times.setdefault(step, time.perf_counter())
@@ -110,9 +122,11 @@ def run_elastic(root: str, args, cache: str, name: str = "elastic") -> dict:
   steps, rejoin = args.steps, args.rejoin_after
   drills = []
   for n in fault_steps(args):
-    drills += [f"kill:pod1@step{n}", f"rejoin:pod1@step{min(n + rejoin, steps)}"]
+    drills.append(f"kill:pod1@step{n}")
+    if args.mode == "embedded":  # remote: the relaunched worker rejoins once it answers
+      drills.append(f"rejoin:pod1@step{min(n + rejoin, steps)}")
   overrides = {
-    **THREE_PODS, "train.num_steps": steps, "fault.elastic": True,
+    **pods(args), "train.num_steps": steps, "fault.elastic": True,
     "fault.inject": ",".join(drills),
   }  # fmt: skip
   begin = time.perf_counter()
@@ -120,17 +134,61 @@ def run_elastic(root: str, args, cache: str, name: str = "elastic") -> dict:
   out = proc.communicate()[0]
   assert proc.returncode == 0, out[-3000:]
   wall = time.perf_counter() - begin
-  pattern = r"lost .* took ([\d.]+) s \(compile ([\d.]+) s, state ([\d.]+) s\); steps (\d+)-(\d+)"
+  pattern = (
+    r"lost .*?(?:found ([\d.]+) s after the fault; )?took ([\d.]+) s \(compile ([\d.]+) s, "
+    r"state ([\d.]+) s\); steps (\d+)-(\d+)"
+  )
   drops = [
-    {"seconds": float(m[0]), "compile_s": float(m[1]), "state_s": float(m[2]),
-     "rerun": int(m[4]) - int(m[3]) + 1}
+    {"detect_s": float(m[0] or 0), "seconds": float(m[1]), "compile_s": float(m[2]),
+     "state_s": float(m[3]), "rerun": int(m[5]) - int(m[4]) + 1}
     for m in re.findall(pattern, out)
   ]  # fmt: skip
   rejoins = [float(s) for s in re.findall(r"rejoined .* took ([\d.]+) s", out)]
   return {"wall_s": wall, "faults": len(drops), "drops": drops, "rejoins_s": rejoins}
 
 
+def worker_pid(proc: subprocess.Popen, island: str) -> int | None:
+  """The pid of the run's worker process of `island` (remote mode), if it runs."""
+  ps = subprocess.run(
+    ["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True
+  )
+  for line in ps.stdout.splitlines():
+    pid, command = line.strip().split(None, 1)
+    if "pwtrain.backend.remote.worker" in command and f"--island={island}" in command:
+      return int(pid)
+  return None
+
+
+def run_restart_remote(root: str, args, cache: str) -> dict:
+  """Remote mode's restart path: pod 1's worker is SIGKILLed once step N is logged; the
+  supervisor restarts every worker and resumes from the last checkpoint, in the same process."""
+  workdir = os.path.join(root, "restart")
+  kills = fault_steps(args)
+  overrides = {
+    **pods(args), "train.num_steps": args.steps, "train.checkpoint_every": args.fault_every,
+    "fault.max_restarts": len(kills),
+  }  # fmt: skip
+  begin = time.perf_counter()
+  proc = start(workdir, "palm_tiny.py", overrides, cache)
+  done = 0
+  while proc.poll() is None:
+    steps = logged_steps(workdir)
+    if done < len(kills) and kills[done] in steps:
+      pid = worker_pid(proc, "island1")
+      if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+        done += 1
+    time.sleep(0.005)
+  out = proc.communicate()[0]
+  assert proc.returncode == 0, out[-3000:]
+  # The rows of steps trained again were set aside at each resume.
+  redone = len(logged_steps(workdir, "metrics.rolled_back.jsonl"))
+  return {"wall_s": time.perf_counter() - begin, "faults": done, "steps_redone": redone}
+
+
 def run_restart(root: str, args, cache: str) -> dict:
+  if args.mode == "remote":
+    return run_restart_remote(root, args, cache)
   workdir = os.path.join(root, "restart")
   steps = args.steps
   overrides = {**THREE_PODS, "train.num_steps": steps, "train.checkpoint_every": args.fault_every}
@@ -165,7 +223,7 @@ def faults(args, cache: str) -> dict:
   # Every side starts warm: a short elastic run compiles the programs of both pod sets first.
   warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
   run_elastic(root, warmup, cache, name="warmup")
-  clean = run_clean(root, args.steps, cache)
+  clean = run_clean(root, args, cache)
   elastic = run_elastic(root, args, cache)
   restart = run_restart(root, args, cache)
   productive = args.steps * clean["step_s"]
@@ -185,9 +243,9 @@ def faults(args, cache: str) -> dict:
     )
   for d in elastic["drops"]:
     print(
-      f"  elastic drop: {d['seconds']:.2f} s (compile {d['compile_s']:.2f} s, state move "
-      f"{d['state_s']:.2f} s), {d['rerun']} step(s) run again = "
-      f"{d['rerun'] * clean['step_s']:.3f} s at the clean step time; detection 0 s (a drill)"
+      f"  elastic drop: detection {d['detect_s']:.2f} s, then {d['seconds']:.2f} s (compile "
+      f"{d['compile_s']:.2f} s, state move {d['state_s']:.2f} s), {d['rerun']} step(s) run "
+      f"again = {d['rerun'] * clean['step_s']:.3f} s at the clean step time"
     )
   print(f"  elastic rejoins: {', '.join(f'{s:.2f} s' for s in elastic['rejoins_s'])}")
   print(f"  restart: {restart['steps_redone']} steps redone in all")
@@ -239,6 +297,7 @@ def first_step(args) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sections", default="faults,first")
+  parser.add_argument("--mode", default="embedded", choices=("embedded", "remote"))
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--fault_every", type=int, default=50)
   parser.add_argument("--fault_offset", type=int, default=25, help="steps into each interval")
@@ -246,6 +305,7 @@ def main():
   parser.add_argument("--blocks", type=int, default=3)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its runs simulate CPU devices (no libtpu)
   result = {"machine": machine(), "args": vars(args)}
   sections = args.sections.split(",")
   if "faults" in sections:
