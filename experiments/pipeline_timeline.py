@@ -72,7 +72,7 @@ PREFIX = re.compile(r"^(?:\d+>)?(?:\d+:)?")  # pod prefix: "1:" or "0>1:" (from 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   common.add_config_args(p, default="palm_tiny_pipeline")
-  p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+  p.add_argument("--schedule", choices=("gpipe", "1f1b", "zero_bubble"), default=None)
   p.add_argument("--microbatches", type=int, default=None)
   p.add_argument("--steps", type=int, default=4, help="training steps to record")
   p.add_argument("--step", type=int, default=None, help="controller step to draw")

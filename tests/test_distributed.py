@@ -342,12 +342,14 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   """2 pods x 2 stages, one island per process: stage transfers within each pod and the
   gradient exchange between the pods' stages all cross processes, and every process also walks
   the transfers between two others. The stages keep their forward's residuals for the
-  backward (parallel.stage_remat="none"; the other pipelines here recompute)."""
+  backward (parallel.stage_remat="none"; the other pipelines here recompute), and the schedule
+  is zero_bubble (the last stage's FB keeps its own for its W)."""
   layout = {
     "parallel.islands": 4,
     "parallel.pods": 2,
     "parallel.stages": 2,
     "parallel.stage_remat": "none",
+    "parallel.schedule": "zero_bubble",
     "train.num_microbatches": 2,
     "train.num_steps": 4,
     "train.eval_every": 0,

@@ -471,6 +471,31 @@ def test_recompute_follows_remat_and_pipeline_stages():
   assert first["to_fit"] == {"remat": "full", "num_microbatches": 8, "stage_remat": "full"}
 
 
+def test_zero_bubble_counts_its_recompute_memory_and_bubble():
+  """zero_bubble at stage_remat="full": every stage after the first recomputes its forward in
+  its W (the last stage's head too), a stage after the first holds one microbatch more, and the
+  step's bubble (counted from the schedule) is below 1F1B's (M + S - 1) / M; the report says."""
+  config = load_config("palm_tiny_pipeline")
+  with config.unlocked():
+    config.hardware = "tpu_v4"
+  one_f = dryrun.estimate(config)
+  config.parallel.schedule = "zero_bubble"
+  zb = dryrun.estimate(config)
+  assert one_f["bubble"] == pytest.approx((8 + 4 - 1) / 8)
+  assert 1.0 < zb["bubble"] < one_f["bubble"]
+  flops = [row["executed_flops_per_token"] / row["flops_per_token"] for row in zb["islands"]]
+  assert flops == pytest.approx([4 / 3, 5 / 3, 5 / 3, 4 / 3])
+  held = [
+    z["activation_bytes"] - o["activation_bytes"]
+    for z, o in zip(zb["islands"], one_f["islands"], strict=True)
+  ]
+  assert held[0] == 0 and all(h > 0 for h in held[1:])
+  assert zb["compute_s"] == pytest.approx(
+    one_f["compute_s"] * zb["bubble"] / one_f["bubble"] * max(flops) / (4 / 3), rel=0.2
+  )
+  assert "parallel.schedule=zero_bubble, 4 stages, 8 microbatches" in dryrun.report(config)
+
+
 def test_bad_cluster_is_refused_by_the_plan():
   config = tiny_test_config(**{"parallel.islands": 2, "parallel.pods": 1})
   with pytest.raises(ValueError, match=re.escape("parallel.islands=2 must equal")):

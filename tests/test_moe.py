@@ -397,6 +397,17 @@ PIPELINES = {
     "exchange.mode": "overlapped",
     "exchange.buckets": 2,
   },
+  # 2 pods of 2 stages, zero_bubble: the last stage's FB passes the MoE stats on and its W adds
+  # the parameters' gradient (aux losses included) later.
+  "2pods_2stages_zero_bubble_ep2": {
+    "parallel.islands": 4,
+    "parallel.pods": 2,
+    "parallel.stages": 2,
+    "parallel.data": 1,
+    "parallel.expert": 2,
+    "parallel.schedule": "zero_bubble",
+    "train.num_microbatches": 2,
+  },
 }
 
 

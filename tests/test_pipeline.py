@@ -19,7 +19,7 @@ from pwtrain.backend import Trace
 from pwtrain.harness import Harness
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
-from pwtrain.parallel.pipeline import island_order, peak_live_inputs
+from pwtrain.parallel.pipeline import island_order, makespan, peak_live_inputs
 from pwtrain.parallel.stages import Stage, balanced_boundaries, make_stages
 
 NUM_STEPS = 2
@@ -55,6 +55,10 @@ LAYOUTS = {
     2, "1f1b", 4, **{"parallel.data": 2, "parallel.tensor": 2, "parallel.stage_remat": "none"}
   ),
   "4stages_gpipe_m4_keep": pipe(4, "gpipe", 4, **{"parallel.stage_remat": "none"}),
+  # The backward split into B (input gradient) and W (parameter gradient): recomputed, and
+  # from the residuals of F (FB's own on the last stage) on the two middle stages.
+  "2stages_zb_m4_tp2": pipe(2, "zero_bubble", 4, **{"parallel.data": 2, "parallel.tensor": 2}),
+  "4stages_zb_m4_keep": pipe(4, "zero_bubble", 4, **{"parallel.stage_remat": "none"}),
 }
 
 
@@ -95,6 +99,26 @@ def test_schedules():
   # 1F1B holds at most S - s microbatches' inputs; GPipe holds all M.
   assert [peak_live_inputs(o) for o in gpipe[:3]] == [8, 8, 8]
   assert [peak_live_inputs(o) for o in one_f[:3]] == [4, 3, 2]
+  # zero_bubble: 1F1B's order with W (the parameters' gradient) of the previous microbatch
+  # after each B on every stage but the first, which keeps its whole B; one more microbatch
+  # held until its W.
+  zb = [island_order("zero_bubble", st, 4, 8) for st in stages]
+  assert zb[0] == one_f[0]
+  assert zb[3][:4] == [("FB", 0), ("FB", 1), ("W", 0), ("FB", 2)] and zb[3][-1] == ("W", 7)
+  assert [k for k, _ in zb[1] if k != "W"] == [k for k, _ in one_f[1]]
+  for order in zb[1:]:
+    assert sorted(m for k, m in order if k == "W") == list(range(8))
+    for kind, m in order:  # W after its microbatch's B
+      if kind == "W":
+        assert order.index(("B" if ("B", m) in order else "FB", m)) < order.index(("W", m))
+  assert [peak_live_inputs(o) for o in zb] == [4, 4, 3, 2]
+  # Counted from the schedules (F, B, W = 1, 2, 1): 1F1B's step is (M + S - 1) (F + B); the
+  # split backward shortens it (a count, not a measurement: bench_distributed measures).
+  cost = {"F": 1.0, "B": 2.0, "W": 1.0, "FB": 3.0}
+  assert makespan("1f1b", stages, 8, cost) == makespan("gpipe", stages, 8, cost) == 11 * 3
+  assert makespan("zero_bubble", stages, 8, cost) == 29
+  two = [Stage(0, 0, 1, True, False), Stage(1, 1, 2, False, True)]
+  assert (makespan("1f1b", two, 4, cost), makespan("zero_bubble", two, 4, cost)) == (15, 13)
 
 
 def test_balanced_boundaries():

@@ -235,13 +235,14 @@ def assert_same_run(config, workers, num_steps=3):
 
 
 @pytest.mark.slow
-def test_remote_pipeline_matches_embedded(workers):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_remote_pipeline_matches_embedded(workers, schedule):
   config = tiny_test_config(
     **{
       "parallel.stages": 2,
       "parallel.islands": 2,
       "train.num_microbatches": 2,
-      "parallel.schedule": "1f1b",
+      "parallel.schedule": schedule,
     }
   )
   assert_same_run(config, workers)

@@ -258,11 +258,14 @@ def _held_between_pieces(config, plan, stage_index: int, step: list) -> int:
   """Bytes per device a pipeline stage keeps between its pieces: per microbatch in flight at
   the schedule's peak, its F piece's outputs and (after the first stage) its input activation,
   as large as the activation F sends on. 0 where the island runs no F piece (one stage, or the
-  last stage, whose FB keeps nothing between microbatches)."""
-  f_piece = next((p for p in step if p.name == f"F:0:{stage_index}"), None)
-  if config.parallel.stages == 1 or f_piece is None:
+  last stage, whose FB keeps nothing between microbatches), except that a last stage whose
+  backward is split (zero_bubble) keeps its FB's outputs and its input until its W."""
+  stage = plan.stages[stage_index] if config.parallel.stages > 1 else None
+  split = stage is not None and schedule_lib.splits_backward(config.parallel.schedule, stage)
+  kind = "FB" if stage is not None and stage.last and split else "F"
+  f_piece = next((p for p in step if p.name == f"{kind}:0:{stage_index}"), None)
+  if stage is None or f_piece is None:
     return 0
-  stage = plan.stages[stage_index]
   order = schedule_lib.island_order(
     config.parallel.schedule, stage, plan.num_stages, config.train.num_microbatches
   )

@@ -18,7 +18,8 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
                 (schedule.peak_live_inputs), and at parallel.stage_remat="none" what its
                 blocks keep, per microbatch in flight.
   compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
-                the pipeline bubble (M + S - 1) / M. Executed FLOPs = the model's
+                the pipeline bubble (pipeline_bubble: (M + S - 1) / M for gpipe and 1f1b,
+                counted from the schedule for zero_bubble). Executed FLOPs = the model's
                 (arithmetic.layer_costs) + what model.remat recomputes (models/arithmetic.py) + a
                 pipeline stage's forward again in its backward (every stage but the last, at
                 parallel.stage_remat="full": its B piece recomputes the stage from its input,
@@ -135,10 +136,12 @@ def activation_bytes(
     head = arithmetic.head_activation_bytes(m, tensor) if stage.last else 0.0
     blocks = stage.num_layers * (layer if keep_all else kept_per_layer)  # one microbatch's
     once = blocks  # kept for the one microbatch in its backward
-    if not stage.last and plan.num_stages > 1:
-      order = pipeline.island_order(s.config.parallel.schedule, stage, plan.num_stages, num_micro)
+    schedule = s.config.parallel.schedule
+    split = pipeline.splits_backward(schedule, stage)  # zero_bubble: the last stage holds too
+    if plan.num_stages > 1 and (not stage.last or split):
+      order = pipeline.island_order(schedule, stage, plan.num_stages, num_micro)
       stage_input = 4 if stage.first else arithmetic.layer_input_bytes(m)
-      per_micro = stage_input  # held from the microbatch's F to its B
+      per_micro = stage_input  # held from the microbatch's F to its B (W where split)
       if stage_remat == "none":
         per_micro += blocks - (0.0 if stage.first else stage_input)
         once = 0.0
@@ -233,7 +236,9 @@ def island_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
 def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
   """The FLOPs per token the island's hardware executes: the model's, plus what model.remat
   recomputes in every block's backward, plus (every pipeline stage but the last) the stage's
-  forward recomputed in its B piece. The head is never rematerialised."""
+  forward recomputed in its B piece, and where zero_bubble splits the backward (stages after
+  the first) once more in its W piece (on the last stage, the head's too). The head is never
+  rematerialised otherwise."""
   m, moe, seq_len = s.config.model, s.config.moe, s.config.data.seq_len
   remat = m.remat
   block_flops, _, head_flops = arithmetic.layer_costs(m, moe, seq_len)
@@ -245,8 +250,10 @@ def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
       arithmetic.remat_recompute_flops(m, moe, seq_len, remat, layer)
       for layer in range(st.start, st.stop)
     )
-    if s.stages_recompute and not st.last:
-      total += PIPELINE_RECOMPUTE * blocks
+    if s.stages_recompute:
+      split = pipeline.splits_backward(s.config.parallel.schedule, st)
+      forward = blocks + (head_flops if st.last else 0.0)
+      total += PIPELINE_RECOMPUTE * forward * ((0 if st.last else 1) + (1 if split else 0))
   return total
 
 
@@ -259,8 +266,20 @@ def compute_seconds(s: Setup, rows: list[dict]) -> float | None:
   tokens_per_pod = train.global_batch * s.config.data.seq_len // s.plan.num_pods
   rate = s.devices_per_island * s.hw.peak_flops * s.hw.efficiency
   island_s = [r["executed_flops_per_token"] * tokens_per_pod / rate for r in rows]
-  bubble = (train.num_microbatches + len(rows) - 1) / train.num_microbatches
-  return max(island_s) * bubble
+  return max(island_s) * pipeline_bubble(s.config, s.plan)
+
+
+def pipeline_bubble(config, plan) -> float:
+  """The step's length under the schedule over one microbatch's work times M, when every
+  stage's F, B and W take 1, 2 and 1 (FB 3) and transfers are free (schedule.makespan: a count
+  from the schedule): (M + S - 1) / M for gpipe and 1f1b, less for zero_bubble; 1 for one
+  stage."""
+  num_micro = config.train.num_microbatches
+  if plan.num_stages == 1:
+    return 1.0
+  cost = {"F": 1.0, "B": 2.0, "W": 1.0, "FB": 3.0}
+  span = pipeline.makespan(config.parallel.schedule, list(plan.stages), num_micro, cost)
+  return span / (num_micro * cost["FB"])
 
 
 # -- collectives inside an island ----------------------------------------------------------------
@@ -361,6 +380,8 @@ def estimate(config) -> dict:
     "recompute_factor": sum(r["executed_flops_per_token"] for r in rows)
     / sum(r["flops_per_token"] for r in rows),
     "compute_s": compute_s,
+    "schedule": config.parallel.schedule,
+    "bubble": pipeline_bubble(config, plan),  # the step over its busiest stage's work
     **collectives(s, rows),
     "exchange": exchange,
     **throughput(s, compute_s, exchange["exposed_s"]),

@@ -126,12 +126,20 @@ def compute_lines(e: dict, config) -> list[str]:
       + (" and the stages' backward)" if e["stages_recompute"] else ")")
     )
   hidden = e["ici_s"] and e["compute_s"] and e["ici_s"] > e["compute_s"]
+  pipeline = []
+  if e["num_stages"] > 1:
+    pipeline = [
+      f"Pipeline: parallel.schedule={e['schedule']}, {e['num_stages']} stages, "
+      f"{e['num_microbatches']} microbatches: the step is x{e['bubble']:.3f} a stage's work "
+      "(counted from the schedule with F, B, W = 1, 2, 1; bubble included in Compute)"
+    ]
   kept = ", ".join(f"{p} {size_text(n)}" for p, n in e["kept_bytes_per_token"].items())
   return [
     f"Activations per token a layer keeps, by model.remat: {kept}; tokens per device and "
     f"microbatch: {e['tokens_per_device']:,}",
     f"FLOPs per token: {e['flops_per_token']:.4g} (6N + 12LHQT); tokens per step: "
     f"{e['tokens_per_step']:,} ({config.train.global_batch} x {config.data.seq_len})",
+    *pipeline,
     compute,
     f"In-island collectives: {size_text(e['ici_bytes'])} per device per step, "
     f"{_seconds(e['ici_s'])} at ICI bandwidth (assumed hidden under compute"

@@ -21,8 +21,9 @@ from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import spmd
+from pwtrain.parallel.pipeline import compute
 from pwtrain.parallel.pipeline import pieces as pieces_lib
-from pwtrain.parallel.pipeline.schedule import interleave, island_order
+from pwtrain.parallel.pipeline.schedule import interleave, island_order, splits_backward
 from pwtrain.parallel.pipeline.state import (
   PipelineProgram,
   state_key,
@@ -89,7 +90,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
   def build_eval() -> Program:
     for cell in cells.values():
-      pieces_lib.compile_eval(cell, config.model.z_loss)
+      compute.compile_eval(cell, config.model.z_loss)
     executables.update({key: piece.executable for key, piece in pieces.items()})
     return ProgramBuilder(plan, pieces, config).eval_program()
 
@@ -125,7 +126,8 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
     {"state": cell.state_abs},
     out_shardings=(cell.grads_sharding, cell.sharding_of(cell.stats_abs)),
   )
-  pieces_lib.compile_stage(cell, moe, config.model.z_loss, config.parallel.stage_remat)
+  split = splits_backward(config.parallel.schedule, stage)
+  compute.compile_stage(cell, moe, config.model.z_loss, config.parallel.stage_remat, split)
   exchange.compile_cell(cell)
 
   tied = num_stages > 1 and (stage.first or stage.last)
@@ -309,7 +311,13 @@ class ProgramBuilder:
       cell, state, pre = (p, s), state_key((p, s)), f"{p}:"
       zeros = self.node(cell, "zeros", state=state)
       grads, stats = (zeros, 0), (zeros, 1)
+      split = splits_backward(self.schedule, stage)
+      micro: dict = {}  # m -> the refs its W takes besides state and grads (zero_bubble)
       for kind, m in island_order(self.schedule, stage, self.num_stages, self.num_micro):
+        if kind == "W":
+          w = self.node(cell, "W", f".{m}", state=state, grads=grads, **micro.pop(m))
+          grads = (w, 0)
+          continue
         if kind == "B":
           x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
           after = "FB" if s + 1 == last else "B"  # the next stage's backward: its input's grad
@@ -317,6 +325,10 @@ class ProgramBuilder:
           g = self.move(cell, f"{pre}grad{s}.{m}", (f"{pre}{after}{s + 1}.{m}", g_in), act)
           f = self.piece(cell, "F")  # its residuals, where it keeps them for B
           saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
+          if split:  # B sends the input's gradient on; W adds the parameters' later
+            self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
+            micro[m] = {"x": x, "g_out": g, **saved}
+            continue
           b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads, **saved)
           grads = (b, self.piece(cell, "B").output("grads"))
           continue
@@ -330,6 +342,13 @@ class ProgramBuilder:
             moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (name, f.output("moe")), ())
         if kind == "F":
           self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
+        elif split:  # FB: the loss and the input's gradient; W the parameters' gradient later
+          y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
+          name = self.node(cell, "FB", f".{m}", state=state, x=x, targets=y, stats=stats, **moe_in)
+          fb = self.piece(cell, "FB")
+          stats = (name, fb.output("stats"))
+          saved = {"saved": (name, fb.output("saved"))} if "saved" in fb.outputs else {}
+          micro[m] = {"x": x, "targets": y, **saved}
         else:
           y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
           name = self.node(
