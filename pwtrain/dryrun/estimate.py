@@ -270,16 +270,10 @@ def compute_seconds(s: Setup, rows: list[dict]) -> float | None:
 
 
 def pipeline_bubble(config, plan) -> float:
-  """The step's length under the schedule over one microbatch's work times M, when every
-  stage's F, B and W take 1, 2 and 1 (FB 3) and transfers are free (schedule.makespan: a count
-  from the schedule): (M + S - 1) / M for gpipe and 1f1b, less for zero_bubble; 1 for one
-  stage."""
-  num_micro = config.train.num_microbatches
+  """The step over a stage's work under the schedule (schedule.bubble); 1 for one stage."""
   if plan.num_stages == 1:
     return 1.0
-  cost = {"F": 1.0, "B": 2.0, "W": 1.0, "FB": 3.0}
-  span = pipeline.makespan(config.parallel.schedule, list(plan.stages), num_micro, cost)
-  return span / (num_micro * cost["FB"])
+  return pipeline.bubble(config.parallel.schedule, list(plan.stages), config.train.num_microbatches)
 
 
 # -- collectives inside an island ----------------------------------------------------------------

@@ -9,6 +9,7 @@ step's nodes and transfers into one Program.
 from pwtrain.parallel.pipeline.builder import build
 from pwtrain.parallel.pipeline.schedule import (
   SCHEDULES,
+  bubble,
   island_order,
   makespan,
   peak_live_inputs,
@@ -19,6 +20,7 @@ from pwtrain.parallel.pipeline.state import PipelineProgram
 __all__ = [
   "SCHEDULES",
   "PipelineProgram",
+  "bubble",
   "build",
   "island_order",
   "makespan",

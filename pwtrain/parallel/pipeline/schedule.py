@@ -99,6 +99,14 @@ def makespan(schedule: str, stages: list, num_micro: int, cost: dict) -> float:
   return max(clock)
 
 
+def bubble(schedule: str, stages: list, num_micro: int) -> float:
+  """The step's length over M microbatches' work of one stage when F, B and W take 1, 2 and 1
+  (FB 3) and transfers are free: (M + S - 1) / M for gpipe and 1f1b, less for zero_bubble (a
+  count from the schedule, `makespan`)."""
+  cost = {"F": 1.0, "B": 2.0, "W": 1.0, "FB": 3.0}
+  return makespan(schedule, stages, num_micro, cost) / (num_micro * cost["FB"])
+
+
 def interleave(per_island: list[list]) -> tuple:
   """One dispatch order that keeps each island's order and puts producers before consumers."""
   queues = [list(q) for q in per_island]
