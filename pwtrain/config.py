@@ -140,6 +140,7 @@ def validate(config) -> None:
       f"parallel.schedule={config.parallel.schedule!r} is not a schedule; valid: "
       f"{', '.join(SCHEDULES)}"
     )
+  check_virtual_stages(config)
   if config.parallel.stage_remat not in STAGE_REMAT:
     raise ConfigError(
       f"parallel.stage_remat={config.parallel.stage_remat!r} is not supported; valid: "
@@ -326,3 +327,33 @@ def base_config(config_file: str, name: str, arg=None):
   config = load(path if arg is None else f"{path}:{arg}")
   config.unlock()
   return config
+
+
+def check_virtual_stages(config) -> None:
+  """parallel.virtual_stages against the schedule: the interleaved schedule cuts the model into
+  S·v equal chunks and sends microbatches round the S islands in groups of S."""
+  p, v = config.parallel, config.parallel.virtual_stages
+  if p.schedule != "interleaved":
+    if v != 1:
+      raise ConfigError(
+        f"parallel.virtual_stages={v} is for parallel.schedule='interleaved' (now "
+        f"{p.schedule!r}): set the schedule, or parallel.virtual_stages=1"
+      )
+    return
+  chunks, m = p.stages * v, config.train.num_microbatches
+  if p.stages < 2 or v < 1:
+    raise ConfigError(
+      f"parallel.schedule='interleaved' needs parallel.stages >= 2 and parallel.virtual_stages "
+      f">= 1; got {p.stages} and {v}"
+    )
+  if config.model.num_layers % chunks:
+    raise ConfigError(
+      f"parallel.schedule='interleaved' cuts model.num_layers={config.model.num_layers} into "
+      f"parallel.stages x parallel.virtual_stages = {p.stages} x {v} = {chunks} equal chunks: "
+      "choose stages and virtual stages whose product divides the layers"
+    )
+  if m % p.stages:
+    raise ConfigError(
+      f"parallel.schedule='interleaved' sends microbatches round the islands in groups of "
+      f"parallel.stages={p.stages}: train.num_microbatches={m} must be a multiple of it"
+    )

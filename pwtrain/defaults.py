@@ -129,7 +129,9 @@ def get_config():
   c.parallel.tensor = 1
   c.parallel.expert = 1  # expert parallelism: experts split over it (tokens too, like data)
   c.parallel.stages = 1  # pipeline stages, one island each (parallel.islands must match)
-  c.parallel.schedule = "1f1b"  # "gpipe", "1f1b" or "zero_bubble"; see train.num_microbatches
+  # "gpipe", "1f1b", "zero_bubble" or "interleaved"; see train.num_microbatches
+  c.parallel.schedule = "1f1b"
+  c.parallel.virtual_stages = 1  # interleaved: model chunks per island (S·v chunks in all)
   # What a stage (or an overlapped exchange's chunk) keeps for its backward per microbatch in
   # flight: "full" keeps only its input and recomputes its forward in the backward (GPipe's
   # re-materialisation: least memory, a third more compute); "none" keeps what autodiff keeps

@@ -264,23 +264,22 @@ class ElasticSteps:
     sources = [self.live.index(p) if p in self.live else 0 for p in live]
     moved = _keep_cells(old, new, state, sources, same=[p in self.live for p in live])
     if moved is not None:  # the rejoining pods' cells: copied from a live pod's islands
-      moved = self._copy_cells(live, moved)
+      moved = self._copy_cells(harness.plan, moved)
     else:
       whole = self._whole(state, keep=sorted(set(sources)))
       moved = new.from_checkpoint(_for_pods(whole, new, getattr(new, "num_pods", 1)))
     self.live = live
     return compile_s, moved
 
-  def _copy_cells(self, live: tuple, cells: dict) -> dict:
-    """`cells` ({state key: value, or (value, shardings) to copy}) with each copy made onto
-    its cell's island of pod set `live`, by one program of transfers: device to device
-    (embedded), worker to worker (remote), never through this process."""
+  def _copy_cells(self, plan, cells: dict) -> dict:
+    """`cells` ({state key: value, or a `_Copy`}) with each copy made onto its cell's island in
+    `plan` (the new pod set's), by one program of transfers: device to device (embedded),
+    worker to worker (remote), never through this process."""
     nodes, inputs, outputs = [], {}, {}
     for key, value in cells.items():
       if not isinstance(value, _Copy):
         continue
-      pod, stage = (int(x) for x in key.removeprefix("state/").split("."))
-      island = self._islands[live[pod]][stage].name
+      island = plan.cells[tuple(int(x) for x in key.removeprefix("state/").split("."))].name
       inputs[f"from/{key}"] = value.value
       nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
       outputs[key] = (f"copy/{key}", 0)

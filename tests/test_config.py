@@ -133,6 +133,22 @@ def test_bad_parallel_layout(overrides, message):
     ({"exchange.error_feedback": True}, "exchange.error_feedback=True needs"),
     ({"exchange.inner_steps": 0}, "exchange.inner_steps=0 must be >= 1"),
     ({"train.num_microbatches": 3}, "train.num_microbatches=3 does not divide train.global_batch"),
+    ({"parallel.virtual_stages": 2}, "parallel.virtual_stages=2 is for parallel.schedule="),
+    (
+      {"parallel.schedule": "interleaved", "parallel.stages": 2, "parallel.virtual_stages": 3},
+      "cuts model.num_layers=2 into parallel.stages x parallel.virtual_stages = 2 x 3 = 6 equal",
+    ),
+    (
+      {
+        "parallel.schedule": "interleaved",
+        "parallel.stages": 2,
+        "model.num_layers": 4,
+        "parallel.virtual_stages": 2,
+        "train.num_microbatches": 1,
+      },
+      "train.num_microbatches=1 must be a multiple of it",
+    ),
+    ({"parallel.schedule": "interleaved"}, "'interleaved' needs parallel.stages >= 2"),
   ],
 )
 def test_bad_values(overrides, message):

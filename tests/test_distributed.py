@@ -414,11 +414,17 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
 def test_pipeline_of_islands_that_span_processes_equals_embedded(tmp_path):
   """A 2-stage pipeline on 4 processes of 1 device: each stage's island spans 2 processes
   (data parallel over them, gloo collectives), and activations and gradients cross between
-  islands of different process pairs. Each process feeds the batch rows its device holds (one
-  of 2 data streams); each island's processes write its checkpoint part together. Equal to the
-  embedded run bitwise (gloo's sum of 2 processes' gradients is the same sum as one process's of
-  2 devices); resumes in distributed mode and restores in embedded mode."""
-  layout = {**STAGES, "parallel.data": 2, "data.streams": 2, "train.eval_every": 0, **SGD}
+  islands of different process pairs, both ways: the schedule is interleaved, each island
+  holding two of the four one-layer chunks. Each process feeds the batch rows its device holds
+  (one of 2 data streams); each island's processes write its checkpoint part together. Equal to
+  the embedded run bitwise (gloo's sum of 2 processes' gradients is the same sum as one
+  process's of 2 devices); resumes in distributed mode and restores in embedded mode."""
+  interleaved = {
+    "parallel.schedule": "interleaved", "parallel.virtual_stages": 2, "model.num_layers": 4,
+  }  # fmt: skip
+  layout = {
+    **STAGES, **interleaved, "parallel.data": 2, "data.streams": 2, "train.eval_every": 0, **SGD,
+  }  # fmt: skip
   embedded = train.run(
     config_of({**layout, "train.num_steps": 6}), str(tmp_path / "embedded"), show_progress=False
   )

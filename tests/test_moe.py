@@ -408,6 +408,16 @@ PIPELINES = {
     "parallel.schedule": "zero_bubble",
     "train.num_microbatches": 2,
   },
+  # 2 pods of 2 stages, interleaved: each island holds two one-layer chunks (MoE layers 1 and 3
+  # on island 1), and MoE stats go round the islands twice.
+  "2pods_2stages_interleaved_v2": {
+    "parallel.islands": 4,
+    "parallel.pods": 2,
+    "parallel.stages": 2,
+    "parallel.virtual_stages": 2,
+    "parallel.schedule": "interleaved",
+    "train.num_microbatches": 2,
+  },
 }
 
 

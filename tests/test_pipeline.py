@@ -20,6 +20,7 @@ from pwtrain.harness import Harness
 from pwtrain.models import arithmetic
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.pipeline import island_order, makespan, peak_live_inputs
+from pwtrain.parallel.pipeline.schedule import island_orders
 from pwtrain.parallel.stages import Stage, balanced_boundaries, make_stages
 
 NUM_STEPS = 2
@@ -59,6 +60,11 @@ LAYOUTS = {
   # from the residuals of F (FB's own on the last stage) on the two middle stages.
   "2stages_zb_m4_tp2": pipe(2, "zero_bubble", 4, **{"parallel.data": 2, "parallel.tensor": 2}),
   "4stages_zb_m4_keep": pipe(4, "zero_bubble", 4, **{"parallel.stage_remat": "none"}),
+  # Interleaved: 4 one-layer chunks, chunks 0 and 2 on island 0, 1 and 3 on island 1.
+  "2stages_interleaved_v2_m4": pipe(2, "interleaved", 4, **{"parallel.virtual_stages": 2}),
+  "2stages_interleaved_v2_m2_keep": pipe(
+    2, "interleaved", 2, **{"parallel.virtual_stages": 2, "parallel.stage_remat": "none"}
+  ),
 }
 
 
@@ -119,6 +125,23 @@ def test_schedules():
   assert makespan("zero_bubble", stages, 8, cost) == 29
   two = [Stage(0, 0, 1, True, False), Stage(1, 1, 2, False, True)]
   assert (makespan("1f1b", two, 4, cost), makespan("zero_bubble", two, 4, cost)) == (15, 13)
+  # Interleaved, 2 islands x 2 chunks: island i runs chunks i and i + 2, each chunk every
+  # microbatch's forward and backward once (the last chunk's FB), in groups of S = 2; the
+  # bubble halves (a chunk's pieces take half a stage's).
+  chunks = [Stage(c, c, c + 1, c == 0, c == 3) for c in range(4)]
+  orders = island_orders("interleaved", chunks, 4, virtual=2)
+  assert orders[0][:5] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1), (0, "F", 2)]
+  for i, order in enumerate(orders):
+    assert {c for c, _, _ in order} == {i, i + 2}
+    kinds = {"F", "B"} if i == 0 else {"F", "B", "FB"}
+    assert (
+      sorted(order) == sorted({(c, k, m) for c, k, m in order})
+      and {k for _, k, _ in order} == kinds
+    )
+  assert [island_order("interleaved", st, 4, 4, virtual=2) for st in chunks][3] == [
+    ("FB", m) for m in range(4)
+  ]
+  assert makespan("interleaved", chunks, 4, cost, virtual=2) == 13.5  # 1F1B: 15
 
 
 def test_balanced_boundaries():

@@ -235,14 +235,18 @@ def assert_same_run(config, workers, num_steps=3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved"])
 def test_remote_pipeline_matches_embedded(workers, schedule):
+  virtual = (
+    {"parallel.virtual_stages": 2, "model.num_layers": 4} if schedule == "interleaved" else {}
+  )
   config = tiny_test_config(
     **{
       "parallel.stages": 2,
       "parallel.islands": 2,
       "train.num_microbatches": 2,
       "parallel.schedule": schedule,
+      **virtual,
     }
   )
   assert_same_run(config, workers)

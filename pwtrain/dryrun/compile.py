@@ -267,8 +267,9 @@ def _held_between_pieces(config, plan, stage_index: int, step: list) -> int:
   if stage is None or f_piece is None:
     return 0
   order = schedule_lib.island_order(
-    config.parallel.schedule, stage, plan.num_stages, config.train.num_microbatches
-  )
+    config.parallel.schedule, stage, plan.num_stages, config.train.num_microbatches,
+    plan.virtual_stages,
+  )  # fmt: skip
   act_in = 0
   if not stage.first:  # the received activation, as laid out on this island (pieces.ACT)
     micro = config.train.global_batch // plan.num_pods // config.train.num_microbatches

@@ -18,8 +18,8 @@ describe all. Per device, with the model arithmetic of models/arithmetic.py:
                 (schedule.peak_live_inputs), and at parallel.stage_remat="none" what its
                 blocks keep, per microbatch in flight.
   compute       the FLOPs the hardware executes / (devices x peak x hardware.efficiency), times
-                the pipeline bubble (pipeline_bubble: (M + S - 1) / M for gpipe and 1f1b,
-                counted from the schedule for zero_bubble). Executed FLOPs = the model's
+                the pipeline bubble (Setup.bubble: (M + S - 1) / M for gpipe and 1f1b,
+                counted from the schedule for the others). Executed FLOPs = the model's
                 (arithmetic.layer_costs) + what model.remat recomputes (models/arithmetic.py) + a
                 pipeline stage's forward again in its backward (every stage but the last, at
                 parallel.stage_remat="full": its B piece recomputes the stage from its input,
@@ -139,7 +139,9 @@ def activation_bytes(
     schedule = s.config.parallel.schedule
     split = pipeline.splits_backward(schedule, stage)  # zero_bubble: the last stage holds too
     if plan.num_stages > 1 and (not stage.last or split):
-      order = pipeline.island_order(schedule, stage, plan.num_stages, num_micro)
+      order = pipeline.island_order(
+        schedule, stage, plan.num_stages, num_micro, plan.virtual_stages
+      )
       stage_input = 4 if stage.first else arithmetic.layer_input_bytes(m)
       per_micro = stage_input  # held from the microbatch's F to its B (W where split)
       if stage_remat == "none":
@@ -266,14 +268,7 @@ def compute_seconds(s: Setup, rows: list[dict]) -> float | None:
   tokens_per_pod = train.global_batch * s.config.data.seq_len // s.plan.num_pods
   rate = s.devices_per_island * s.hw.peak_flops * s.hw.efficiency
   island_s = [r["executed_flops_per_token"] * tokens_per_pod / rate for r in rows]
-  return max(island_s) * pipeline_bubble(s.config, s.plan)
-
-
-def pipeline_bubble(config, plan) -> float:
-  """The step over a stage's work under the schedule (schedule.bubble); 1 for one stage."""
-  if plan.num_stages == 1:
-    return 1.0
-  return pipeline.bubble(config.parallel.schedule, list(plan.stages), config.train.num_microbatches)
+  return max(island_s) * s.bubble
 
 
 # -- collectives inside an island ----------------------------------------------------------------
@@ -375,7 +370,7 @@ def estimate(config) -> dict:
     / sum(r["flops_per_token"] for r in rows),
     "compute_s": compute_s,
     "schedule": config.parallel.schedule,
-    "bubble": pipeline_bubble(config, plan),  # the step over its busiest stage's work
+    "bubble": s.bubble,  # the step over its busiest stage's work
     **collectives(s, rows),
     "exchange": exchange,
     **throughput(s, compute_s, exchange["exposed_s"]),

@@ -9,6 +9,7 @@ from pwtrain import optim
 from pwtrain import step as step_lib
 from pwtrain.dryrun import shapes
 from pwtrain.dryrun.hardware import Hardware, hardware
+from pwtrain.parallel import pipeline
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.stages import Stage
 
@@ -23,6 +24,18 @@ class Setup:
   plan: plan_lib.Plan
   fns: step_lib.ModelFns
   whole: dict
+
+  @property
+  def bubble(self) -> float:
+    """The step over one island's work under the schedule, counted from it (1 for one stage:
+    parallel/pipeline/schedule.bubble)."""
+    if self.plan.num_stages == 1:
+      return 1.0
+    c = self.config
+    stages = list(self.plan.stages)
+    return pipeline.bubble(
+      c.parallel.schedule, stages, c.train.num_microbatches, self.plan.virtual_stages
+    )
 
   @property
   def devices_per_island(self) -> int:

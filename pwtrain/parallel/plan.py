@@ -24,10 +24,11 @@ from pwtrain.sharding import MESH_AXES
 class Plan:
   islands: tuple[Island, ...]  # pod p's stage s runs on islands[p * stages + s]
   mesh_shape: dict[str, int]  # per island: {"data": d, "fsdp": f, "expert": e, "tensor": t}
-  stages: tuple[Stage, ...]  # the cells of one pod: pipeline stages, or exchange chunks
+  stages: tuple[Stage, ...]  # the cells of one pod: pipeline stages (or chunks), or exchange's
   cells: dict  # (pod, stage) -> Island; every pod's cells alike
   exchange: exchange_lib.Exchange
   num_pods: int
+  virtual_stages: int = 1  # interleaved schedule: chunks (stages) per island and pod
 
   @property
   def batch_shards(self) -> int:
@@ -129,8 +130,10 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
       "stage needs at least one layer"
     )
   exchange = exchange_lib.make(config)
-  # Cells are cut from layers, or from scanned periods of MoE layers (stages.num_units).
-  cuts = exchange.cells_per_pod(stages, num_units(config))
+  # Cells are cut from layers, or from scanned periods of MoE layers (stages.num_units); the
+  # interleaved schedule cuts each pod's model into stages x virtual_stages chunks.
+  virtual = config.parallel.virtual_stages if config.parallel.schedule == "interleaved" else 1
+  cuts = exchange.cells_per_pod(stages, num_units(config)) * virtual
   layer_ranges = make_stages(config, cuts)  # checks parallel.stage_boundaries
   resources = resources or ResourceManager(cluster)
   islands = resources.allocate("train", stages * pods, cluster.islands[0].num_devices)
@@ -139,10 +142,12 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
   check_model_divisibility(config, {a: int(config.parallel[a]) for a in MESH_AXES})
   mesh_shape = resolve_mesh_shape(config.parallel, island.num_devices)
   check_divisibility(config, mesh_shape)
-  # A pod's cells share its stages' islands: one each, or all on the pod's one island when the
-  # exchange cuts a one-stage pod into chunks.
+  # A pod's cells share its stages' islands: one each, all on the pod's one island when the
+  # exchange cuts a one-stage pod into chunks, or (interleaved) chunk c on island c mod stages.
   placement = {
-    (p, s): islands[p * stages + (s if stages > 1 else 0)] for p in range(pods) for s in range(cuts)
+    (p, s): islands[p * stages + (s % stages if stages > 1 else 0)]
+    for p in range(pods)
+    for s in range(cuts)
   }
   return Plan(
     islands=islands,
@@ -151,6 +156,7 @@ def build(config, cluster: Cluster, resources: ResourceManager | None = None) ->
     cells=placement,
     exchange=exchange,
     num_pods=pods,
+    virtual_stages=virtual,
   )
 
 

@@ -87,11 +87,13 @@ def num_units(config) -> int:
 
 
 def make_stages(config, num_stages: int | None = None) -> list[Stage]:
-  """`parallel.stages` stages (or `num_stages` chunks, e.g. exchange buckets) of the layers.
+  """`parallel.stages` stages (or `num_stages` chunks, e.g. exchange buckets, or the interleaved
+  schedule's S·v chunks, of equal layers) of the layers.
 
   Scanned with MoE, stages are cut from whole periods of moe.every layers (models/scan.py)."""
   p, num_layers = config.parallel, config.model.num_layers
-  explicit = num_stages is None or num_stages == p.stages
+  chunks = p.stages * p.virtual_stages if p.schedule == "interleaved" else p.stages
+  explicit = num_stages is None or num_stages == chunks
   num_stages = p.stages if num_stages is None else num_stages
   unit = scan_lib.unit(config.model, config.moe)
   units = num_layers // unit
@@ -123,6 +125,14 @@ def make_stages(config, num_stages: int | None = None) -> list[Stage]:
         f"model.scan_layers=True scans periods of moe.every={unit} layers, so every boundary "
         f"must be a multiple of {unit}, e.g. {tuple(example)}"
       )
+  elif p.schedule == "interleaved" and num_stages == chunks:
+    if units % num_stages:
+      raise ConfigError(
+        f"parallel.schedule='interleaved' cuts the {units} periods of model.scan_layers=True "
+        f"into {num_stages} equal chunks (parallel.stages x parallel.virtual_stages): choose "
+        "a product that divides them"
+      )
+    bounds = [unit * (units // num_stages) * c for c in range(num_stages + 1)]
   else:
     costs, embed, head = arithmetic.layer_costs(config.model, config.moe, config.data.seq_len)
     unit_costs = [sum(costs[u * unit : (u + 1) * unit]) for u in range(units)]

@@ -7,9 +7,11 @@ norms to every cell, each of pod 0's stages' share of the parameter and update n
 last stage (which reports the metrics), and whatever the exchange sends between pods
 (exchange/*.py). Node names are prefixed with the pod ("1:F0.3"); transfers are named for what
 they carry ("1:act2.0", "0>1:g1" from pod 0 to pod 1). Each island's nodes follow the schedule
-(schedule.py); the controller enqueues the whole step at once and each island's scheduler
-launches its nodes in that order as their inputs appear.
+(schedule.py; interleaved: several chunks' cells per island), and each island's scheduler
+launches them in that order as their inputs appear.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,12 @@ from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import spmd
 from pwtrain.parallel.pipeline import compute
 from pwtrain.parallel.pipeline import pieces as pieces_lib
-from pwtrain.parallel.pipeline.schedule import interleave, island_order, splits_backward
+from pwtrain.parallel.pipeline.schedule import (
+  interleave,
+  island_order,
+  island_orders,
+  splits_backward,
+)
 from pwtrain.parallel.pipeline.state import (
   PipelineProgram,
   state_key,
@@ -201,8 +208,14 @@ class ProgramBuilder:
     self.num_micro = config.train.num_microbatches
     self.schedule = config.parallel.schedule
     self.has_moe = moe_lib.enabled(config.moe)
-    self.per_cell: dict = {c: [] for c in self.cells}
+    self.virtual = plan.virtual_stages
+    # One node list per cell, merged by `interleave`; interleaved, one per island (its chunks'
+    # nodes in the schedule's order).
+    self.queues: dict = {self.queue_of(c): [] for c in self.cells}
     self.kind = "step"  # the program kind being built (exchange.program_kinds)
+
+  def queue_of(self, cell: tuple) -> tuple:
+    return (cell[0], cell[1] % (self.num_stages // self.virtual)) if self.virtual > 1 else cell
 
   def piece(self, cell: tuple, kind: str) -> pieces_lib.Piece:
     return self.pieces[(kind, *cell)]
@@ -211,14 +224,16 @@ class ProgramBuilder:
     """Transfer `src` onto `cell`'s island, sharded by logical `names` (or `sharding`)."""
     if sharding is None:
       sharding = sharding_lib.named_sharding(self.plan.mesh(cell), names)
-    self.per_cell[cell].append(Transfer(name, src, self.plan.cells[cell].name, sharding))
+    self.queues[self.queue_of(cell)].append(
+      Transfer(name, src, self.plan.cells[cell].name, sharding)
+    )
     return (name, 0)
 
   def node(self, cell, kind: str, suffix: str = "", **refs) -> str:
     """Adds `cell`'s piece `kind` with its named input refs; returns the node's name."""
     piece = self.piece(cell, kind)
     name = f"{cell[0]}:{kind}{cell[1]}{suffix}"
-    self.per_cell[cell].append(Node(name, piece.executable, piece.args(refs)))
+    self.queues[self.queue_of(cell)].append(Node(name, piece.executable, piece.args(refs)))
     return name
 
   def program(self, kind: str = "step") -> Program:
@@ -276,7 +291,7 @@ class ProgramBuilder:
     ]
     metrics = self.node(reporter, "norms", metrics=(f"0:apply{last}", 1), sums=sums)
     return Program(
-      nodes=interleave(list(self.per_cell.values())),
+      nodes=interleave(list(self.queues.values())),
       outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (metrics, 0)},
       carried=tuple(state_key(c) for c in self.cells),
     )
@@ -299,64 +314,87 @@ class ProgramBuilder:
           continue
         y = self.move(cell, f"{pre}etgt{m}", f"targets/{p}.{m}", pieces_lib.TOKENS)
         outputs[f"eval/{p}.{m}"] = (self.node(cell, "EL", f".{m}", state=state, x=x, targets=y), 0)
-    return Program(nodes=interleave(list(self.per_cell.values())), outputs=outputs)
+    return Program(nodes=interleave(list(self.queues.values())), outputs=outputs)
 
   def _backward(self) -> tuple[dict, dict]:
     """Every cell's microbatches in schedule order; returns each cell's summed gradients and
     each pod's loss statistics (from its last stage)."""
+    running = {}
+    for cell in self.cells:
+      zeros = self.node(cell, "zeros", state=state_key(cell))
+      running[cell] = _Running(grads=(zeros, 0), stats=(zeros, 1))
+    stages = list(self.plan.stages)
+    if self.virtual > 1:  # each island's chunks in the one order of the island
+      for p in self.pods:
+        for order in island_orders(self.schedule, stages, self.num_micro, self.virtual):
+          for s, kind, m in order:
+            self._emit((p, s), kind, m, running[(p, s)])
+    else:
+      for cell in self.cells:
+        for kind, m in island_order(
+          self.schedule, stages[cell[1]], self.num_stages, self.num_micro
+        ):
+          self._emit(cell, kind, m, running[cell])
+    last = self.num_stages - 1
+    return {c: r.grads for c, r in running.items()}, {
+      p: running[(p, last)].stats for p in self.pods
+    }
+
+  def _emit(self, cell: tuple, kind: str, m: int, run: "_Running") -> None:
+    """Cell `cell`'s node `kind` ("F", "B", "FB" or "W") of microbatch `m`, with the transfers
+    it needs; `run` carries the cell's running gradient sums and statistics."""
     last, act, tokens = self.num_stages - 1, pieces_lib.ACT, pieces_lib.TOKENS
-    grads_ref, stats_ref = {}, {}
-    for p, s in self.cells:
-      stage = self.plan.stages[s]
-      cell, state, pre = (p, s), state_key((p, s)), f"{p}:"
-      zeros = self.node(cell, "zeros", state=state)
-      grads, stats = (zeros, 0), (zeros, 1)
-      split = splits_backward(self.schedule, stage)
-      micro: dict = {}  # m -> the refs its W takes besides state and grads (zero_bubble)
-      for kind, m in island_order(self.schedule, stage, self.num_stages, self.num_micro):
-        if kind == "W":
-          w = self.node(cell, "W", f".{m}", state=state, grads=grads, **micro.pop(m))
-          grads = (w, 0)
-          continue
-        if kind == "B":
-          x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
-          after = "FB" if s + 1 == last else "B"  # the next stage's backward: its input's grad
-          g_in = self.piece((p, s + 1), after).output("g_in")
-          g = self.move(cell, f"{pre}grad{s}.{m}", (f"{pre}{after}{s + 1}.{m}", g_in), act)
-          f = self.piece(cell, "F")  # its residuals, where it keeps them for B
-          saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
-          if split:  # B sends the input's gradient on; W adds the parameters' later
-            self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
-            micro[m] = {"x": x, "g_out": g, **saved}
-            continue
-          b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=grads, **saved)
-          grads = (b, self.piece(cell, "B").output("grads"))
-          continue
-        moe_in = {}  # MoE: the running MoE stats of the stages before
-        if stage.first:
-          x = self.move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
-        else:
-          f, name = self.piece((p, s - 1), "F"), f"{pre}F{s - 1}.{m}"
-          x = self.move(cell, f"{pre}act{s}.{m}", (name, f.output("act")), act)
-          if self.has_moe:
-            moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (name, f.output("moe")), ())
-        if kind == "F":
-          self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
-        elif split:  # FB: the loss and the input's gradient; W the parameters' gradient later
-          y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
-          name = self.node(cell, "FB", f".{m}", state=state, x=x, targets=y, stats=stats, **moe_in)
-          fb = self.piece(cell, "FB")
-          stats = (name, fb.output("stats"))
-          saved = {"saved": (name, fb.output("saved"))} if "saved" in fb.outputs else {}
-          micro[m] = {"x": x, "targets": y, **saved}
-        else:
-          y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
-          name = self.node(
-            cell, "FB", f".{m}", state=state, x=x, targets=y, grads=grads, stats=stats, **moe_in
-          )
-          fb = self.piece(cell, "FB")
-          grads, stats = (name, fb.output("grads")), (name, fb.output("stats"))
-      grads_ref[cell] = grads
-      if stage.last:
-        stats_ref[p] = stats
-    return grads_ref, stats_ref
+    p, s = cell
+    stage = self.plan.stages[s]
+    state, pre = state_key(cell), f"{p}:"
+    split = splits_backward(self.schedule, stage)
+    if kind == "W":
+      w = self.node(cell, "W", f".{m}", state=state, grads=run.grads, **run.micro.pop(m))
+      run.grads = (w, 0)
+      return
+    if kind == "B":
+      x = (f"{pre}tok{m}", 0) if stage.first else (f"{pre}act{s}.{m}", 0)
+      after = "FB" if s + 1 == last else "B"  # the next stage's backward: its input's grad
+      g_in = self.piece((p, s + 1), after).output("g_in")
+      g = self.move(cell, f"{pre}grad{s}.{m}", (f"{pre}{after}{s + 1}.{m}", g_in), act)
+      f = self.piece(cell, "F")  # its residuals, where it keeps them for B
+      saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
+      if split:  # B sends the input's gradient on; W adds the parameters' later
+        self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
+        run.micro[m] = {"x": x, "g_out": g, **saved}
+        return
+      b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=run.grads, **saved)
+      run.grads = (b, self.piece(cell, "B").output("grads"))
+      return
+    moe_in = {}  # MoE: the running MoE stats of the stages before
+    if stage.first:
+      x = self.move(cell, f"{pre}tok{m}", f"tokens/{p}.{m}", tokens)
+    else:
+      f, name = self.piece((p, s - 1), "F"), f"{pre}F{s - 1}.{m}"
+      x = self.move(cell, f"{pre}act{s}.{m}", (name, f.output("act")), act)
+      if self.has_moe:
+        moe_in["moe_in"] = self.move(cell, f"{pre}moe{s}.{m}", (name, f.output("moe")), ())
+    if kind == "F":
+      self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
+      return
+    y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
+    fb = self.piece(cell, "FB")
+    if split:  # FB: the loss and the input's gradient; W the parameters' gradient later
+      name = self.node(cell, "FB", f".{m}", state=state, x=x, targets=y, stats=run.stats, **moe_in)
+      saved = {"saved": (name, fb.output("saved"))} if "saved" in fb.outputs else {}
+      run.micro[m] = {"x": x, "targets": y, **saved}
+    else:
+      refs = {"x": x, "targets": y, "grads": run.grads, "stats": run.stats, **moe_in}
+      name = self.node(cell, "FB", f".{m}", state=state, **refs)
+      run.grads = (name, fb.output("grads"))
+    run.stats = (name, fb.output("stats"))
+
+
+@dataclasses.dataclass
+class _Running:
+  """A cell's running gradient sums and loss statistics as its microbatches are emitted, and
+  (zero_bubble) what each microbatch's W will take besides state and grads."""
+
+  grads: tuple
+  stats: tuple
+  micro: dict = dataclasses.field(default_factory=dict)

@@ -96,7 +96,10 @@ class PipelineProgram:
       state = to_stage(pod, self.stages[cell[1]])
       if self.period:  # stacked on the island the checkpoint's layers were read onto
         state = stack_state(state, self.period)
-      out[state_key(cell)] = jax.device_put(state, shardings)
+      # A copy each: cells on one island (interleaved chunks, overlapped buckets) would
+      # otherwise share the leaves already laid out there (a step count), and one cell's
+      # update, which donates its state, would delete the other's.
+      out[state_key(cell)] = jax.device_put(state, shardings, may_alias=False)
     return out
 
 
