@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Executable
+from pwtrain.backend.outline import KEPT
 from pwtrain.models import lm_loss
 from pwtrain.models import moe as moe_lib
 
@@ -87,12 +88,11 @@ class Piece:
 
   @property
   def out_abstract(self):
-    """The outputs as ShapeDtypeStructs with their compiled shardings."""
-    compiled = self.executable.compiled
+    """The outputs as ShapeDtypeStructs with their compiled shardings (None where the piece is
+    outlined and the sharding unknown here: backend/outline.py)."""
     return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      compiled.out_info,
-      compiled.output_shardings,
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      self.executable.compiled.out_info,
     )
 
 
@@ -332,8 +332,9 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str) -> Non
       named["moe"] = own if moe_in is None else moe_lib.add_stats(moe_in, own)
     return tuple(named[name] for name in outputs)
 
-  # None: the residuals' shardings are the compiler's choice.
-  shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": None}
+  # KEPT: the residuals' shardings are the compiler's choice, and only B, on the same island,
+  # reads them (a process that does not run the island need not compile F to learn them).
+  shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": KEPT}
   f_piece = cell.compile(
     "F",
     f_fn,
