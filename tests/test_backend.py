@@ -330,3 +330,26 @@ def test_a_pull_that_never_arrives_names_its_peer_in_bounded_time(monkeypatch):
     "a transfer from process 0 (pull 2) has not arrived after 1 s (backend.pull_timeout_s): "
     "that process is dead or silent"
   ]
+
+
+def test_an_unknown_sharding_of_an_outline_is_never_transferred():
+  """backend/outline.py: an outlined node's KEPT output (sharding unknown on this process) may
+  be read by nodes of its own island only; a transfer or a program output reading it is one
+  clear error, before anything is dispatched."""
+  from pwtrain.backend.outline import KEPT, Outline, check_reads, without_kept
+  from pwtrain.backend.program import Executable
+
+  sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), PartitionSpec())
+  known = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)
+  unknown = jax.ShapeDtypeStruct((4,), jnp.float32)
+  outline = Outline("f", (known, (unknown, unknown)), ((), {}))
+  node = Node("f", Executable("f", "a", outline, 2), ())
+  ok = Transfer("ok", ("f", 0), "b", sharding)
+  check_reads(Program(nodes=(node, ok), outputs={"x": ("ok", 0)}))
+  bad = Transfer("bad", ("f", 1), "b", sharding)
+  with pytest.raises(ValueError, match="bad reads output 1 of f, which its piece marks KEPT"):
+    check_reads(Program(nodes=(node, bad), outputs={}))
+  with pytest.raises(ValueError, match="y reads output 1 of f"):
+    check_reads(Program(nodes=(node,), outputs={"y": ("f", 1)}))
+  assert without_kept((sharding, KEPT, {"a": KEPT})) == (sharding, None, {"a": None})
+  assert without_kept(None) is None

@@ -298,3 +298,69 @@ def test_pipeline_checkpoint_resumes_exactly_and_across_topologies(tmp_path):
     assert result.start_step == 6
     # Same math, other layout: equal up to reduction order.
     np.testing.assert_allclose([r["loss"] for r in result.history], losses[6:], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_process_outlines_the_pieces_of_islands_it_does_not_run():
+  """Distributed mode compiles only this process's islands' pieces (backend/outline.py): here a
+  process that runs islands 0 and 3 of 2 pods x 2 stages (2-device meshes, tensor=2) traces
+  islands 1 and 2's pieces to Outlines, and they answer what their compiles answer: output
+  shapes, dtypes and shardings, and input shardings; unknown (None) only F's residuals at
+  stage_remat="none" (KEPT: read by B on their island only), and B's inputs of them. A piece
+  whose output sharding the compiler chooses and another island reads (the int8 encoding's
+  parts) is compiled."""
+  from pwtrain.backend import Controller
+  from pwtrain.backend.outline import Outline
+
+  layout = {
+    "parallel.pods": 2,
+    "parallel.islands": 4,
+    "parallel.devices_per_island": 2,
+    "parallel.tensor": 2,
+    "parallel.data": 1,
+    "exchange.compression": "int8",
+  }
+  elsewhere = {"island1", "island2"}
+  none = lambda x: x is None
+  for stage_remat in ("full", "none"):
+    overrides = {**layout, "parallel.stage_remat": stage_remat}
+    config = tiny_test_config(**pipe(2, "1f1b", 2, **overrides))
+    with Harness.build(config) as whole:
+      want = whole.step_program.executables
+    cluster = plan_lib.make_cluster(config)
+    with Controller(cluster) as controller:
+      for island in elsewhere:  # as if another process held these islands' devices
+        controller._dispatcher._here[island] = False
+      with Harness.build(config, cluster=cluster, controller=controller) as part:
+        got = part.step_program.executables
+    assert set(got) == set(want)
+    outlined = {k for k, exe in got.items() if isinstance(exe.compiled, Outline)}
+    assert {k[0] for k, exe in got.items() if exe.island in elsewhere} - {"enc"} == {
+      k[0] for k in outlined
+    }
+    assert all(got[k].island in elsewhere for k in outlined)
+    unknown = set()
+    for key in outlined:
+      a, b = got[key].compiled, want[key].compiled
+      for x, y in zip(jax.tree.leaves(a.out_info), jax.tree.leaves(b.out_info), strict=True):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), key
+        if x.sharding is None:
+          unknown.add(key[0])
+        else:
+          assert x.sharding == y.sharding, key
+      assert jax.tree.structure(a.out_info) == jax.tree.structure(b.out_info), key
+      assert got[key].num_outputs == want[key].num_outputs, key
+      # None: the compile's for an argument the piece does not read (it drops it), the
+      # Outline's for one whose sharding is unknown here (F's residuals, into B).
+      same = jax.tree.map(
+        lambda y, x: y is None or x is None or x == y,
+        b.input_shardings,
+        a.input_shardings,
+        is_leaf=none,
+      )
+      assert all(jax.tree.leaves(same)), key
+      if any(x is None for x in jax.tree.leaves(a.input_shardings, is_leaf=none)):
+        unknown.add(f"{key[0]} input")
+    assert unknown == ({"F", "B input"} if stage_remat == "none" else set())
+    with pytest.raises(RuntimeError, match="another process's island"):
+      got[next(iter(outlined))].memory_analysis()

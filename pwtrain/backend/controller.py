@@ -52,9 +52,13 @@ class Controller:
     trace: Trace | None = None,
     serialize_execution: bool | None = None,
     pull_timeout_s: float = 600.0,
+    compile_everywhere: bool = False,
   ):
     """`pull_timeout_s`: distributed mode, how long a transfer pulled from another process may
-    take to arrive before that process is taken for dead (backend/pulls.py)."""
+    take to arrive before that process is taken for dead (backend/pulls.py).
+    `compile_everywhere`: distributed mode, compile other processes' islands' pieces too, as
+    every process did before it traced them to outlines (`compile`); for
+    experiments/bench_distributed.py's comparison of the two, nothing else."""
     if max_inflight < 0:
       raise ConfigError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
     self.cluster = cluster
@@ -65,7 +69,9 @@ class Controller:
 
       self._dispatcher = RemoteDispatcher(cluster, trace)
     else:
-      self._dispatcher = LocalDispatcher(cluster, trace, serialize_execution, pull_timeout_s)
+      self._dispatcher = LocalDispatcher(
+        cluster, trace, serialize_execution, pull_timeout_s, compile_everywhere
+      )
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
     # while waiting, so one client's wait does not stall another's dispatch.
@@ -119,6 +125,12 @@ class Controller:
     """Lowers `fn` for abstract `args` (ShapeDtypeStructs with shardings) and compiles it.
 
     With `mesh`, the model's logical activation constraints are resolved on it while tracing.
+    `out_shardings` leaves may be `outline.KEPT`: the compiler's choice (as None), of an
+    output only pieces of the same island read. Distributed mode: a piece of an island this
+    process does not run (`runs_here`) is traced, not compiled, where `out_shardings` fixes
+    every output's sharding but KEPT ones: its Executable's `compiled` is then an Outline
+    (backend/outline.py), which answers its shapes and shardings only. Remote mode: the
+    island's worker compiles it (backend/remote/dispatch.py).
     """
     self.cluster[island]  # fail early on an unknown island
     return self._dispatcher.compile(

@@ -9,12 +9,14 @@ pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put
 """
 
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 
 import jax
 
 from pwtrain import sharding as sharding_lib
+from pwtrain.backend import outline as outline_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.faults import IslandLost
@@ -31,7 +33,8 @@ _DISPATCHERS = itertools.count()  # names each controller's pulls alike on every
 class LocalDispatcher:
   """Compiles with `jax.jit` and launches on this process's devices (see the module doc).
 
-  `serialize_execution` (default: on for CPU devices): see backend.Controller.
+  `serialize_execution` (default: on for CPU devices), `compile_everywhere`: see
+  backend.Controller.
   """
 
   def __init__(
@@ -40,8 +43,10 @@ class LocalDispatcher:
     trace: Trace | None,
     serialize_execution: bool | None,
     pull_timeout_s: float = 600.0,
+    compile_everywhere: bool = False,
   ):
     self.cluster = cluster
+    self._compile_everywhere = compile_everywhere
     self.trace = trace
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
@@ -96,18 +101,26 @@ class LocalDispatcher:
     out_shardings=None,
     donate_argnums=(),
   ) -> Executable:
-    """`fn` lowered for abstract `args` and compiled (see Controller.compile)."""
+    """`fn` lowered for abstract `args` and compiled (see Controller.compile); for an island
+    another process runs, only traced, to its Outline (backend/outline.py) where that tells its
+    outputs' shardings (else compiled as well), unless `compile_everywhere`."""
     jitted = jax.jit(
-      fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
+      fn,
+      in_shardings=in_shardings,
+      out_shardings=outline_lib.without_kept(out_shardings),
+      donate_argnums=donate_argnums,
     )
-    if mesh is not None:
-      with sharding_lib.activate(mesh, rules):
-        lowered = jitted.lower(*args)
-    else:
-      lowered = jitted.lower(*args)
-    out_tree = lowered.out_info
+    activate = sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
+    with activate:
+      if self._here[island] or self._compile_everywhere or in_shardings is not None:
+        compiled = jitted.lower(*args).compile()
+      else:
+        traced = jitted.trace(*args)
+        compiled = outline_lib.outline(name, traced, args, out_shardings)
+        compiled = compiled or traced.lower().compile()
+    out_tree = compiled.out_info
     num_outputs = len(out_tree) if isinstance(out_tree, tuple) else 1
-    return Executable(name, island, lowered.compile(), num_outputs, None, tuple(donate_argnums))
+    return Executable(name, island, compiled, num_outputs, None, tuple(donate_argnums))
 
   def dispatch(self, program: Program, inputs: dict, step: int) -> dict:
     """Enqueues every node of `program` on its island's queue (this process's islands: see
@@ -126,7 +139,7 @@ class LocalDispatcher:
       scheduler = None  # the island's
       if isinstance(node, Node):
         if not self._here[node.island]:  # another process runs it
-          futures[node.name] = _resolved(jax.tree.map(stand_in, node.executable.compiled.out_info))
+          futures[node.name] = _resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
           continue
         launch = node.executable.compiled
         args = [resolve(r) for r in node.args]
@@ -167,6 +180,7 @@ class LocalDispatcher:
     dispatch of every step reuses them."""
     cached = self._prepared_programs.get(id(program))
     if cached is None or cached[0] is not program:
+      outline_lib.check_reads(program)
       order = dispatch_order(program, self.cluster.islands)
       puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
       pulls = pulls_lib.pulls(program, self.cluster.islands) if self._distributed else {}
@@ -228,6 +242,12 @@ class LocalDispatcher:
     self._cross.stop()
     if self._pull_watcher is not None:
       self._pull_watcher.stop()
+
+
+def _stand_in(info):
+  """sharding.stand_in, or None for an output whose sharding is unknown here (outline.KEPT: no
+  transfer reads it, outline.check_reads)."""
+  return None if info.sharding is None else stand_in(info)
 
 
 def _resolved(value) -> concurrent.futures.Future:

@@ -17,7 +17,9 @@ class Executable:
 
   name: str
   island: str
-  compiled: Any  # jax.stages.Compiled (remote: compiled locally only if inspected)
+  # jax.stages.Compiled; remote: compiled locally only if inspected; distributed, an island of
+  # another process: usually its outline.Outline (shapes and shardings only)
+  compiled: Any
   num_outputs: int
   remote: Any = None  # remote islands: the worker's copy (backend.remote.dispatch)
   donate_argnums: tuple[int, ...] = ()  # arguments whose buffers it may reuse (then gone)

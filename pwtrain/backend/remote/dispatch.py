@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pwtrain import sharding as sharding_lib
+from pwtrain.backend.outline import without_kept
 from pwtrain.backend.program import Executable, Node, Transfer
 from pwtrain.backend.remote import arrays, launcher
 from pwtrain.backend.remote import protocol_pb2 as pb
@@ -101,6 +102,7 @@ class RemoteDispatcher:
     (its shardings/out_info the step builders may inspect). Inputs are laid out as `args`'
     shardings say (`in_shardings` is for local compiles)."""
     del in_shardings
+    out_shardings = without_kept(out_shardings)  # the worker compiles every piece it runs
     constraints_mesh = mesh  # the model's activation constraints resolve on it while tracing
 
     def activate():

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pwtrain import step as step_lib
+from pwtrain.backend.outline import KEPT
 from pwtrain.models import lm_loss
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel.pipeline.pieces import CellPieces
@@ -165,8 +166,9 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
       named["moe"] = own if moe_in is None else moe_lib.add_stats(moe_in, own)
     return tuple(named[name] for name in outputs)
 
-  # None: the residuals' shardings are the compiler's choice.
-  shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": None}
+  # KEPT: the residuals' shardings are the compiler's choice, and only B and W, on the same
+  # island, read them (a process that does not run the island need not compile F for them).
+  shardings = {"act": act_sharding, "moe": cell.sharding_of(cell.moe_abs), "saved": KEPT}
   f_piece = cell.compile(
     "F",
     f_fn,
@@ -261,7 +263,7 @@ def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float, stage_remat
     fb_fn,
     {**inputs, "stats": cell.stats_abs, **moe_in},
     out_shardings=(cell.sharding_of(cell.stats_abs), cell.act_abs.sharding)
-    + ((None,) if keep else ()),
+    + ((KEPT,) if keep else ()),
     donate=("stats",),
     outputs=("stats", "g_in") + (("saved",) if keep else ()),
   )

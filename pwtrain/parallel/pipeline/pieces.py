@@ -72,12 +72,11 @@ class Piece:
 
   @property
   def out_abstract(self):
-    """The outputs as ShapeDtypeStructs with their compiled shardings."""
-    compiled = self.executable.compiled
+    """The outputs as ShapeDtypeStructs with their compiled shardings (None where the piece is
+    outlined and the sharding unknown here: backend/outline.py)."""
     return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      compiled.out_info,
-      compiled.output_shardings,
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      self.executable.compiled.out_info,
     )
 
 
