@@ -90,9 +90,37 @@ FILL_AND_DRAIN = (
   "drain (GPipe, Huang et al. 2019); 1F1B runs the same slots in another order, keeping fewer "
   "microbatches in flight, and idles as long (PipeDream-Flush, Narayanan et al. 2021)"
 )
+VIRTUAL = 2  # the interleaved schedule's parallel.virtual_stages
+
+
+def _counted(schedule: str):
+  """S / the step over a stage's work, counted from `schedule` by pwtrain's own schedule with a
+  forward, an input-gradient and a weight-gradient piece of 1, 1 and 1 (a backward of 2)."""
+
+  def bound(s: int, m: int) -> float:
+    from pwtrain.parallel.pipeline import schedule as schedule_lib
+    from pwtrain.parallel.stages import Stage
+
+    virtual = VIRTUAL if schedule == "interleaved" else 1
+    chunks = [Stage(c, c, c + 1, c == 0, c == s * virtual - 1) for c in range(s * virtual)]
+    return s / schedule_lib.bubble(schedule, chunks, m, virtual)
+
+  return bound
+
+
 BOUNDS = {
   "gpipe": (lambda s, m: s * m / (m + s - 1), "S*M/(M+S-1): " + FILL_AND_DRAIN),
   "1f1b": (lambda s, m: s * m / (m + s - 1), "S*M/(M+S-1): " + FILL_AND_DRAIN),
+  "interleaved": (
+    lambda s, m: s * VIRTUAL * m / (VIRTUAL * m + s - 1),
+    f"S*v*M/(v*M+S-1), v={VIRTUAL}: each island's fill and drain take a chunk's pieces, 1/v of "
+    "a stage's (Megatron's interleaved 1F1B, Narayanan et al. 2021)",
+  ),
+  "zero_bubble": (
+    _counted("zero_bubble"),
+    "S / the step over a stage's work counted from the schedule with F, B, W = 1, 1, 1 (the "
+    "split backward's input and weight gradients; transfers free): a count, not a law",
+  ),
 }
 
 
@@ -123,7 +151,7 @@ DISTRIBUTED = {"backend.mode": "distributed"}
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--micro", default="4,8", help="microbatch counts M")
-  p.add_argument("--schedules", default="gpipe,1f1b")
+  p.add_argument("--schedules", default="gpipe,1f1b,zero_bubble,interleaved")
   p.add_argument(
     "--stage_remats", default="full,none", help="parallel.stage_remat values (pipeline, memory)"
   )
@@ -173,6 +201,8 @@ def layouts(args, base: dict):
   for schedule in args.schedules.split(","):
     for stage_remat in args.stage_remats.split(","):
       overrides = {"parallel.schedule": schedule, "parallel.stage_remat": stage_remat}
+      if schedule == "interleaved":
+        overrides["parallel.virtual_stages"] = VIRTUAL
       yield f"{schedule} {stage_remat}", schedule, {**base, **pipe(args.stages), **overrides}
 
 

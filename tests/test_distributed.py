@@ -463,7 +463,7 @@ def test_processes_die_with_a_killed_launcher(tmp_path):
   logs = [tmp_path / "launch" / f"process{i}.log" for i in (0, 1)]
   deadline = time.time() + 120
   while time.time() < deadline and not all(
-    log.exists() and "distributed service" in log.read_text() for log in logs
+    log.exists() and "reads data streams" in log.read_text() for log in logs
   ):
     time.sleep(0.1)
   pids = [_process_pid(launcher, i) for i in (0, 1)]
