@@ -279,7 +279,7 @@ class ElasticSteps:
     for key, value in cells.items():
       if not isinstance(value, _Copy):
         continue
-      island = plan.cells[tuple(int(x) for x in key.removeprefix("state/").split("."))].name
+      island = plan.cells[value.cell].name
       inputs[f"from/{key}"] = value.value
       nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
       outputs[key] = (f"copy/{key}", 0)
@@ -348,8 +348,10 @@ class ElasticSteps:
 
 @dataclasses.dataclass(frozen=True)
 class _Copy:
-  """A cell's state to be copied onto another island, laid out as `shardings`."""
+  """Cell `cell`'s state (its value elsewhere) to be copied onto its island, laid out as
+  `shardings`."""
 
+  cell: tuple  # (pod, stage) of the new program
   value: Any
   shardings: Any
 
@@ -366,7 +368,7 @@ def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> 
     if jax.tree.structure(shardings) != jax.tree.structure(old.cell_shardings.get(source)):
       return None
     value = state[state_key(source)]
-    out[state_key((i, s))] = value if same[i] else _Copy(value, shardings)
+    out[state_key((i, s))] = value if same[i] else _Copy((i, s), value, shardings)
   return out
 
 

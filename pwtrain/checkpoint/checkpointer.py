@@ -153,9 +153,8 @@ class Checkpointer:
       save = self._part_writer(state, pending)  # phase one starts on every worker
     except Exception as e:
       shutil.rmtree(pending, ignore_errors=True)
-      if not self._discard_if(e):
+      if not self._discarded(step, e):
         raise
-      log.warning("checkpoint %d discarded: %s", step, e)
       return
 
     def commit():
@@ -171,8 +170,7 @@ class Checkpointer:
           ),
         )
       except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by _join_commit
-        if self._discard_if(e):
-          log.warning("checkpoint %d discarded: %s", step, e)
+        if self._discarded(step, e):
           return
         log.error("checkpoint %d not committed: %s", step, e)
         self._commit_error = e
@@ -182,6 +180,13 @@ class Checkpointer:
 
     self._commit = threading.Thread(target=commit, name=f"commit-{step}", daemon=True)
     self._commit.start()
+
+  def _discarded(self, step: int, error: BaseException) -> bool:
+    """Whether the failed save of `step` is only discarded (`discard_if`), said in one line."""
+    if not self._discard_if(error):
+      return False
+    log.warning("checkpoint %d discarded: %s", step, error)
+    return True
 
   def _join_commit(self) -> None:
     if self._commit is not None:
