@@ -485,6 +485,35 @@ def test_bad_records_can_be_skipped_counted_and_named(tmp_path, caplog):
     assert name in line, line
 
 
+def test_a_skipped_record_never_leaves_the_validation_split_empty(tmp_path):
+  """The held-out split is drawn from the records that read cleanly: here the one file the hash
+  would hold out is the bad one, and the good files still give both splits."""
+  good = [str(tmp_path / f"good{i}.txt") for i in range(4)]
+  bad = next(
+    str(tmp_path / f"bad{i}.txt")
+    for i in range(10_000)
+    if corpus.held_out_keys([*good, str(tmp_path / f"bad{i}.txt")], corpus.EVAL_FRACTION)
+    == {str(tmp_path / f"bad{i}.txt")}
+  )
+  for path in good:
+    pathlib.Path(path).write_text(f"{path} is good text " * 20)
+  pathlib.Path(bad).write_bytes("caf\xe9 ".encode("latin-1") * 20)
+  config = make_config(
+    **{"data.dataset": "files", "data.files": f"{tmp_path}/*.txt", "data.skip_bad_records": True}
+  )
+  build_train_batches(config, str(tmp_path / "work"))
+  held_out = corpus.open_source(config.data, str(tmp_path / "work"), split="validation")
+  assert len(held_out) == 1
+
+
+def test_a_one_document_corpus_names_the_missing_validation_split(tmp_path):
+  (tmp_path / "only.txt").write_text("all the text there is " * 20)
+  config = make_config(**{"data.dataset": "files", "data.files": str(tmp_path / "only.txt")})
+  build_train_batches(config, str(tmp_path / "work"))
+  with pytest.raises(ValueError, match=r"one document holds none out: add files, or set train"):
+    corpus.open_source(config.data, str(tmp_path / "work"), split="validation")
+
+
 def llama_like_sentencepiece(path):
   """A SentencePiece model with another id layout than pwtrain's own: unk 0, bos 1, eos 2, no
   pad (as LLaMA's)."""

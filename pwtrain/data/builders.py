@@ -98,17 +98,21 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # everything is local
-    documents = self._documents()
+    documents = self._usable(self._documents())
     held_out = held_out_keys(list(documents), EVAL_FRACTION)
-    return {
-      "train": self._generate_examples(documents, lambda key: key not in held_out),
-      EVAL_SPLIT: self._generate_examples(documents, lambda key: key in held_out),
-    }
+    splits = {"train": self._generate_examples(documents, lambda key: key not in held_out)}
+    if held_out:  # a one-document corpus has no held-out split
+      splits[EVAL_SPLIT] = self._generate_examples(documents, lambda key: key in held_out)
+    return splits
 
   def _documents(self) -> dict[str, Any]:
     """{key: what `_read` takes}, in order: here each source file, keyed by its path."""
     paths = list_source_files(self.builder_config.root, self.builder_config.max_files)
     return {path: os.path.join(self.builder_config.root, path) for path in paths}
+
+  def _usable(self, documents: dict[str, Any]) -> dict[str, Any]:
+    """The documents that go into the splits: here all of them."""
+    return documents
 
   def _read(self, key: str, where: Any) -> bytes:
     del key
@@ -159,33 +163,53 @@ class LocalFiles(PyStdlib, skip_registration=True):
             documents[f"{path}:{number}"] = line
     return documents
 
-  def _read(self, key: str, where: Any) -> bytes | None:
-    """The document's text; None for a bad record that data.skip_bad_records skips (a JSONL
-    line without the text field, or, when skipping, a file that is not UTF-8)."""
-    skip = self.builder_config.skip_bad_records
+  def _usable(self, documents: dict[str, Any]) -> dict[str, Any]:
+    """With data.skip_bad_records, the documents that read cleanly (the others are named in
+    `skipped`). Decided before the held-out split, so a skipped record never leaves a split
+    without examples."""
+    if not self.builder_config.skip_bad_records:
+      return documents
+    good = {}
+    for key, where in documents.items():
+      _, why = self._parse(key, where)
+      if why is None:
+        good[key] = where
+      else:
+        self._skipped(key, why)
+    return good
+
+  def _parse(self, key: str, where: Any) -> tuple[bytes | None, str | None]:
+    """(the document's text, None), or (None, why it is a bad record): a JSONL line without the
+    text field, or, when skipping bad records, a file that is not UTF-8."""
     if isinstance(where, str):
       data = super()._read(key, where)
-      if skip:
+      if self.builder_config.skip_bad_records:
         try:
           data.decode("utf-8")
         except UnicodeDecodeError as e:
-          return self._skipped(key, f"not UTF-8 ({e.reason} at byte {e.start})")
-      return data
-    field = self.builder_config.jsonl_field
+          return None, f"not UTF-8 ({e.reason} at byte {e.start})"
+      return data, None
     try:
-      text = json.loads(where)[field]
+      text = json.loads(where)[self.builder_config.jsonl_field]
       if not isinstance(text, str):
         raise TypeError(f"is {type(text).__name__}")
     except (ValueError, KeyError, TypeError) as e:
-      why = f"{type(e).__name__}: {e}"
-      if skip:
-        return self._skipped(key, why)
-      raise DataError(
-        f"data.files: line {key} is not a JSON object with a string field "
-        f"data.jsonl_field={field!r} ({why}); fix or remove that line, or set "
-        "data.skip_bad_records=True to skip such records"
-      ) from None
-    return text.encode("utf-8")
+      return None, f"{type(e).__name__}: {e}"
+    return text.encode("utf-8"), None
+
+  def _read(self, key: str, where: Any) -> bytes | None:
+    """The document's text; None for a bad record that data.skip_bad_records skips (only a file
+    changed since `_usable` read it)."""
+    text, why = self._parse(key, where)
+    if why is None:
+      return text
+    if self.builder_config.skip_bad_records:
+      return self._skipped(key, why)
+    raise DataError(
+      f"data.files: line {key} is not a JSON object with a string field "
+      f"data.jsonl_field={self.builder_config.jsonl_field!r} ({why}); fix or remove that line, "
+      "or set data.skip_bad_records=True to skip such records"
+    )
 
   def _skipped(self, key: str, why: str) -> None:
     self.__dict__.setdefault("skipped", []).append(f"{key} ({why})")

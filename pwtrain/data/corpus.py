@@ -216,8 +216,11 @@ def _data_source(builder: tfds.core.DatasetBuilder, data_cfg: Any, split: str):
   # Slices such as "train[:90%]" are fine; only the split's own name must exist.
   if split.split("[")[0] not in splits:
     key = "data.split" if split == data_cfg.split else "data.eval_split"
+    why = ""
+    if data_cfg.dataset in (BUILTIN, FILES) and split.split("[")[0] == EVAL_SPLIT:
+      why = " (a corpus of one document holds none out: add files, or set train.eval_every=0)"
     raise DataError(
-      f"{key}={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}."
+      f"{key}={split!r} is not a split of data.dataset={data_cfg.dataset!r}; it has {splits}{why}."
     )
   try:
     return builder.as_data_source(split)
