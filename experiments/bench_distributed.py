@@ -7,6 +7,8 @@ Run (about 45 minutes on 2 cores):
   python experiments/bench_distributed.py --sections=memory,pods --steps=2
   python experiments/bench_distributed.py --sections=pipeline --stages=4 --micro=8
   python experiments/bench_distributed.py --sections=compile
+  python experiments/bench_distributed.py --sections=pipeline --micro=4 --layers=8 --virtual=4 \
+    --schedules=1f1b,interleaved
 
 Each process is pinned to a core of its own (one-process runs to the first core) and holds one
 simulated device per stage, so a process stands in for one accelerator and the stages compute
@@ -90,7 +92,7 @@ FILL_AND_DRAIN = (
   "drain (GPipe, Huang et al. 2019); 1F1B runs the same slots in another order, keeping fewer "
   "microbatches in flight, and idles as long (PipeDream-Flush, Narayanan et al. 2021)"
 )
-VIRTUAL = 2  # the interleaved schedule's parallel.virtual_stages
+VIRTUAL = [2]  # the interleaved schedule's parallel.virtual_stages (--virtual)
 
 
 def _counted(schedule: str):
@@ -101,7 +103,7 @@ def _counted(schedule: str):
     from pwtrain.parallel.pipeline import schedule as schedule_lib
     from pwtrain.parallel.stages import Stage
 
-    virtual = VIRTUAL if schedule == "interleaved" else 1
+    virtual = VIRTUAL[0] if schedule == "interleaved" else 1
     chunks = [Stage(c, c, c + 1, c == 0, c == s * virtual - 1) for c in range(s * virtual)]
     return s / schedule_lib.bubble(schedule, chunks, m, virtual)
 
@@ -112,8 +114,8 @@ BOUNDS = {
   "gpipe": (lambda s, m: s * m / (m + s - 1), "S*M/(M+S-1): " + FILL_AND_DRAIN),
   "1f1b": (lambda s, m: s * m / (m + s - 1), "S*M/(M+S-1): " + FILL_AND_DRAIN),
   "interleaved": (
-    lambda s, m: s * VIRTUAL * m / (VIRTUAL * m + s - 1),
-    f"S*v*M/(v*M+S-1), v={VIRTUAL}: each island's fill and drain take a chunk's pieces, 1/v of "
+    lambda s, m: s * VIRTUAL[0] * m / (VIRTUAL[0] * m + s - 1),
+    "S*v*M/(v*M+S-1), v=--virtual: each island's fill and drain take a chunk's pieces, 1/v of "
     "a stage's (Megatron's interleaved 1F1B, Narayanan et al. 2021)",
   ),
   "zero_bubble": (
@@ -131,7 +133,8 @@ def bound(schedule: str, stages: int, micro: int) -> float:
 
 def model(args) -> dict:
   """The benchmark's model at `--remat`."""
-  return {**MODEL, "model.remat": args.remat}
+  layers = {"model.num_layers": args.layers} if args.layers else {}
+  return {**MODEL, "model.remat": args.remat, **layers}
 
 
 def pipe(stages: int) -> dict:
@@ -157,6 +160,8 @@ def parse_args(argv=None):
   )
   p.add_argument("--remat", default="none", help="model.remat of every run (single too)")
   p.add_argument("--stages", type=int, default=2, help="pipeline stages S, one process each")
+  p.add_argument("--virtual", type=int, default=2, help="interleaved: parallel.virtual_stages")
+  p.add_argument("--layers", type=int, default=0, help="model.num_layers (0: the model's 4)")
   p.add_argument("--rows_per_micro", type=int, default=8, help="global batch = M x this")
   p.add_argument("--steps", type=int, default=3, help="steps per timed block")
   p.add_argument("--repeats", type=int, default=5, help="timed blocks per side (interleaved)")
@@ -202,7 +207,7 @@ def layouts(args, base: dict):
     for stage_remat in args.stage_remats.split(","):
       overrides = {"parallel.schedule": schedule, "parallel.stage_remat": stage_remat}
       if schedule == "interleaved":
-        overrides["parallel.virtual_stages"] = VIRTUAL
+        overrides["parallel.virtual_stages"] = VIRTUAL[0]
       yield f"{schedule} {stage_remat}", schedule, {**base, **pipe(args.stages), **overrides}
 
 
@@ -401,6 +406,7 @@ def exchange_overlap(per_process: list[dict]) -> dict:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
+  VIRTUAL[0] = args.virtual
   sys.path.insert(0, REPO)
   sections = {
     "pipeline": pipeline_section,
