@@ -196,30 +196,38 @@ def _process_pid(launcher: subprocess.Popen, index: int) -> int | None:
 @pytest.mark.slow
 @pytest.mark.processes
 def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
-  """SIGKILL process 1 after the step-4 checkpoint: the launcher names it, stops process 0,
-  starts both again (fault.max_restarts=1), they resume from the last checkpoint, and the run
-  ends with the uninterrupted run's parameters."""
+  """An embedded run's step-4 checkpoint is resumed by 2 processes; process 1 is SIGKILLed after
+  the step-8 checkpoint: the launcher names it, stops process 0, starts both again
+  (fault.max_restarts=1), they resume from step 8, and the run ends with the uninterrupted
+  embedded run's losses and parameters."""
+  config = config_of(PODS)
+  config.train.num_steps = 4
+  train.run(config, str(tmp_path), show_progress=False)
   launcher = launch(tmp_path, 2, {**PODS, "fault.max_restarts": 1}, background=True)
   killed = []
 
-  def kill_after_first_checkpoint():
+  def kill_after_a_distributed_checkpoint():
     deadline = time.time() + 300
     while time.time() < deadline and not killed:
       pid = _process_pid(launcher, 1)
-      if os.path.isdir(tmp_path / "checkpoints" / "4") and pid:
+      if os.path.isdir(tmp_path / "checkpoints" / "8") and pid:
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
       time.sleep(0.05)
 
-  killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+  killer = threading.Thread(target=kill_after_a_distributed_checkpoint, daemon=True)
   killer.start()
   out, _ = launcher.communicate(timeout=400)
   killer.join(1)
   text = out.decode(errors="replace")
   assert killed, "process 1 was never killed"
   assert launcher.returncode == 0, text[-3000:]
+  assert "resumed from step 4" in text and "resumed from step 8" in text, text[-3000:]
   assert f"process 1 (pid {killed[0]}) was killed by SIGKILL" in text
   assert "restarting all 2 processes (1 of 1)" in text
+  want = {r["step"]: r["loss"] for r in embedded_pods.history}
+  got = losses(tmp_path)
+  assert sorted(got) == list(range(1, 13)) and all(got[s] == want[s] for s in got if s > 4)
   restored = final_state(config_of(PODS), tmp_path)
   assert restored.start_step == 12
   assert_same_state(embedded_pods.state, restored.state)
@@ -246,22 +254,6 @@ def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
     "giving up after 0 restart(s): process 1 was killed by SIGKILL; process(es) 0 stopped by "
     "the launcher"
   ), line
-
-
-@pytest.mark.slow
-@pytest.mark.processes
-def test_embedded_checkpoint_resumes_in_distributed_mode(embedded_pods, tmp_path):
-  """An embedded run's step-4 checkpoint, resumed by 2 processes to step 12: the uninterrupted
-  embedded run's losses and parameters."""
-  config = config_of(PODS)
-  config.train.num_steps = 4
-  train.run(config, str(tmp_path), show_progress=False)
-  result = launch(tmp_path, 2, PODS)
-  assert result.returncode == 0, result.stdout[-3000:]
-  want = {r["step"]: r["loss"] for r in embedded_pods.history}
-  got = losses(tmp_path)
-  assert all(got[s] == want[s] for s in got if s > 4)
-  assert_same_state(embedded_pods.state, final_state(config_of(PODS), tmp_path).state)
 
 
 def run_main(workdir, env: dict, overrides: dict, timeout=120):

@@ -385,27 +385,19 @@ PIPELINES = {
     "parallel.expert": 2,
     "train.num_microbatches": 2,
   },
-  # 2 pods, each model cut into 2 chunks (layers 0-1, 2-3) on its island: MoE stats pass from
-  # chunk to chunk, and the pods' stats add up. Chunk 0 keeps its forward's residuals (MoE
-  # layer 1's among them) for its backward instead of recomputing it.
-  "2pods_overlapped_ep4": {
-    "parallel.stage_remat": "none",
-    "parallel.islands": 2,
-    "parallel.pods": 2,
-    "parallel.data": 1,
-    "parallel.expert": 4,
-    "exchange.mode": "overlapped",
-    "exchange.buckets": 2,
-  },
   # 2 pods of 2 stages, zero_bubble: the last stage's FB passes the MoE stats on and its W adds
-  # the parameters' gradient (aux losses included) later.
-  "2pods_2stages_zero_bubble_ep2": {
+  # the parameters' gradient (aux losses included) later. Every stage keeps its forward's
+  # residuals (MoE layer 1's among them) for its B and W instead of recomputing them, and each
+  # stage's gradients go to the other pod as its W ends (exchange overlapped).
+  "2pods_2stages_zero_bubble_keep_overlapped_ep2": {
     "parallel.islands": 4,
     "parallel.pods": 2,
     "parallel.stages": 2,
     "parallel.data": 1,
     "parallel.expert": 2,
     "parallel.schedule": "zero_bubble",
+    "parallel.stage_remat": "none",
+    "exchange.mode": "overlapped",
     "train.num_microbatches": 2,
   },
   # 2 pods of 2 stages, interleaved: each island holds two one-layer chunks (MoE layers 1 and 3
