@@ -259,7 +259,9 @@ def _held_between_pieces(config, plan, stage_index: int, step: list) -> int:
   the schedule's peak, its F piece's outputs and (after the first stage) its input activation,
   as large as the activation F sends on. 0 where the island runs no F piece (one stage, or the
   last stage, whose FB keeps nothing between microbatches), except that a last stage whose
-  backward is split (zero_bubble) keeps its FB's outputs and its input until its W."""
+  backward is split (zero_bubble) keeps its FB's outputs and its input until its W; and a split
+  stage before it that recomputes (stage_remat "full") keeps its B's residuals (B's outputs but
+  the input's gradient) from B to W, for the schedule's peak of microbatches between them."""
   stage = plan.stages[stage_index] if config.parallel.stages > 1 else None
   split = stage is not None and schedule_lib.splits_backward(config.parallel.schedule, stage)
   kind = "FB" if stage is not None and stage.last and split else "F"
@@ -277,7 +279,11 @@ def _held_between_pieces(config, plan, stage_index: int, step: list) -> int:
     sharding = sharding_lib.named_sharding(plan.mesh((0, stage_index)), pieces_lib.ACT)
     per_device = math.prod(sharding.shard_shape(shape))
     act_in = per_device * jax.numpy.dtype(config.model.dtype).itemsize
-  return schedule_lib.peak_live_inputs(order) * (f_piece.outputs + act_in)
+  held = schedule_lib.peak_live_inputs(order) * (f_piece.outputs + act_in)
+  b_piece = next((p for p in step if p.name == f"B:0:{stage_index}"), None)
+  if split and b_piece is not None:  # g_in is as large as the input activation
+    held += schedule_lib.peak_pending_weights(order) * (b_piece.outputs - act_in)
+  return held
 
 
 _size = dryrun.size_text

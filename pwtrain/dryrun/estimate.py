@@ -125,7 +125,9 @@ def activation_bytes(
   A pipeline stage that is not the last holds, per microbatch in flight (schedule's
   peak_live_inputs), its input (int32 tokens on the first stage) and, at `stage_remat`="none",
   what its blocks keep for the backward (less the first block's input on a later stage: that
-  is the stage's input); at "full" its B piece recomputes that for one microbatch at a time."""
+  is the stage's input); at "full" its B piece recomputes that for one microbatch at a time.
+  Where zero_bubble splits the backward, what B (FB on the last stage, the head's with it)
+  keeps for W is held from B to W (peak_pending_weights) at "full", and on the last stage."""
   m, plan = s.config.model, s.plan
   tensor, seq_len = plan.mesh_shape["tensor"], s.config.data.seq_len
   layer = arithmetic.layer_activation_bytes(m, tensor, seq_len)
@@ -144,10 +146,14 @@ def activation_bytes(
       )
       stage_input = 4 if stage.first else arithmetic.layer_input_bytes(m)
       per_micro = stage_input  # held from the microbatch's F to its B (W where split)
-      if stage_remat == "none":
-        per_micro += blocks - (0.0 if stage.first else stage_input)
+      residuals = blocks - (0.0 if stage.first else stage_input)  # the input is held already
+      if stage_remat == "none" and not stage.last:  # F's residuals, held to B (and W)
+        per_micro += residuals
         once = 0.0
       live += pipeline.peak_live_inputs(order) * per_micro
+      if split and (stage.last or stage_remat == "full"):  # B's (FB's) residuals, held to W
+        live += pipeline.peak_pending_weights(order) * (residuals + head)
+        once = 0.0
     if keep_all:
       working = max(working, once + head)
     else:  # every block keeps its share; the one in its backward has its whole set live
@@ -238,9 +244,8 @@ def island_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
 def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
   """The FLOPs per token the island's hardware executes: the model's, plus what model.remat
   recomputes in every block's backward, plus (every pipeline stage but the last) the stage's
-  forward recomputed in its B piece, and where zero_bubble splits the backward (stages after
-  the first) once more in its W piece (on the last stage, the head's too). The head is never
-  rematerialised otherwise."""
+  forward recomputed in its B piece (zero_bubble's W takes B's residuals and recomputes
+  nothing). The head is never rematerialised."""
   m, moe, seq_len = s.config.model, s.config.moe, s.config.data.seq_len
   remat = m.remat
   block_flops, _, head_flops = arithmetic.layer_costs(m, moe, seq_len)
@@ -252,10 +257,8 @@ def island_executed_flops_per_token(s: Setup, stage_list: list[Stage]) -> float:
       arithmetic.remat_recompute_flops(m, moe, seq_len, remat, layer)
       for layer in range(st.start, st.stop)
     )
-    if s.stages_recompute:
-      split = pipeline.splits_backward(s.config.parallel.schedule, st)
-      forward = blocks + (head_flops if st.last else 0.0)
-      total += PIPELINE_RECOMPUTE * forward * ((0 if st.last else 1) + (1 if split else 0))
+    if s.stages_recompute and not st.last:
+      total += PIPELINE_RECOMPUTE * blocks
   return total
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pwtrain import sharding as sharding_lib
-from pwtrain.backend.outline import without_kept
+from pwtrain.backend.outline import KEPT, without_kept
 from pwtrain.backend.program import Executable, Node, Transfer
 from pwtrain.backend.remote import arrays, launcher
 from pwtrain.backend.remote import protocol_pb2 as pb
@@ -102,7 +102,6 @@ class RemoteDispatcher:
     (its shardings/out_info the step builders may inspect). Inputs are laid out as `args`'
     shardings say (`in_shardings` is for local compiles)."""
     del in_shardings
-    out_shardings = without_kept(out_shardings)  # the worker compiles every piece it runs
     constraints_mesh = mesh  # the model's activation constraints resolve on it while tracing
 
     def activate():
@@ -110,6 +109,18 @@ class RemoteDispatcher:
         return contextlib.nullcontext()
       return sharding_lib.activate(constraints_mesh, rules)
 
+    original = jax.jit(fn, out_shardings=without_kept(out_shardings), donate_argnums=donate_argnums)
+    local = _LazyCompiled(original, args, activate)
+    if any(s is KEPT for s in jax.tree.leaves(out_shardings, is_leaf=lambda x: x is None)):
+      # A KEPT output (residuals, read only by a later piece of its island) takes the layout
+      # the compiler chooses, which the piece that reads it is compiled for: asked of the
+      # local stand-in (compiled here once), and fixed for the worker's compile.
+      chosen = jax.tree.unflatten(
+        jax.tree.structure(local.out_info), jax.tree.leaves(local.output_shardings)
+      )
+      out_shardings = jax.tree.map(
+        lambda s, c: c if s is KEPT else s, out_shardings, chosen, is_leaf=lambda x: x is None
+      )
     worker = self.cluster[island].worker
     # The worker sees flat lists of arrays only (export serialises no Python pytrees, and
     # nnx's int-keyed dicts could not be): inputs with explicit shardings, outputs constrained
@@ -158,8 +169,6 @@ class RemoteDispatcher:
       [len(a) for _, a in outputs],
       traced.get("shardings"),
     )
-    original = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate_argnums)
-    local = _LazyCompiled(original, args, activate)
     remote = RemoteExecutable(worker, unique, tuple(outputs))
     return Executable(name, island, local, len(top), remote, tuple(donate_argnums))
 

@@ -13,6 +13,7 @@ from pwtrain.parallel.pipeline.schedule import (
   island_order,
   makespan,
   peak_live_inputs,
+  peak_pending_weights,
   splits_backward,
 )
 from pwtrain.parallel.pipeline.state import PipelineProgram
@@ -25,5 +26,6 @@ __all__ = [
   "island_order",
   "makespan",
   "peak_live_inputs",
+  "peak_pending_weights",
   "splits_backward",
 ]

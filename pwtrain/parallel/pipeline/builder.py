@@ -360,7 +360,9 @@ class ProgramBuilder:
       f = self.piece(cell, "F")  # its residuals, where it keeps them for B
       saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
       if split:  # B sends the input's gradient on; W adds the parameters' later
-        self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
+        name = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
+        b = self.piece(cell, "B")  # at stage_remat "full", B's residuals are W's
+        saved = {"saved": (name, b.output("saved"))} if "saved" in b.outputs else saved
         run.micro[m] = {"x": x, "g_out": g, **saved}
         return
       b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=run.grads, **saved)
@@ -381,8 +383,7 @@ class ProgramBuilder:
     fb = self.piece(cell, "FB")
     if split:  # FB: the loss and the input's gradient; W the parameters' gradient later
       name = self.node(cell, "FB", f".{m}", state=state, x=x, targets=y, stats=run.stats, **moe_in)
-      saved = {"saved": (name, fb.output("saved"))} if "saved" in fb.outputs else {}
-      run.micro[m] = {"x": x, "targets": y, **saved}
+      run.micro[m] = {"x": x, "targets": y, "saved": (name, fb.output("saved"))}
     else:
       refs = {"x": x, "targets": y, "grads": run.grads, "stats": run.stats, **moe_in}
       name = self.node(cell, "FB", f".{m}", state=state, **refs)

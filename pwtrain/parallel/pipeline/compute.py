@@ -16,9 +16,10 @@ Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
   FB   on the last stage: forward, loss and backward in one piece
   W    parallel.schedule="zero_bubble", on every stage after the first: the parameters'
        gradient, added into the running sums, split off the stage's B (or FB), which then
-       returns the input's gradient only (and FB the loss statistics). At stage_remat="none"
-       B and W share F's residuals (FB keeps its own for W); at "full" W recomputes the
-       stage's forward
+       returns the input's gradient (and FB the loss statistics). W never recomputes the
+       forward: at stage_remat="none" B and W share F's residuals; at "full" B, which
+       recomputes the forward, also returns its VJP's residuals for W; FB always returns its
+       own for W
 Evaluation has its own two, compiled on first use:
   EF   forward at inference (MoE at eval capacity, no jitter): input -> output activation
   EL   on the last stage: forward and loss -> the microbatch's {"ce_sum", "z_sum", "tokens"}
@@ -112,7 +113,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
 
   if stage.last:
     if split:
-      _compile_split_fb(cell, forward, moe, z_loss, stage_remat)
+      _compile_split_fb(cell, forward, moe, z_loss)
       return
 
     def fb_fn(state, x, targets, grads, stats, moe_in=None):
@@ -192,16 +193,8 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
   inputs = {"state": cell.state_abs, "x": cell.x_abs, "g_out": cell.act_abs}
   if keep:
     inputs["saved"] = f_piece.out_abstract[f_piece.output("saved")]
-  if split:  # B: the input's gradient only (XLA drops the rest); W: the parameters'
-    cell.compile(
-      "B",
-      lambda state, x, g_out, saved=None: pulled_back(state, x, g_out, saved)[1],
-      inputs,
-      out_shardings=act_sharding,
-      outputs=("g_in",),
-    )
-    _compile_w(cell, lambda state, x, g_out, saved=None: pulled_back(state, x, g_out, saved)[0],
-               {**inputs, "grads": cell.grads_abs})  # fmt: skip
+  if split:
+    _compile_split_b(cell, inputs, keep, residuals, differentiated, primals, cotangent_of)
     return
   cell.compile(
     "B",
@@ -211,6 +204,35 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
     donate=("grads",),
     outputs=("grads",) + (() if stage.first else ("g_in",)),
   )
+
+
+def _compile_split_b(cell, inputs, keep, residuals, differentiated, primals, cotangent_of):
+  """zero_bubble's B (the input's gradient) and W (the parameters') of a stage that is not the
+  last. At stage_remat="none" both rebuild the VJP from F's residuals (`residuals`, `inputs`
+  holding "saved"); at "full" B recomputes the forward and returns the VJP's residuals too
+  (KEPT, as F's: only W on this island reads them), so W does not recompute it again."""
+  w_residuals = residuals if keep else Residuals()
+
+  def b_fn(state, x, g_out, saved=None):
+    if keep:
+      return residuals.vjp(saved, (state["params"], x))(cotangent_of(g_out))[1]
+    _, vjp, _ = jax.vjp(differentiated(x), *primals(state, x), has_aux=True)
+    return vjp(cotangent_of(g_out))[1], w_residuals.save(vjp, (state["params"], x))
+
+  b = cell.compile(
+    "B",
+    b_fn,
+    inputs,
+    out_shardings=cell.act_abs.sharding if keep else (cell.act_abs.sharding, KEPT),
+    outputs=("g_in",) if keep else ("g_in", "saved"),
+  )
+
+  def g_params(state, x, g_out, saved):
+    return w_residuals.vjp(saved, (state["params"], x))(cotangent_of(g_out))[0]
+
+  if not keep:
+    inputs = {**inputs, "saved": b.out_abstract[b.output("saved")]}
+  _compile_w(cell, g_params, {**inputs, "grads": cell.grads_abs})
 
 
 def _loss_fn(forward, moe, targets, z_loss: float):
@@ -237,10 +259,10 @@ def _compile_w(cell: CellPieces, g_params, inputs: dict) -> None:
   cell.compile("W", w_fn, inputs, out_shardings=cell.grads_sharding, donate=("grads",))
 
 
-def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float, stage_remat: str) -> None:
-  """zero_bubble's last stage: FB (forward, loss, the input's gradient and the statistics; at
-  stage_remat="none" also its VJP's residuals, for W) and W (the parameters' gradient)."""
-  keep = stage_remat == "none"
+def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float) -> None:
+  """zero_bubble's last stage: FB (forward, loss, the input's gradient, the statistics and its
+  VJP's residuals, for W) and W (the parameters' gradient from them, with no recomputation,
+  whatever `parallel.stage_remat`)."""
   residuals = Residuals()
   moe_in = {} if moe is None else {"moe_in": cell.moe_abs}
 
@@ -254,29 +276,23 @@ def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float, stage_remat
       own = moe_lib.add_stats(moe_in, own)
       total = total + moe_lib.weighted_aux(moe, moe_in)
     stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **lm, **own})
-    saved = (residuals.save(vjp, (state["params"], x)),) if keep else ()
-    return (stats, g_in, *saved)
+    return stats, g_in, residuals.save(vjp, (state["params"], x))
 
   inputs = {"state": cell.state_abs, "x": cell.x_abs, "targets": cell.tokens_abs}
   fb = cell.compile(
     "FB",
     fb_fn,
     {**inputs, "stats": cell.stats_abs, **moe_in},
-    out_shardings=(cell.sharding_of(cell.stats_abs), cell.act_abs.sharding)
-    + ((KEPT,) if keep else ()),
+    out_shardings=(cell.sharding_of(cell.stats_abs), cell.act_abs.sharding, KEPT),
     donate=("stats",),
-    outputs=("stats", "g_in") + (("saved",) if keep else ()),
+    outputs=("stats", "g_in", "saved"),
   )
 
-  def g_params(state, x, targets, saved=None):
-    if keep:
-      vjp = residuals.vjp(saved, (state["params"], x))
-    else:
-      _, vjp, _ = vjp_of(state, x, targets)
-    return vjp(jnp.ones((), jnp.float32))[0]
+  def g_params(state, x, targets, saved):
+    del targets  # in the residuals
+    return residuals.vjp(saved, (state["params"], x))(jnp.ones((), jnp.float32))[0]
 
-  if keep:
-    inputs["saved"] = fb.out_abstract[fb.output("saved")]
+  inputs["saved"] = fb.out_abstract[fb.output("saved")]
   _compile_w(cell, g_params, {**inputs, "grads": cell.grads_abs})
 
 

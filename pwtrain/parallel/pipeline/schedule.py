@@ -108,6 +108,20 @@ def peak_live_inputs(order: list) -> int:
   return peak
 
 
+def peak_pending_weights(order: list) -> int:
+  """Most microbatches whose backward is split under `order` (zero_bubble) and whose W has not
+  run yet: from B (FB on the last stage) to W, what a stage holds for W. 0 for an order that
+  does not split."""
+  change = {"F": 0, "B": 1, "FB": 1, "W": -1}
+  if not any(kind == "W" for kind, _ in order):
+    return 0
+  pending = peak = 0
+  for kind, _ in order:
+    pending += change[kind]
+    peak = max(peak, pending)
+  return peak
+
+
 def makespan(schedule: str, stages: list, num_micro: int, cost: dict, virtual: int = 1) -> float:
   """The step's length under `schedule` when every island runs its order as soon as each
   node's inputs are there, with `cost` {"F", "B", "W", "FB"} per piece of one microbatch on one
