@@ -3,7 +3,7 @@
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
 step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
 are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
-workers answer again). pwtrain/elastic.py carries them out.
+workers answer again). pwtrain/elastic/ carries them out.
 """
 
 import dataclasses

@@ -124,7 +124,7 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
 def _train(config, harness, context: RunContext, batches, eval_set, workdir: str, host_dir: str):
   step_program, plan = harness.step_program, harness.plan
   mode, goodput = context.mode, context.goodput
-  # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic.py).
+  # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic/).
   steps = ElasticSteps(config, harness, goodput) if config.fault.elastic else harness
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),

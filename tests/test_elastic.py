@@ -1,4 +1,4 @@
-"""Elastic pods (pwtrain/elastic.py): a lost pod is dropped and the run goes on, in process.
+"""Elastic pods (pwtrain/elastic/): a lost pod is dropped and the run goes on, in process.
 
 Embedded mode with the drill `fault.inject`: the lost pod's islands fail every node from the
 given step on, exactly as islands whose devices failed. The survivors' run must equal the

@@ -37,7 +37,6 @@ import copy
 import dataclasses
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -46,8 +45,8 @@ from pwtrain.backend import Cluster, Program, Transfer
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
+from pwtrain.elastic import cells
 from pwtrain.harness import Harness, StepOutputs
-from pwtrain.parallel.pipeline.state import state_key
 
 log = logging.getLogger(__name__)
 
@@ -262,30 +261,30 @@ class ElasticSteps:
     compile_s = time.perf_counter() - start
     old, new = self.step_program, harness.step_program
     sources = [self.live.index(p) if p in self.live else 0 for p in live]
-    moved = _keep_cells(old, new, state, sources, same=[p in self.live for p in live])
+    moved = cells.keep_cells(old, new, state, sources, same=[p in self.live for p in live])
     if moved is not None:  # the rejoining pods' cells: copied from a live pod's islands
       moved = self._copy_cells(harness.plan, moved)
     else:
       whole = self._whole(state, keep=sorted(set(sources)))
-      moved = new.from_checkpoint(_for_pods(whole, new, getattr(new, "num_pods", 1)))
+      moved = new.from_checkpoint(cells.for_pods(whole, new, getattr(new, "num_pods", 1)))
     self.live = live
     return compile_s, moved
 
-  def _copy_cells(self, plan, cells: dict) -> dict:
-    """`cells` ({state key: value, or a `_Copy`}) with each copy made onto its cell's island in
-    `plan` (the new pod set's), by one program of transfers: device to device (embedded),
-    worker to worker (remote), never through this process."""
+  def _copy_cells(self, plan, moved: dict) -> dict:
+    """`moved` ({state key: value, or a `cells.Copy`}) with each copy made onto its cell's
+    island in `plan` (the new pod set's), by one program of transfers: device to device
+    (embedded), worker to worker (remote), never through this process."""
     nodes, inputs, outputs = [], {}, {}
-    for key, value in cells.items():
-      if not isinstance(value, _Copy):
+    for key, value in moved.items():
+      if not isinstance(value, cells.Copy):
         continue
       island = plan.cells[value.cell].name
       inputs[f"from/{key}"] = value.value
       nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
       outputs[key] = (f"copy/{key}", 0)
     if not nodes:
-      return cells
-    return {**cells, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
+      return moved
+    return {**moved, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
 
   def _harness_for(self, live: tuple) -> Harness:
     """The harness of pod set `live`: built (compiled) the first time, then cached."""
@@ -304,7 +303,7 @@ class ElasticSteps:
     one of them, or each one's where the pods' states differ."""
     program = self.step_program
     if hasattr(program, "pod_whole"):  # only the kept pods' cells: a lost pod's may have failed
-      state = {k: v for k, v in state.items() if _pod_of_key(k) in keep}
+      state = {k: v for k, v in state.items() if cells.pod_of_key(k) in keep}
     state = results(state)
     for leaf in jax.tree.leaves(state):
       if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -344,54 +343,3 @@ class ElasticSteps:
     if rerun_steps:
       line += f"; steps {step}-{step + rerun_steps - 1} run again"
     log.warning("%s", line)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Copy:
-  """Cell `cell`'s state (its value elsewhere) to be copied onto its island, laid out as
-  `shardings`."""
-
-  cell: tuple  # (pod, stage) of the new program
-  value: Any
-  shardings: Any
-
-
-def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> dict | None:
-  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]`: as they
-  are where `same[i]` (the same pod on the same islands), else a `_Copy` for pod i's islands;
-  or None where the two programs' cells are not laid out alike."""
-  if not (hasattr(old, "cell_shardings") and hasattr(new, "cell_shardings")):
-    return None
-  out = {}
-  for (i, s), shardings in new.cell_shardings.items():
-    source = (sources[i], s)
-    if jax.tree.structure(shardings) != jax.tree.structure(old.cell_shardings.get(source)):
-      return None
-    value = state[state_key(source)]
-    out[state_key((i, s))] = value if same[i] else _Copy((i, s), value, shardings)
-  return out
-
-
-def _pod_of_key(key: str) -> int:
-  """The pod of a pipeline state key "state/<pod>.<stage>" (pipeline/state.py)."""
-  return int(key.removeprefix("state/").split(".")[0])
-
-
-def _for_pods(whole: dict, program, num_pods: int) -> dict:
-  """A whole-model state shaped for `program`'s restore target: every pod's where the pods'
-  states differ (a dropped pod's gone, a rejoining pod's a copy of the first), else one; the
-  exchange's own entries (DiLoCo's anchor, stale gradients) as the program's exchange has them
-  (made afresh from the parameters where the state had none)."""
-  target = program.abstract_state
-  per_pod = "pods" in target
-  pods = whole["pods"] if "pods" in whole else [whole]
-  if per_pod:
-    pods = (pods + [pods[0]] * num_pods)[:num_pods]
-  one = target["pods"][0] if per_pod else target
-  exchange = getattr(program, "exchange", None)
-  fitted = []
-  for pod in pods:
-    missing = [k for k in one if k not in pod]
-    fresh = exchange.init_state(pod["params"]) if missing else {}
-    fitted.append({k: pod[k] if k in pod else fresh[k] for k in one})
-  return {"pods": fitted} if per_pod else fitted[0]
