@@ -12,8 +12,12 @@ prefixed "[p0] ", and of the others only their warnings and errors (one console 
 Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
 (SIGTERM, then SIGKILL after --grace_s); if the config's `fault.max_restarts` allows, it starts
-all of them again, and they resume from the last checkpoint. It exits with the worst status of
-the last attempt (0 when every process succeeded; a process killed by signal s counts as 128+s).
+all of them again, and they resume from the last checkpoint. With `fault.elastic` a process
+other than process 0 that dies is only named: the others go on without its pod
+(pwtrain/elastic/agreement.py); process 0 serves the coordination service, and losing it stops
+and restarts them all. It exits with the worst status of the last attempt's processes that did
+not die and leave the others going (0 when they all succeeded; a process killed by signal s
+counts as 128+s).
 
 On a cluster the scheduler starts the processes instead, e.g. under SLURM:
   srun python -m pwtrain.main --config=... --config.backend.mode=distributed
@@ -85,6 +89,16 @@ def max_restarts(main_args: list[str]) -> int:
   from pwtrain import config as config_lib
 
   return int(config_lib.load(_flag(main_args, "config")).fault.max_restarts)
+
+
+def elastic(main_args: list[str]) -> bool:
+  """fault.elastic of the config the processes will load (with its command-line override)."""
+  override = _flag(main_args, "config.fault.elastic")
+  if override:
+    return override.lower() in ("true", "1")
+  from pwtrain import config as config_lib
+
+  return bool(config_lib.load(_flag(main_args, "config")).fault.elastic)
 
 
 def free_port() -> int:
@@ -207,6 +221,7 @@ def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
   restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
+  drops = elastic(args.main_args)  # a dead process other than 0 leaves the others going
   stopping = threading.Event()
   current: list[Attempt] = []
 
@@ -226,18 +241,26 @@ def run(args) -> int:
     failed = None
     stop_at = None
     stopped: set[int] = set()  # processes this launcher stopped itself
+    left: set[int] = set()  # processes that died while the others went on (fault.elastic)
     while any(p.poll() is None for p in procs):
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
           print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
           current[-1].signal_all(signal.SIGKILL)
-      failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      failed = next(
+        (i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in left), None
+      )
       if failed is not None and not stopping.is_set():
-        print(
-          f"{PREFIX} process {failed} (pid {procs[failed].pid}) "
-          f"{describe_exit(procs[failed].returncode)}; stopping the other processes"
-        )
+        proc = procs[failed]
+        died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
+        if drops and failed != 0:
+          print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
+          sys.stdout.flush()
+          left.add(failed)
+          continue
+        why = ": it serves the coordination service, which elastic pods need" if drops else ""
+        print(f"{PREFIX} {died}{why}; stopping the other processes")
         sys.stdout.flush()
         stopped = {i for i, p in enumerate(procs) if p.poll() is None}
         current[-1].stop(min(args.grace_s, 5.0))  # the others cannot finish a step now
@@ -247,7 +270,7 @@ def run(args) -> int:
       p.wait()
     current[-1].close()
     codes = [p.returncode for p in procs]
-    worst = max(status(c) for c in codes)
+    worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
         bad = [

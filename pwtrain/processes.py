@@ -53,6 +53,22 @@ def gather(key: str, value, timeout_s: float = 600.0) -> list:
   ]
 
 
+def agree(key: str, value, among) -> dict[int, tuple[int, object]]:
+  """{process: (incarnation, its JSON-serialisable `value`)} of the processes of `among` that
+  are live, the same on every one of them: each tells its value under `key`, then waits in JAX's
+  live-nodes barrier (`jax_enable_recoverability`: the barrier waits for the live processes of
+  `among` only, and a process that died is found by its missing heartbeats), so every process
+  the barrier finds live told its value before it. An incarnation changes when a process of
+  that id was started again. Every live process of `among` must call it with `key`."""
+  client = _client()
+  client.key_value_set(f"pwtrain/{key}/{jax.process_index()}", json.dumps(value))
+  live = client.get_live_nodes(sorted(among))
+  return {
+    i: (incarnation, json.loads(client.blocking_key_value_get(f"pwtrain/{key}/{i}", 60_000)))
+    for i, incarnation in sorted(live.items())
+  }
+
+
 _COUNTS: dict = collections.defaultdict(itertools.count)
 
 

@@ -199,8 +199,11 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         if ckpt.should_save(step, num_steps) or stopping:
           with goodput.bad("checkpoint"):
             state = steps.settle(state)
-            whole = steps.step_program.to_checkpoint(mode.saveable(state))
-            ckpt.save(step, whole, _data_state(batches))
+            if blocked := steps.save_blocked():
+              log.warning("checkpoint %d skipped: %s", step, blocked)
+            else:
+              whole = steps.step_program.to_checkpoint(mode.saveable(state))
+              ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -295,8 +298,11 @@ def _progress_lines(progress: str):
 
 def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
   """This process's reader of the training batches: the data streams whose rows its islands
-  read (every stream, except in distributed mode: loader.py on data.streams)."""
+  read (every stream, except in distributed mode: loader.py on data.streams; with elastic pods
+  every stream, since a survivor may take any pod's rows)."""
   rows = harness.rows_read_here()
+  if config.fault.elastic:
+    rows = tuple(range(config.train.global_batch))
   batches = TrainBatches(config, tokenizer, source, streams_of_rows(config, rows))
   if processes.active():
     me, num, read = jax.process_index(), batches.num_streams, batches.streams

@@ -41,11 +41,13 @@ import time
 import jax
 import numpy as np
 
+from pwtrain import processes
 from pwtrain.backend import Cluster, Program, Transfer
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells
+from pwtrain.elastic.agreement import Agreement
 from pwtrain.harness import Harness, StepOutputs
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,8 @@ class ElasticSteps:
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
+    # Distributed mode: the processes agree on each step and on the live pods (agreement.py).
+    self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
 
   @property
   def harness(self) -> Harness:
@@ -141,6 +145,11 @@ class ElasticSteps:
     self._confirm(keep=0)
     return self._current(state)
 
+  def save_blocked(self) -> str:
+    """Why the state cannot be checkpointed now ("": it can): distributed mode with a pod
+    lost (agreement.py). Harness.save_blocked is always ""."""
+    return "" if self._agreement is None else self._agreement.save_blocked(self.live)
+
   def _current(self, state: dict) -> dict:
     """`state`, or the state of the pending steps run again if it is their failed one."""
     return self._head if state is self._given and self._head is not None else state
@@ -149,7 +158,8 @@ class ElasticSteps:
     return self.harness.evaluate(state, batches)
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
-    out = self.harness.step(state, self._rows(batch), step)
+    host_metrics = self._agreement is None  # distributed: read once the processes agree
+    out = self.harness.step(state, self._rows(batch), step, host_metrics=host_metrics)
     pending = _Pending(step, batch, state, out, metrics)
     self._pending.append(pending)
     self._head = out.state
@@ -179,7 +189,10 @@ class ElasticSteps:
       raise self._fatal
     pending = self._pending[0]
     try:
-      values = jax.device_get(pending.out.metrics.result())
+      if self._agreement is None:
+        values = jax.device_get(pending.out.metrics.result())
+      else:
+        values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
       self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
       return
@@ -323,6 +336,9 @@ class ElasticSteps:
         self._confirm(keep=0)  # the fault hits this step, not one still in flight
         self.controller.wait()
         self._killed_at = time.perf_counter()
+        if self._agreement is not None:  # its process dies; the others find it gone
+          self._agreement.kill(drill.pod, step)
+          continue
         for island in self._islands[drill.pod]:
           self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
       elif drill.action == "rejoin" and drill.pod not in self.live:

@@ -1,0 +1,132 @@
+"""Elastic pods in distributed mode: the processes agree, step by step, on the live pods.
+
+Every process walks every program, so a pod can only be dropped if every surviving process
+drops it at the same step; and a step may have finished on some processes and failed on others
+(a pod's process died after one survivor pulled its gradients and before another did). Each pod
+is one process of its own (drills.check), process 0 holding pod 0. The runtime is JAX's
+fault-tolerant one (`jax_enable_recoverability`, a heartbeat timeout of 3 x fault.heartbeat_s:
+backend/distributed.py), so a process that dies does not take the others with it.
+
+  confirm   a step is confirmed on every process in the same order: each waits for its own
+            share of the step (its island's new state; process 0: the metrics too), which fails
+            at once where a transfer pulled from a dead process failed, then tells whether it
+            ran, in one `processes.agree` over the live pods' processes: its word, then JAX's
+            live-nodes barrier, which every survivor leaves with the same live set (a dead
+            process is left out once its heartbeats are missed). So all survivors see the same
+            answer: the step ran on every live process (its metrics are then read on all,
+            processes.to_host), or processes are gone (dead, or started again under a new
+            incarnation), whose pods are lost (`IslandLost`): steps.py drops them and runs this
+            step and those after it again on the survivors. A step that failed while every
+            process is live is the program's error, raised as it is.
+  no loss   steps compile without donating their inputs (Harness: `Controller(donate=False)`),
+            so every survivor still holds the state each unconfirmed step started from, also
+            where the step finished there.
+  drill     `kill:podP@stepN`: pod P's process SIGKILLs itself before step N is dispatched, once
+            every earlier step is confirmed; the others find it gone as a real fault.
+  never     process 0 serves JAX's coordination service: if it dies the others cannot go on,
+            and the launcher restarts the run from the last checkpoint.
+"""
+
+import logging
+import os
+import re
+import signal
+import time
+
+import jax
+
+from pwtrain import processes
+from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.scheduler import here_only
+from pwtrain.harness import StepOutputs
+
+log = logging.getLogger(__name__)
+
+_REPEATED = re.compile(r"^(INTERNAL: )?(Error dispatching computation: )+")
+
+
+class Agreement:
+  """The live pods' processes agreeing on each step (see the module doc). Every process of the
+  run makes one, at the same point (its first barrier takes every process's incarnation)."""
+
+  def __init__(self, plan, controller, num_stages: int):
+    self.controller = controller
+    self._islands = {
+      p: plan.islands[p * num_stages : (p + 1) * num_stages] for p in range(plan.num_pods)
+    }
+    # drills.check: every pod's islands are on one process of its own.
+    self.process_of = {p: _process(islands) for p, islands in self._islands.items()}
+    told = processes.agree(processes.next_key("elastic/join"), "", self.process_of.values())
+    self._incarnations = {i: incarnation for i, (incarnation, _) in told.items()}
+
+  def confirm(self, out: StepOutputs, live: tuple[int, ...]) -> dict:
+    """The host metrics of the step `out` dispatched over pods `live`, once every live pod's
+    process has said it ran; raises `IslandLost` (after `controller.lose` of every lost pod's
+    islands) when processes are gone."""
+    error = _local_error(out)
+    key = processes.next_key("elastic/step")
+    told = processes.agree(key, error, [self.process_of[p] for p in live])
+    gone = [
+      p
+      for p in live
+      if told.get(self.process_of[p], (None,))[0] != self._incarnations[self.process_of[p]]
+    ]
+    failed = {i: said for i, (_, said) in told.items() if said}
+    if gone:
+      raise self._lost(gone, told, failed)
+    if failed:
+      detail = "; ".join(f"process {i}: {said}" for i, said in failed.items())
+      raise RuntimeError(f"a step failed while every process is live ({detail})")
+    return processes.to_host(out.metrics.result(), processes.next_key("metrics"))
+
+  def _lost(self, pods: list[int], told: dict, failed: dict) -> IslandLost:
+    seen = next(iter(failed.values()), "")
+    for p in pods:
+      i = self.process_of[p]
+      if i == 0:
+        raise RuntimeError("process 0 (the coordination service) was lost: the run restarts")
+      left = "was started again" if i in told else "left the run (no heartbeat)"
+      cause = f"process {i} {left}" + (f"; a step failed with: {seen}" if seen else "")
+      for island in self._islands[p]:
+        self.controller.lose(island.name, cause)
+    first = self._islands[pods[0]][0].name
+    return IslandLost(first, self.controller.lost[first])
+
+  def kill(self, pod: int, step: int) -> None:
+    """The drill `kill:pod<pod>@step<step>`: that pod's process SIGKILLs itself; elsewhere
+    nothing happens (the others find it gone)."""
+    if jax.process_index() != self.process_of[pod]:
+      return
+    log.warning("fault.inject kill:pod%d@step%d: this process SIGKILLs itself", pod, step)
+    logging.shutdown()
+    time.sleep(0.1)  # the launcher's echo reads the line before the process is gone
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  def save_blocked(self, live: tuple[int, ...]) -> str:
+    """Why a checkpoint cannot be saved with pods `live` ("": it can). A save's barriers
+    (Orbax's, and the parts' commit) span every process of the run."""
+    gone = [self.process_of[p] for p in self._islands if p not in live]
+    if not gone:
+      return ""
+    return (
+      f"process(es) {', '.join(map(str, gone))} lost: distributed mode checkpoints only with "
+      "every process live"
+    )
+
+
+def _process(islands) -> int:
+  (process,) = {i for island in islands for i in island.processes}
+  return process
+
+
+def _local_error(out: StepOutputs) -> str:
+  """ "" when this process's share of the step ran, else the first line of its error."""
+  try:
+    for future in (*out.state.values(), out.metrics):
+      value = future.result() if hasattr(future, "result") else future
+      jax.block_until_ready(here_only(value))
+  except Exception as e:  # noqa: BLE001 - told to the others, who decide together
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    # A failed pull's error, as every computation downstream of it repeats it.
+    return _REPEATED.sub("", text)[:300]
+  return ""
