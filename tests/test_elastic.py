@@ -232,14 +232,6 @@ def test_a_computation_that_finds_its_devices_gone_loses_its_island():
     scheduler.stop()
 
 
-def test_elastic_pods_are_refused_in_distributed_mode(tmp_path):
-  config = small_config(**THREE_PODS, **{"fault.elastic": True, "backend.mode": "distributed"})
-  with pytest.raises(
-    ConfigError, match="fault.elastic=True works in backend.mode=.embedded. or .remote."
-  ):
-    train.run(config, str(tmp_path / "run"), show_progress=False)
-
-
 # -- remote mode: worker processes on loopback, SIGKILLed by the drill --------------------------
 
 
