@@ -120,7 +120,7 @@ def _process(islands) -> int:
 
 
 def _local_error(out: StepOutputs) -> str:
-  """ "" when this process's share of the step ran, else the first line of its error."""
+  """The first line of the error of this process's share of the step; empty if it ran."""
   try:
     for future in (*out.state.values(), out.metrics):
       value = future.result() if hasattr(future, "result") else future
