@@ -165,11 +165,6 @@ class Harness:
     same interface, may replace it with the state of failed steps run again)."""
     return state
 
-  def save_blocked(self) -> str:
-    """Why the state cannot be checkpointed now: never ("") here (elastic.ElasticSteps, which
-    has the same interface, may say why not)."""
-    return ""
-
   def rows_read_here(self) -> tuple[int, ...]:
     """The rows of a global batch (train.global_batch rows) that this process feeds: every
     row, except in distributed mode, where an island of another process takes its rows from its

@@ -2,9 +2,13 @@
 say to each other on the host, through JAX's coordination service and its key-value store.
 
 Host values that only some processes hold (a step's metrics live on one island's process)
-reach the others with `to_host`; `barrier` waits for every process; `StopAgreement` makes them
-stop at one step. Outside a distributed run `to_host` is `jax.device_get` and `barrier` does
-nothing, so callers need no second path.
+reach the others with `to_host`; `barrier` waits for every live process; `StopAgreement` makes
+them stop at one step. Outside a distributed run `to_host` is `jax.device_get` and `barrier`
+does nothing, so callers need no second path.
+
+The live processes are every process of the run until elastic pods leave a dead one out
+(`leave_out`, elastic/agreement.py); `barrier` and `gather` then span the others only, and so
+do the checkpoints' barriers (checkpoint/checkpointer.py builds Orbax's for `live()`).
 """
 
 import collections
@@ -29,6 +33,22 @@ def _client():
   return distributed.global_state.client
 
 
+_LEFT_OUT: set[int] = set()  # processes of the run taken for dead (elastic pods)
+
+
+def live() -> tuple[int, ...]:
+  """The ids of the run's live processes, ascending: every process (just process 0 outside a
+  distributed run), less those `leave_out` named."""
+  return tuple(i for i in range(jax.process_count()) if i not in _LEFT_OUT)
+
+
+def leave_out(ids) -> None:
+  """Takes processes `ids` for dead from now on: `barrier`, `gather` and the checkpoints'
+  barriers no longer wait for them. Every live process must leave out the same ones at the same
+  point of the run (elastic/agreement.py does, once they agree which are gone)."""
+  _LEFT_OUT.update(ids)
+
+
 def share(key: str, value) -> None:
   """Publishes a tree of host scalars/arrays under `key` to every process (see `ask`)."""
   _client().key_value_set(f"pwtrain/{key}", json.dumps(_encode(value)))
@@ -41,15 +61,16 @@ def ask(key: str, timeout_s: float = 600.0):
 
 
 def gather(key: str, value, timeout_s: float = 600.0) -> list:
-  """Every process's JSON-serialisable `value` given under `key`, in process order, on every
-  process alike ([value] outside distributed mode). Every process must call it with `key`."""
+  """Every live process's JSON-serialisable `value` given under `key`, in the order of `live()`,
+  on every live process alike ([value] outside distributed mode). Every live process must call
+  it with `key`."""
   if not active():
     return [value]
   client = _client()
   client.key_value_set(f"pwtrain/{key}/{jax.process_index()}", json.dumps(value))
   return [
     json.loads(client.blocking_key_value_get(f"pwtrain/{key}/{i}", int(timeout_s * 1000)))
-    for i in range(jax.process_count())
+    for i in live()
   ]
 
 
@@ -117,9 +138,13 @@ class StopAgreement:
 
 
 def barrier(name: str, timeout_s: float = 600.0) -> None:
-  """Waits until every process has reached the barrier `name` (no-op outside distributed
-  mode)."""
-  if active():
+  """Waits until every live process (`live()`) has reached the barrier `name` (no-op outside
+  distributed mode)."""
+  if not active():
+    return
+  if _LEFT_OUT:
+    _client().wait_at_barrier(f"pwtrain/{name}", int(timeout_s * 1000), process_ids=list(live()))
+  else:
     _client().wait_at_barrier(f"pwtrain/{name}", int(timeout_s * 1000))
 
 

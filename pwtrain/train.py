@@ -199,11 +199,8 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         if ckpt.should_save(step, num_steps) or stopping:
           with goodput.bad("checkpoint"):
             state = steps.settle(state)
-            if blocked := steps.save_blocked():
-              log.warning("checkpoint %d skipped: %s", step, blocked)
-            else:
-              whole = steps.step_program.to_checkpoint(mode.saveable(state))
-              ckpt.save(step, whole, _data_state(batches))
+            whole = steps.step_program.to_checkpoint(mode.saveable(state))
+            ckpt.save(step, whole, _data_state(batches))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -319,7 +316,11 @@ def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
 
 def _data_state(batches: TrainBatches) -> dict:
   """The data position to checkpoint, every stream's: in distributed mode each process reads
-  only some streams, so their positions are gathered from all processes."""
+  only some streams, so their positions are gathered from the live processes. With elastic pods
+  every process reads every stream (`_train_batches`), and a dropped pod's stream goes on with
+  the others: the survivors read its rows each step (and train on them, or with
+  fault.keep_global_batch=False skip them), so the position saved while degraded is the
+  uninterrupted run's, and a resume reads the batches that run reads."""
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 

@@ -54,6 +54,9 @@ class Checkpointer:
   Checkpointer then commits as one step: a state of references to arrays held elsewhere (remote
   island workers) always, and this process's arrays when the writer says it writes those
   (distributed mode's processes). Without one, states this process holds are saved whole.
+
+  In distributed mode a save spans the run's live processes (processes.live): every process,
+  or the survivors once elastic pods left a dead one out, for whom Orbax's manager is rebuilt.
   """
 
   def __init__(
@@ -82,23 +85,9 @@ class Checkpointer:
     if part_writer is not None and not isinstance(part_writer, PartWriter):
       raise TypeError(f"part_writer {part_writer!r} is not a checkpoint.parts.PartWriter")
     self._part_writer = part_writer
-    self._manager = ocp.CheckpointManager(
-      self.directory,
-      # Named handlers let a fresh manager read metadata before anything was saved in it.
-      item_handlers={
-        "state": ocp.StandardCheckpointHandler(),
-        "data": ocp.JsonCheckpointHandler(),
-        "integrity": ocp.JsonCheckpointHandler(),
-        "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
-      },
-      options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        save_interval_steps=1,  # the trainer decides when; see should_save
-        enable_async_checkpointing=async_save,
-        create=not read_only,
-        read_only=read_only,
-      ),
-    )
+    self._keep, self._async_save = keep, async_save
+    self._live = processes.live()
+    self._manager = self._open(self._live)
     # Parts of remote saves that were never committed (a crash between the phases) are garbage.
     self.pending_root = f"{self.directory}.pending"
     if os.path.isdir(self.pending_root) and not read_only and jax.process_index() == 0:
@@ -108,6 +97,49 @@ class Checkpointer:
     self._num_saves = 0
     self._commit_error: BaseException | None = None
     self._discard_if = discard_if or (lambda error: False)
+
+  def _open(self, live: tuple[int, ...]) -> ocp.CheckpointManager:
+    """Orbax's manager of this directory, its barriers among processes `live` (every process
+    of the run: Orbax's defaults; fewer, with elastic pods in distributed mode: process 0
+    primary, barrier keys prefixed by the live set, so none waits for a dead process nor meets
+    a barrier of another live set's manager)."""
+    everyone = len(live) == jax.process_count()
+    return ocp.CheckpointManager(
+      self.directory,
+      # Named handlers let a fresh manager read metadata before anything was saved in it.
+      item_handlers={
+        "state": ocp.StandardCheckpointHandler(),
+        "data": ocp.JsonCheckpointHandler(),
+        "integrity": ocp.JsonCheckpointHandler(),
+        "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
+      },
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=self._keep,
+        save_interval_steps=1,  # the trainer decides when; see should_save
+        enable_async_checkpointing=self._async_save,
+        # Orbax creates the directory only with every process; a later live set finds it.
+        create=not self.read_only and everyone,
+        read_only=self.read_only,
+        multiprocessing_options=ocp.options.MultiprocessingOptions()
+        if everyone
+        else ocp.options.MultiprocessingOptions(
+          primary_host=0,
+          active_processes=set(live),
+          barrier_sync_key_prefix=f"pwtrain-processes-{'-'.join(map(str, live))}",
+        ),
+      ),
+    )
+
+  def _follow_live(self) -> None:
+    """Rebuilds the manager for the live processes when elastic pods left one out since it was
+    built (processes.live); its saves so far are finished first. Every live process does this
+    at the same save, as the trainer saves the same steps on every process."""
+    live = processes.live()
+    if live == self._live:
+      return
+    self._manager.wait_until_finished()
+    self._manager.close()
+    self._live, self._manager = live, self._open(live)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -129,6 +161,7 @@ class Checkpointer:
       self._save_parts(step, state, data_state)
       return
     self._join_commit()
+    self._follow_live()
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -142,6 +175,7 @@ class Checkpointer:
     if self._part_writer is None:
       raise TypeError("this state's leaves are references held elsewhere: pass a part_writer")
     self._join_commit()  # one save at a time, as the manager does
+    self._follow_live()
     # Distributed mode: every process writes into the same pending directory (saves come in
     # the same order on every process); remote: a fresh name per save.
     self._num_saves += 1

@@ -21,6 +21,9 @@ backend/distributed.py), so a process that dies does not take the others with it
   no loss   steps compile without donating their inputs (Harness: `Controller(donate=False)`),
             so every survivor still holds the state each unconfirmed step started from, also
             where the step finished there.
+  saves     the gone processes are left out of the run's live processes (processes.leave_out),
+            so the survivors' checkpoints are ordinary ones: their barriers, the data positions'
+            gather and Orbax's manager span the survivors (checkpoint/checkpointer.py).
   drill     `kill:podP@stepN`: pod P's process SIGKILLs itself before step N is dispatched, once
             every earlier step is confirmed; the others find it gone as a real fault.
   never     process 0 serves JAX's coordination service: if it dies the others cannot go on,
@@ -81,6 +84,8 @@ class Agreement:
 
   def _lost(self, pods: list[int], told: dict, failed: dict) -> IslandLost:
     seen = next(iter(failed.values()), "")
+    # From now on the run's barriers (checkpoints' included) wait for the survivors only.
+    processes.leave_out(self.process_of[p] for p in pods if self.process_of[p] != 0)
     for p in pods:
       i = self.process_of[p]
       if i == 0:
@@ -101,17 +106,6 @@ class Agreement:
     logging.shutdown()
     time.sleep(0.1)  # the launcher's echo reads the line before the process is gone
     os.kill(os.getpid(), signal.SIGKILL)
-
-  def save_blocked(self, live: tuple[int, ...]) -> str:
-    """Why a checkpoint cannot be saved with pods `live` ("": it can). A save's barriers
-    (Orbax's, and the parts' commit) span every process of the run."""
-    gone = [self.process_of[p] for p in self._islands if p not in live]
-    if not gone:
-      return ""
-    return (
-      f"process(es) {', '.join(map(str, gone))} lost: distributed mode checkpoints only with "
-      "every process live"
-    )
 
 
 def _process(islands) -> int:

@@ -145,11 +145,6 @@ class ElasticSteps:
     self._confirm(keep=0)
     return self._current(state)
 
-  def save_blocked(self) -> str:
-    """Why the state cannot be checkpointed now ("": it can): distributed mode with a pod
-    lost (agreement.py). Harness.save_blocked is always ""."""
-    return "" if self._agreement is None else self._agreement.save_blocked(self.live)
-
   def _current(self, state: dict) -> dict:
     """`state`, or the state of the pending steps run again if it is their failed one."""
     return self._head if state is self._given and self._head is not None else state
