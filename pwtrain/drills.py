@@ -3,7 +3,8 @@
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
 step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
 are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
-workers answer again). pwtrain/elastic/ carries them out.
+workers answer again; distributed: waits until the process pwtrain.launch started again in the
+pod's place is ready). pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -56,8 +57,8 @@ def check(config, plan) -> None:
 
 def _check_distributed(config, plan, drills) -> None:
   """What elastic pods take in distributed mode (elastic/agreement.py): one island per pod, each
-  on one process of its own (the process is what dies), the sync exchange, and drills that
-  kill a pod other than pod 0 (process 0 serves the coordination service) and never rejoin."""
+  on one process of its own (the process is what dies), the sync exchange, and drills of pods
+  other than pod 0 (process 0 serves the coordination service)."""
   where = "fault.elastic=True in backend.mode='distributed'"
   if config.parallel.stages != 1:
     raise ConfigError(
@@ -71,10 +72,10 @@ def _check_distributed(config, plan, drills) -> None:
       "dead process out; overlapped and diloco are not built there)"
     )
   for drill in drills:
-    if drill.action == "rejoin" or drill.pod == 0:
+    if drill.pod == 0:
       raise ConfigError(
-        f"fault.inject={config.fault.inject!r}: {where} takes kill:pod<P>@step<N> with P >= 1 "
-        "(pod 0's process serves the coordination service; a lost process does not rejoin)"
+        f"fault.inject={config.fault.inject!r}: {where} takes drills of pods P >= 1 "
+        "(pod 0's process serves the coordination service, whose loss restarts the run)"
       )
   owners = [island.processes for island in plan.islands]
   if any(len(o) != 1 for o in owners) or len(set(owners)) != len(owners):

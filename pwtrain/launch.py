@@ -13,8 +13,10 @@ Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each ch
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
 (SIGTERM, then SIGKILL after --grace_s); if the config's `fault.max_restarts` allows, it starts
 all of them again, and they resume from the last checkpoint. With `fault.elastic` a process
-other than process 0 that dies is only named: the others go on without its pod
-(pwtrain/elastic/agreement.py); process 0 serves the coordination service, and losing it stops
+other than process 0 that dies is named, the others go on without its pod, and it is started
+again ($PWTRAIN_REJOIN=1, at most MAX_STARTS times) once they have left it out (its heartbeat
+timeout, 3 x fault.heartbeat_s, and a second): it rejoins them at a step boundary
+(pwtrain/elastic/agreement.py). Process 0 serves the coordination service, and losing it stops
 and restarts them all. It exits with the worst status of the last attempt's processes that did
 not die and leave the others going (0 when they all succeeded; a process killed by signal s
 counts as 128+s).
@@ -24,6 +26,7 @@ On a cluster the scheduler starts the processes instead, e.g. under SLURM:
 """
 
 import argparse
+import collections
 import os
 import re
 import selectors
@@ -34,7 +37,7 @@ import sys
 import threading
 import time
 
-from pwtrain.processes import describe_exit
+from pwtrain.processes import REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
 
@@ -91,14 +94,17 @@ def max_restarts(main_args: list[str]) -> int:
   return int(config_lib.load(_flag(main_args, "config")).fault.max_restarts)
 
 
-def elastic(main_args: list[str]) -> bool:
-  """fault.elastic of the config the processes will load (with its command-line override)."""
-  override = _flag(main_args, "config.fault.elastic")
-  if override:
-    return override.lower() in ("true", "1")
+def elastic(main_args: list[str]) -> float | None:
+  """With fault.elastic (of the config the processes will load, with its command-line
+  overrides), its heartbeat timeout in seconds (3 x fault.heartbeat_s, as pwtrain.main joins
+  the run with); None without."""
   from pwtrain import config as config_lib
 
-  return bool(config_lib.load(_flag(main_args, "config")).fault.elastic)
+  config = config_lib.load(_flag(main_args, "config"))
+  override = _flag(main_args, "config.fault.elastic")
+  if not (override.lower() in ("true", "1") if override else config.fault.elastic):
+    return None
+  return 3 * float(_flag(main_args, "config.fault.heartbeat_s") or config.fault.heartbeat_s)
 
 
 def free_port() -> int:
@@ -138,34 +144,42 @@ class Attempt:
     ]
     mode = "w" if attempt == 0 else "a"
     self.logs = [open(os.path.join(log_dir, f"process{i}.log"), mode) for i in range(n)]
+    self._start = lambda i, env: subprocess.Popen(
+      command,
+      env={**child_env(i, n, coordinator, devices), **env},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      start_new_session=True,  # our signals reach them only as we forward them
+    )
     self.procs = []
     for i in range(n):
       if attempt:
         self.logs[i].write(f"{PREFIX} restart {attempt}\n")
-      self.procs.append(
-        subprocess.Popen(
-          command,
-          env=child_env(i, n, coordinator, devices),
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          start_new_session=True,  # our signals reach them only as we forward them
-        )
-      )
+      self.procs.append(self._start(i, {}))
     self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
+    self._selector = selectors.DefaultSelector()
+    for i, proc in enumerate(self.procs):
+      self._selector.register(proc.stdout, selectors.EVENT_READ, i)
+    self._open_streams = len(self.procs)
     self.echo = threading.Thread(target=self._echo, daemon=True)
     self.echo.start()
 
+  def start_again(self, i: int) -> None:
+    """Starts process `i` again in its dead predecessor's place, while the others go on
+    (fault.elastic): $PWTRAIN_REJOIN tells it to join them at a step boundary."""
+    self.logs[i].write(f"{PREFIX} started again\n")
+    self.procs[i] = self._start(i, {REJOIN_ENV: "1"})
+    self._open_streams += 1
+    self._selector.register(self.procs[i].stdout, selectors.EVENT_READ, i)
+
   def _echo(self):
-    selector = selectors.DefaultSelector()
-    for i, proc in enumerate(self.procs):
-      selector.register(proc.stdout, selectors.EVENT_READ, i)
-    open_streams = len(self.procs)
-    while open_streams:
-      for key, _ in selector.select():
+    selector = self._selector
+    while self._open_streams:
+      for key, _ in selector.select(timeout=0.5):
         line = key.fileobj.readline()
         if not line:
           selector.unregister(key.fileobj)
-          open_streams -= 1
+          self._open_streams -= 1
           continue
         text = line.decode(errors="replace")
         self.logs[key.data].write(text)
@@ -212,6 +226,10 @@ _INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
 _GLOO_LINE = re.compile(r"\[Gloo\]|connected peer ranks")
 
 
+# How often a dead process is started again while the others go on (fault.elastic).
+MAX_STARTS = 3
+
+
 def status(code: int) -> int:
   """An exit status as a shell shows it: killed by signal s -> 128 + s."""
   return 128 - code if code < 0 else code
@@ -221,7 +239,10 @@ def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
   restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
-  drops = elastic(args.main_args)  # a dead process other than 0 leaves the others going
+  # fault.elastic: a dead process other than 0 leaves the others going, and is started again
+  # once they have left it out (its heartbeat timeout, and a second), at most MAX_STARTS times.
+  heartbeat_timeout_s = elastic(args.main_args)
+  drops = heartbeat_timeout_s is not None
   stopping = threading.Event()
   current: list[Attempt] = []
 
@@ -242,7 +263,17 @@ def run(args) -> int:
     stop_at = None
     stopped: set[int] = set()  # processes this launcher stopped itself
     left: set[int] = set()  # processes that died while the others went on (fault.elastic)
-    while any(p.poll() is None for p in procs):
+    again: dict[int, float] = {}  # process -> when to start it again (fault.elastic)
+    starts = collections.Counter()
+    while any(p.poll() is None for p in procs) or again:
+      for i, at in list(again.items()):
+        if time.monotonic() >= at:
+          del again[i]
+          if procs[0].poll() is None and not stopping.is_set():  # the run still goes on
+            print(f"{PREFIX} process {i} started again: it rejoins at a step boundary")
+            sys.stdout.flush()
+            current[-1].start_again(i)
+            left.discard(i)
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
@@ -258,6 +289,9 @@ def run(args) -> int:
           print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
           sys.stdout.flush()
           left.add(failed)
+          starts[failed] += 1
+          if starts[failed] <= MAX_STARTS:
+            again[failed] = time.monotonic() + heartbeat_timeout_s + 1.0
           continue
         why = ": it serves the coordination service, which elastic pods need" if drops else ""
         print(f"{PREFIX} {died}{why}; stopping the other processes")

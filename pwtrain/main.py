@@ -136,7 +136,9 @@ def main(argv):
     train.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
     if _CONFIG.value.backend.mode == "distributed" and _CONFIG.value.fault.elastic:
       from pwtrain.backend import distributed
+      from pwtrain.elastic import agreement
 
+      agreement.end_of_run()  # a process started again and not yet rejoined leaves too
       distributed.leave()
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
     distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value

@@ -168,6 +168,33 @@ class Controller:
       self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
 
+  @property
+  def program_number(self) -> int:
+    """How many programs were dispatched: the next one's number, which names its pulls
+    (distributed mode); a process that rejoins a run takes the others' (elastic pods)."""
+    return self._step
+
+  @program_number.setter
+  def program_number(self, value: int) -> None:
+    self._step = value
+
+  def hand_over(self, value, source: int, destination: int, spec):
+    """Distributed mode: `value` (arrays of process `source`) as arrays of `spec` on process
+    `destination`, by one pull; counts as a program (dispatch.Dispatcher.hand_over)."""
+    with self._dispatch_lock:
+      step = self._step
+      self._step += 1
+      return self._dispatcher.hand_over(value, source, destination, spec, step)
+
+  def serve_pulls(self) -> None:
+    """Distributed mode: starts this process's transfer server now (else at the first program
+    with a pull), publishing its address."""
+    self._dispatcher.serve_pulls()
+
+  def forget(self, process: int) -> None:
+    """Distributed mode: `process` was started again; pulls from it go to its new server."""
+    self._dispatcher.forget(process)
+
   def _bound_inflight(self):
     # Check and pop under the lock: two clients seeing one program left would otherwise both
     # pop it (IndexError). With several clients the bound is per pop, so it may be exceeded by

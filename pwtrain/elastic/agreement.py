@@ -24,8 +24,22 @@ backend/distributed.py), so a process that dies does not take the others with it
   saves     the gone processes are left out of the run's live processes (processes.leave_out),
             so the survivors' checkpoints are ordinary ones: their barriers, the data positions'
             gather and Orbax's manager span the survivors (checkpoint/checkpointer.py).
+  rejoin    pwtrain.launch starts a dead process again (same id, $PWTRAIN_REJOIN) once the
+            others have left it out. It builds its programs, starts its transfer server (its
+            address replaces its predecessor's), says it is ready (`join`) and waits. Process 0
+            tells the live processes so in the next `confirm`, and at the next step boundary
+            (before the batch is read) they hand it, through the key-value store, everything
+            they pair by counting: the program number (which names every pull), every
+            `processes.next_key` count, the live processes' generation, Orbax's count of save
+            operations, the step, the live pods and the data position (`welcome`); it takes
+            them on, all meet in one `processes.agree` of every process (its new incarnation
+            taken), its pod's state is pulled from a live pod's process (cells.hand_over), and
+            every pod runs again. It never enters a barrier its predecessor passed (one it
+            would wait at alone), nor sets a key its predecessor set without deleting it first.
   drill     `kill:podP@stepN`: pod P's process SIGKILLs itself before step N is dispatched, once
             every earlier step is confirmed; the others find it gone as a real fault.
+            `rejoin:podP@stepN`: the live processes wait at step N until its new process is
+            ready (and do not take it back earlier), then welcome it there.
   never     process 0 serves JAX's coordination service: if it dies the others cannot go on,
             and the launcher restarts the run from the last checkpoint.
 """
@@ -39,8 +53,10 @@ import time
 import jax
 
 from pwtrain import processes
+from pwtrain.backend import distributed
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.scheduler import here_only
+from pwtrain.checkpoint import process_parts
 from pwtrain.harness import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -59,22 +75,31 @@ class Agreement:
     }
     # drills.check: every pod's islands are on one process of its own.
     self.process_of = {p: _process(islands) for p, islands in self._islands.items()}
-    told = processes.agree(processes.next_key("elastic/join"), "", self.process_of.values())
-    self._incarnations = {i: incarnation for i, (incarnation, _) in told.items()}
+    self.returning: set[int] = set()  # pods whose new process is ready to rejoin (`confirm`)
+    self._incarnations: dict[int, int] = {}  # a rejoining process learns them in `join`
+    if not processes.rejoining():
+      told = processes.agree(processes.next_key("elastic/join"), "", self.process_of.values())
+      self._incarnations = {i: incarnation for i, (incarnation, _) in told.items()}
 
   def confirm(self, out: StepOutputs, live: tuple[int, ...]) -> dict:
     """The host metrics of the step `out` dispatched over pods `live`, once every live pod's
     process has said it ran; raises `IslandLost` (after `controller.lose` of every lost pod's
-    islands) when processes are gone."""
-    error = _local_error(out)
+    islands) when processes are gone. Process 0 also tells which lost pods' processes were
+    started again and are ready to rejoin: they join `returning` on every live process alike."""
+    said = {"error": _local_error(out), "ready": []}
+    if jax.process_index() == 0:
+      lost = [p for p in self.process_of if p not in live]
+      said["ready"] = [p for p in lost if processes.told(_ready(self.process_of[p])) == "ready"]
     key = processes.next_key("elastic/step")
-    told = processes.agree(key, error, [self.process_of[p] for p in live])
+    told = processes.agree(key, said, [self.process_of[p] for p in live])
     gone = [
       p
       for p in live
       if told.get(self.process_of[p], (None,))[0] != self._incarnations[self.process_of[p]]
     ]
-    failed = {i: said for i, (_, said) in told.items() if said}
+    failed = {i: said["error"] for i, (_, said) in told.items() if said["error"]}
+    if 0 in told:
+      self.returning.update(told[0][1]["ready"])
     if gone:
       raise self._lost(gone, told, failed)
     if failed:
@@ -97,6 +122,71 @@ class Agreement:
     first = self._islands[pods[0]][0].name
     return IslandLost(first, self.controller.lost[first])
 
+  # -- rejoin -------------------------------------------------------------------------------
+
+  def await_ready(self, pod: int, timeout_s: float = 600.0) -> None:
+    """The drill `rejoin:pod<pod>@step<N>`: waits until pod's new process is ready to rejoin
+    (every live process alike, so they all welcome it at step N)."""
+    deadline = time.monotonic() + timeout_s
+    while processes.told(_ready(self.process_of[pod])) != "ready":
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"pod {pod}'s process is not ready to rejoin after {timeout_s:.0f} s")
+      time.sleep(0.2)
+
+  def welcome(self, pods: list[int], handover: dict) -> None:
+    """The live processes, at a step boundary: hand the new processes of `pods` (ready: `join`)
+    what they must take on to pair with them (`handover`, with this process's counts: the
+    same on every live process), then meet them, take them back and connect to their new
+    transfer servers."""
+    new = [self.process_of[p] for p in pods]
+    handover = {
+      **handover,
+      "membership": processes.membership(),
+      "program": self.controller.program_number,
+      "orbax_operations": process_parts.operations(),
+    }
+    if jax.process_index() == 0:
+      for i in new:
+        processes.tell(_handover(i), handover)
+    self._meet(new)
+    for i in new:
+      self.controller.forget(i)
+
+  def join(self, timeout_s: float = 600.0) -> dict:
+    """A process started in a dead one's place (processes.rejoining), once it has compiled its
+    programs: starts its transfer server (its address replaces its predecessor's), says it is
+    ready, waits for the live processes' handover (`welcome`), takes on their counts (program
+    numbers, `processes.next_key`'s, Orbax's) and meets them. Returns the handover."""
+    me = jax.process_index()
+    self.controller.serve_pulls()
+    processes.tell(_ready(me), "ready")
+    handover = processes.hear(_handover(me), timeout_s)
+    if handover.get("over"):  # the others finished first (`end_of_run`): leave with them
+      log.warning("the run ended before this process could rejoin it")
+      distributed.leave()
+      logging.shutdown()
+      os._exit(0)
+    processes.adopt(handover["membership"])
+    self.controller.program_number = handover["program"]
+    process_parts.adopt_operations(handover["orbax_operations"])
+    self._meet([me])
+    return handover
+
+  def _meet(self, new: list[int]) -> None:
+    """Every live process and the new ones `new` meet (their incarnations taken), and from now
+    on all count as live (processes.take_back)."""
+    everyone = sorted(set(processes.live()) | set(new))
+    told = processes.agree(f"elastic/rejoin/{processes.generation()}", "", everyone)
+    missing = sorted(set(everyone) - set(told))
+    if missing:
+      raise RuntimeError(f"process(es) {missing} left while rejoining; the run restarts")
+    self._incarnations = {i: incarnation for i, (incarnation, _) in told.items()}
+    if jax.process_index() == 0:
+      for i in new:
+        processes.tell(_ready(i), "taken")  # a later process in its place says so anew
+    processes.take_back(new)
+    self.returning.difference_update(p for p, i in self.process_of.items() if i in new)
+
   def kill(self, pod: int, step: int) -> None:
     """The drill `kill:pod<pod>@step<step>`: that pod's process SIGKILLs itself; elsewhere
     nothing happens (the others find it gone)."""
@@ -106,6 +196,24 @@ class Agreement:
     logging.shutdown()
     time.sleep(0.1)  # the launcher's echo reads the line before the process is gone
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end_of_run() -> None:
+  """Process 0, as the run ends: a process started again that waits to rejoin is told that the
+  run is over (`join`), so that it leaves with the others."""
+  if jax.process_index() == 0:
+    for i in set(range(jax.process_count())) - set(processes.live()):
+      processes.tell(_handover(i), {"over": True})
+
+
+def _handover(process: int) -> str:
+  """The key of what the live processes hand `process`, started again (`welcome`)."""
+  return f"elastic/handover/{process}"
+
+
+def _ready(process: int) -> str:
+  """The key under which `process`, started again, says it is ready to rejoin."""
+  return f"elastic/ready/{process}"
 
 
 def _process(islands) -> int:

@@ -9,7 +9,9 @@ from typing import Any
 
 import jax
 
+from pwtrain.backend.run_mode import results
 from pwtrain.parallel.pipeline.state import state_key
+from pwtrain.sharding import stand_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +63,26 @@ def for_pods(whole: dict, program, num_pods: int) -> dict:
     fresh = exchange.init_state(pod["params"]) if missing else {}
     fitted.append({k: pod[k] if k in pod else fresh[k] for k in one})
   return {"pods": fitted} if per_pod else fitted[0]
+
+
+def stand_ins(program) -> dict:
+  """`program`'s state as a process holds it where none of it is on its devices (distributed
+  mode: a process started in a dead one's place, before its pod's state is copied to it):
+  every cell's, as its init makes it, with no data."""
+  return {
+    state_key(c): jax.tree.map(stand_in, program.executables[("init", *c)].compiled.out_info)
+    for c in program.cell_shardings
+  }
+
+
+def hand_over(controller, plan, copy: Copy):
+  """`copy` made by one pull from the process that holds its value to the process of its
+  cell's island in `plan` (distributed mode; every process calls it alike, stand-ins
+  elsewhere)."""
+  value = results({"value": copy.value})["value"]
+  (source,) = {d.process_index for x in jax.tree.leaves(value) for d in x.sharding.device_set}
+  (destination,) = plan.cells[copy.cell].processes
+  spec = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), value, copy.shardings
+  )
+  return controller.hand_over(value, source, destination, spec)

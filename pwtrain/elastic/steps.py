@@ -1,7 +1,9 @@
 """Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
 
 `ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
-`settle`, `evaluate`, `step_program`), over one controller and one cluster:
+`settle`, `evaluate`, `step_program`), over one controller and one cluster; the trainer also
+calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
+dead one's place `join`s (distributed mode):
 
   detect   a step fails with `backend.faults.IslandLost`: a pod's devices failed (embedded),
            its worker died or went silent (remote: `WorkerLost`), or a drill made it so
@@ -20,7 +22,7 @@
            by the supervisor or by someone else; or a drill's `rejoin:podP@stepN`, which in
            remote mode waits for them), they are given every executable again and the live
            pods' state is copied onto them, island to island, at the next step boundary; then
-           every pod runs again.
+           every pod runs again (distributed mode: a dead process started again, agreement.py).
   too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
 
 What the exchange modes do with a lost pod: sync and overlapped sum the survivors' gradients over
@@ -35,6 +37,7 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import logging
 import time
 
@@ -104,8 +107,10 @@ class ElasticSteps:
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
-    # Distributed mode: the processes agree on each step and on the live pods (agreement.py).
+    # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
+    # pods that a drill brings back at its step, not as soon as they are ready.
     self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
+    self._rejoin_drills = {d.pod for d in self._drills if d.action == "rejoin"}
 
   @property
   def harness(self) -> Harness:
@@ -117,17 +122,47 @@ class ElasticSteps:
 
   # -- steps ----------------------------------------------------------------------------------
 
-  def step(self, state: dict, batch: dict, step: int) -> StepOutputs:
-    """Dispatches step `step` (0-based) as Harness.step does, on the live pods; returns at
-    once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
-    may be replaced by the state of their run again after a drop."""
+  def boundary(self, state: dict, step: int, data_position=dict) -> dict:
+    """Before step `step` (0-based) is dispatched and its batch read (the trainer calls it
+    before every `step`): the drills due there, and the lost pods whose islands can run again
+    rejoin (remote: their workers answer; distributed: their new processes are ready).
+    `data_position()`: the data position here, handed to a rejoining process."""
     self._drill(step + 1)
     answering = self.controller.answering()
     for p in range(self.num_pods):
       if p not in self.live and all(i.name in answering for i in self._islands[p]):
         self._rejoining.add(p)  # remote: its workers answer again
+    if self._agreement is not None:  # told alike on every live process (agreement.confirm)
+      self._rejoining |= self._agreement.returning - self._rejoin_drills - set(self.live)
     if self._rejoining:
-      state = self._rejoin(self.settle(state), step)
+      state = self._rejoin(self.settle(state), step, data_position)
+    return state
+
+  def join(self) -> tuple[dict, int, dict]:
+    """Distributed mode, in a process started in a dead one's place (processes.rejoining):
+    once the live processes welcome it at a step boundary (agreement.join), its pod's state is
+    copied from a live pod's, as they do in `_rejoin`. Returns (its state, the step (0-based)
+    it starts at, the data position there)."""
+    start = time.perf_counter()
+    handover = self._agreement.join()
+    everyone, survivors = self.live, tuple(handover["live"])
+    built = time.perf_counter()
+    self._harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
+    compile_s = time.perf_counter() - built
+    self.live = survivors
+    more_s, state = self._move(everyone, cells.stand_ins(self.step_program))
+    seconds, step = time.perf_counter() - start, handover["step"]
+    mine = [p for p in everyone if p not in survivors]
+    self._record(
+      "rejoin", mine, "this process started again", step + 1, seconds,
+      compile_s=compile_s + more_s, state_s=seconds - compile_s - more_s,
+    )  # fmt: skip
+    return state, step, handover["data"]
+
+  def step(self, state: dict, batch: dict, step: int) -> StepOutputs:
+    """Dispatches step `step` (0-based) as Harness.step does, on the live pods; returns at
+    once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
+    may be replaced by the state of their run again after a drop."""
     self._confirm(keep=self.config.backend.max_inflight_steps)
     state, metrics = self._current(state), _Metrics(self)
     try:
@@ -241,11 +276,14 @@ class ElasticSteps:
         self._drop(e)
         return
 
-  def _rejoin(self, state: dict, step: int) -> dict:
+  def _rejoin(self, state: dict, step: int, data_position) -> dict:
     """Copies the live pods' state onto the returning pods at this step boundary."""
     start = time.perf_counter()
     pods = sorted(self._rejoining)
     self._rejoining.clear()
+    if self._agreement is not None:  # their processes take on the live ones' counts
+      handover = {"step": step, "live": list(self.live), "data": data_position()}
+      self._agreement.welcome(pods, handover)  # which clears their `returning`
     for p in pods:
       for island in self._islands[p]:
         self.controller.restore(island.name)
@@ -290,6 +328,9 @@ class ElasticSteps:
       inputs[f"from/{key}"] = value.value
       nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
       outputs[key] = (f"copy/{key}", 0)
+    if self._agreement is not None:  # distributed: one pull each (cells.hand_over)
+      copy = functools.partial(cells.hand_over, self.controller, plan)
+      return {k: copy(v) if isinstance(v, cells.Copy) else v for k, v in moved.items()}
     if not nodes:
       return moved
     return {**moved, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
@@ -337,6 +378,9 @@ class ElasticSteps:
         for island in self._islands[drill.pod]:
           self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
+        if self._agreement is not None:  # its new process: at this step, once it is ready
+          self._agreement.await_ready(drill.pod)
+          self._rejoin_drills.discard(drill.pod)
         self._rejoining.add(drill.pod)
 
   def _record(self, kind, pods, cause, step, seconds, detect_s=None, rerun_steps=0, **parts):
