@@ -18,8 +18,10 @@ script on loopback (coordinator on a free port; 2 simulated CPU devices each), e
             (the devices of a baseline step, and with N >= 3 a set no step used before), (e) a
             pull from the dead process, (f, --mesh_with_dead) a computation over every device
   rejoin    (--rejoin) the parent starts a replacement process with id N-1; every process calls
-            `live_devices` until it includes N-1, then one computation over every process's
-            devices and a pull from the replacement to process 0
+            `live_devices` until it includes N-1, then pulls from the replacement to process 0
+            and back, a barrier of every process on a fresh id, the replacement setting a key
+            its predecessor set and entering a barrier its predecessor passed, and one
+            computation over every process's devices
   exit      (d) jax.distributed.shutdown and process exit (how long, exit status)
 Each step prints `PROBE n<N>/p<i>/<step>: ok|FAILED <error first line> (<seconds>)` (p<i>r: the
 replacement); the parent prints them as they come and a summary at the end. Every wait has a
@@ -236,6 +238,7 @@ def worker(args) -> None:
     probe("baseline_mesh_all", lambda: mesh_sum(everyone), 60)
     if n >= 3 and i < n - 1:  # the survivors-to-be, on a mesh of theirs before the kill
       probe("baseline_mesh_survivors", lambda: mesh_sum(everyone - {victim}), 45)
+    probe("baseline_barrier", lambda: client.wait_at_barrier("probe/barrier/all", 30_000), 35)
     probe("baseline_live_devices", lambda: live(lambda p: p == sorted(everyone), 30), 35)
     print("READY", flush=True)
     command = sys.stdin.readline().split()
@@ -273,6 +276,26 @@ def worker(args) -> None:
   if command and command[0] == "rejoin":
     probe("rejoin_live_devices", lambda: live(lambda p: victim in p, 60), 65)
     probe("rejoin_pull_new_to_0", lambda: pull(victim, 0, 300, src_gen=1), 30)
+    # What a rejoin's handover needs (--rejoin): the survivors' state pulled by the
+    # replacement, a barrier of every process on a fresh id, and what the replacement meets
+    # where it repeats its predecessor's calls (a key it set, a barrier it passed).
+    probe("rejoin_pull_0_to_new", lambda: pull(0, victim, 301), 30)
+    probe(
+      "rejoin_barrier_fresh",
+      lambda: client.wait_at_barrier("probe/rejoined", 20_000, process_ids=sorted(everyone)),
+      25,
+    )
+    if gen:
+      probe(
+        "rejoin_kv_set_predecessors_key",
+        lambda: client.key_value_set(f"probe/server/{i}/0", state["server"].address()),
+        15,
+      )
+      probe(
+        "rejoin_barrier_passed_before",
+        lambda: client.wait_at_barrier("probe/barrier/all", 10_000),
+        15,
+      )
     probe("rejoin_mesh_fresh", lambda: mesh_sum(everyone, True), 30)
     # The baseline's set of devices again: last, since it may leave a process stuck.
     probe("rejoin_mesh_all", lambda: mesh_sum(everyone), 20)

@@ -3,7 +3,8 @@
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
 step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
 are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
-workers answer again). pwtrain/elastic.py carries them out.
+workers answer again; distributed: waits until the process pwtrain.launch started again in the
+pod's place is ready). pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -32,13 +33,7 @@ def check(config, plan) -> None:
     if f.inject:
       raise ConfigError(f"fault.inject={f.inject!r} is a drill of fault.elastic=True")
     return
-  parse_inject(f.inject, plan.num_pods)
-  if config.backend.mode not in ("embedded", "remote"):
-    raise ConfigError(
-      f"fault.elastic=True works in backend.mode='embedded' or 'remote'; "
-      f"backend.mode={config.backend.mode!r} restarts from the last checkpoint instead "
-      "(fault.max_restarts): set fault.elastic=False"
-    )
+  drills = parse_inject(f.inject, plan.num_pods)
   if plan.num_pods < 2:
     raise ConfigError(
       f"fault.elastic=True drops lost pods, but parallel.pods={plan.num_pods}: use 2 or more"
@@ -56,6 +51,40 @@ def check(config, plan) -> None:
         f"into {n} pods x {split} rows (batch shards x microbatches); choose a global batch "
         f"that every pod count from fault.min_pods={f.min_pods} to {plan.num_pods} divides"
       )
+  if config.backend.mode == "distributed":
+    _check_distributed(config, plan, drills)
+
+
+def _check_distributed(config, plan, drills) -> None:
+  """What elastic pods take in distributed mode (elastic/agreement.py): one island per pod, each
+  on one process of its own (the process is what dies), the sync exchange, and drills of pods
+  other than pod 0 (process 0 serves the coordination service)."""
+  where = "fault.elastic=True in backend.mode='distributed'"
+  if config.parallel.stages != 1:
+    raise ConfigError(
+      f"parallel.stages={config.parallel.stages}: {where} takes one island per pod "
+      "(parallel.stages=1); pipelines within pods are elastic in embedded and remote modes"
+    )
+  if config.exchange.mode != "sync":
+    raise ConfigError(
+      f"exchange.mode={config.exchange.mode!r}: {where} takes exchange.mode='sync' (stale "
+      "carries its gradient between processes by cross-host device_put, which cannot leave a "
+      "dead process out; overlapped and diloco are not built there)"
+    )
+  for drill in drills:
+    if drill.pod == 0:
+      raise ConfigError(
+        f"fault.inject={config.fault.inject!r}: {where} takes drills of pods P >= 1 "
+        "(pod 0's process serves the coordination service, whose loss restarts the run)"
+      )
+  owners = [island.processes for island in plan.islands]
+  if any(len(o) != 1 for o in owners) or len(set(owners)) != len(owners):
+    raise ConfigError(
+      f"parallel.pods={plan.num_pods}: {where} drops a pod with its process, so each pod must "
+      f"be one process of its own, but the pods' islands are on processes "
+      f"{[sorted(o) for o in owners]}: start as many processes as pods "
+      f"(python -m pwtrain.launch --nproc={plan.num_pods})"
+    )
 
 
 def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:

@@ -106,6 +106,9 @@ class Harness:
           trace=trace,
           serialize_execution=serialize_execution,
           pull_timeout_s=config.backend.pull_timeout_s,
+          # Elastic pods in distributed mode run a step again from the state it started from,
+          # wherever it finished (elastic/agreement.py).
+          donate=not (config.fault.elastic and config.backend.mode == "distributed"),
         )
       tx, schedule = optim.build(config.optim, config.train.num_steps)
       start = time.perf_counter()
@@ -131,18 +134,29 @@ class Harness:
     """A fresh train state (seeded by config.seed), computed on the islands: {state key: value}."""
     return self.step_program.init()
 
-  def step(self, state: dict, batch: dict, step: int, *, program: Program | None = None):
+  def step(
+    self,
+    state: dict,
+    batch: dict,
+    step: int,
+    *,
+    program: Program | None = None,
+    host_metrics: bool = True,
+  ):
     """Dispatches step `step` (0-based) on `state` (as `init` or a previous step returned it)
     and a host batch {"inputs", "targets"}; returns its `StepOutputs` at once.
 
     The program is `step_program.program_for(step)` unless `program` is given (a benchmark
     timing one of a layout's programs alone). Blocks only for the controller's run-ahead bound.
+    Distributed mode: the metrics are read on every process (`processes.to_host`), unless
+    `host_metrics=False` (then they are the program's output, on one island's processes; the
+    caller reads them: elastic/agreement.py, once the processes agree the step ran).
     """
     sp = self.step_program
     program = program or sp.program_for(step)
     out = self.controller.run(program, {**state, **sp.feed(batch)})
     metrics = out["metrics"]
-    if processes.active():  # the metrics live on one island's processes: read them on all
+    if processes.active() and host_metrics:  # on one island's processes: read them on all
       metrics = self._host.submit(self._to_host, metrics, "metrics")
     return StepOutputs({k: out[k] for k in sp.state_keys}, metrics)
 

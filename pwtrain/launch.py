@@ -12,14 +12,21 @@ prefixed "[p0] ", and of the others only their warnings and errors (one console 
 Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
 (SIGTERM, then SIGKILL after --grace_s); if the config's `fault.max_restarts` allows, it starts
-all of them again, and they resume from the last checkpoint. It exits with the worst status of
-the last attempt (0 when every process succeeded; a process killed by signal s counts as 128+s).
+all of them again, and they resume from the last checkpoint. With `fault.elastic` a process
+other than process 0 that dies is named, the others go on without its pod, and it is started
+again ($PWTRAIN_REJOIN=1, at most MAX_STARTS times) once they have left it out (its heartbeat
+timeout, 3 x fault.heartbeat_s, and a second): it rejoins them at a step boundary
+(pwtrain/elastic/agreement.py). Process 0 serves the coordination service, and losing it stops
+and restarts them all. It exits with the worst status of the last attempt's processes that did
+not die and leave the others going (0 when they all succeeded; a process killed by signal s
+counts as 128+s).
 
 On a cluster the scheduler starts the processes instead, e.g. under SLURM:
   srun python -m pwtrain.main --config=... --config.backend.mode=distributed
 """
 
 import argparse
+import collections
 import os
 import re
 import selectors
@@ -30,7 +37,7 @@ import sys
 import threading
 import time
 
-from pwtrain.processes import describe_exit
+from pwtrain.processes import REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
 
@@ -87,6 +94,19 @@ def max_restarts(main_args: list[str]) -> int:
   return int(config_lib.load(_flag(main_args, "config")).fault.max_restarts)
 
 
+def elastic(main_args: list[str]) -> float | None:
+  """With fault.elastic (of the config the processes will load, with its command-line
+  overrides), its heartbeat timeout in seconds (3 x fault.heartbeat_s, as pwtrain.main joins
+  the run with); None without."""
+  from pwtrain import config as config_lib
+
+  config = config_lib.load(_flag(main_args, "config"))
+  override = _flag(main_args, "config.fault.elastic")
+  if not (override.lower() in ("true", "1") if override else config.fault.elastic):
+    return None
+  return 3 * float(_flag(main_args, "config.fault.heartbeat_s") or config.fault.heartbeat_s)
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -124,34 +144,42 @@ class Attempt:
     ]
     mode = "w" if attempt == 0 else "a"
     self.logs = [open(os.path.join(log_dir, f"process{i}.log"), mode) for i in range(n)]
+    self._start = lambda i, env: subprocess.Popen(
+      command,
+      env={**child_env(i, n, coordinator, devices), **env},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      start_new_session=True,  # our signals reach them only as we forward them
+    )
     self.procs = []
     for i in range(n):
       if attempt:
         self.logs[i].write(f"{PREFIX} restart {attempt}\n")
-      self.procs.append(
-        subprocess.Popen(
-          command,
-          env=child_env(i, n, coordinator, devices),
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          start_new_session=True,  # our signals reach them only as we forward them
-        )
-      )
+      self.procs.append(self._start(i, {}))
     self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
+    self._selector = selectors.DefaultSelector()
+    for i, proc in enumerate(self.procs):
+      self._selector.register(proc.stdout, selectors.EVENT_READ, i)
+    self._open_streams = len(self.procs)
     self.echo = threading.Thread(target=self._echo, daemon=True)
     self.echo.start()
 
+  def start_again(self, i: int) -> None:
+    """Starts process `i` again in its dead predecessor's place, while the others go on
+    (fault.elastic): $PWTRAIN_REJOIN tells it to join them at a step boundary."""
+    self.logs[i].write(f"{PREFIX} started again\n")
+    self.procs[i] = self._start(i, {REJOIN_ENV: "1"})
+    self._open_streams += 1
+    self._selector.register(self.procs[i].stdout, selectors.EVENT_READ, i)
+
   def _echo(self):
-    selector = selectors.DefaultSelector()
-    for i, proc in enumerate(self.procs):
-      selector.register(proc.stdout, selectors.EVENT_READ, i)
-    open_streams = len(self.procs)
-    while open_streams:
-      for key, _ in selector.select():
+    selector = self._selector
+    while self._open_streams:
+      for key, _ in selector.select(timeout=0.5):
         line = key.fileobj.readline()
         if not line:
           selector.unregister(key.fileobj)
-          open_streams -= 1
+          self._open_streams -= 1
           continue
         text = line.decode(errors="replace")
         self.logs[key.data].write(text)
@@ -198,6 +226,10 @@ _INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
 _GLOO_LINE = re.compile(r"\[Gloo\]|connected peer ranks")
 
 
+# How often a dead process is started again while the others go on (fault.elastic).
+MAX_STARTS = 3
+
+
 def status(code: int) -> int:
   """An exit status as a shell shows it: killed by signal s -> 128 + s."""
   return 128 - code if code < 0 else code
@@ -207,6 +239,10 @@ def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
   restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
+  # fault.elastic: a dead process other than 0 leaves the others going, and is started again
+  # once they have left it out (its heartbeat timeout, and a second), at most MAX_STARTS times.
+  heartbeat_timeout_s = elastic(args.main_args)
+  drops = heartbeat_timeout_s is not None
   stopping = threading.Event()
   current: list[Attempt] = []
 
@@ -226,18 +262,39 @@ def run(args) -> int:
     failed = None
     stop_at = None
     stopped: set[int] = set()  # processes this launcher stopped itself
-    while any(p.poll() is None for p in procs):
+    left: set[int] = set()  # processes that died while the others went on (fault.elastic)
+    again: dict[int, float] = {}  # process -> when to start it again (fault.elastic)
+    starts = collections.Counter()
+    while any(p.poll() is None for p in procs) or again:
+      for i, at in list(again.items()):
+        if time.monotonic() >= at:
+          del again[i]
+          if procs[0].poll() is None and not stopping.is_set():  # the run still goes on
+            print(f"{PREFIX} process {i} started again: it rejoins at a step boundary")
+            sys.stdout.flush()
+            current[-1].start_again(i)
+            left.discard(i)
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
           print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
           current[-1].signal_all(signal.SIGKILL)
-      failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      failed = next(
+        (i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in left), None
+      )
       if failed is not None and not stopping.is_set():
-        print(
-          f"{PREFIX} process {failed} (pid {procs[failed].pid}) "
-          f"{describe_exit(procs[failed].returncode)}; stopping the other processes"
-        )
+        proc = procs[failed]
+        died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
+        if drops and failed != 0:
+          print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
+          sys.stdout.flush()
+          left.add(failed)
+          starts[failed] += 1
+          if starts[failed] <= MAX_STARTS:
+            again[failed] = time.monotonic() + heartbeat_timeout_s + 1.0
+          continue
+        why = ": it serves the coordination service, which elastic pods need" if drops else ""
+        print(f"{PREFIX} {died}{why}; stopping the other processes")
         sys.stdout.flush()
         stopped = {i for i, p in enumerate(procs) if p.poll() is None}
         current[-1].stop(min(args.grace_s, 5.0))  # the others cannot finish a step now
@@ -247,7 +304,7 @@ def run(args) -> int:
       p.wait()
     current[-1].close()
     codes = [p.returncode for p in procs]
-    worst = max(status(c) for c in codes)
+    worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
         bad = [

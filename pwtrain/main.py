@@ -12,6 +12,7 @@ resolved config and exits.
 import difflib
 import glob
 import logging as std_logging
+import math
 import os
 import sys
 import traceback
@@ -100,8 +101,10 @@ def _join_distributed(config) -> None:
   from pwtrain.backend import distributed
 
   distributed.die_with_launcher()
+  # Elastic pods: a process silent for 3 heartbeats is lost, and the others go on without it.
+  heartbeat = math.ceil(3 * config.fault.heartbeat_s) if config.fault.elastic else None
   try:
-    distributed.initialize(config.backend)
+    distributed.initialize(config.backend, heartbeat)
   except UserError as e:
     raise SystemExit(f"error: {e}") from None
 
@@ -131,6 +134,12 @@ def main(argv):
       )
       return
     train.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+    if _CONFIG.value.backend.mode == "distributed" and _CONFIG.value.fault.elastic:
+      from pwtrain.backend import distributed
+      from pwtrain.elastic import agreement
+
+      agreement.end_of_run()  # a process started again and not yet rejoined leaves too
+      distributed.leave()
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
     distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value
     if isinstance(e, UserError):

@@ -2,14 +2,21 @@
 say to each other on the host, through JAX's coordination service and its key-value store.
 
 Host values that only some processes hold (a step's metrics live on one island's process)
-reach the others with `to_host`; `barrier` waits for every process; `StopAgreement` makes them
-stop at one step. Outside a distributed run `to_host` is `jax.device_get` and `barrier` does
-nothing, so callers need no second path.
+reach the others with `to_host`; `barrier` waits for every live process; `StopAgreement` makes
+them stop at one step. Outside a distributed run `to_host` is `jax.device_get` and `barrier`
+does nothing, so callers need no second path.
+
+The live processes are every process of the run until elastic pods leave a dead one out
+(`leave_out`, elastic/agreement.py), and again once a process started in its place is taken
+back (`take_back`); `barrier` and `gather` span the live ones only, and so do the checkpoints'
+barriers (checkpoint/checkpointer.py builds Orbax's for `live()`). A process started in a dead
+one's place (`rejoining`) must agree with the others on everything they pair by counting:
+`membership` is that, which it `adopt`s.
 """
 
 import collections
-import itertools
 import json
+import os
 import signal
 
 import jax
@@ -29,9 +36,85 @@ def _client():
   return distributed.global_state.client
 
 
-def share(key: str, value) -> None:
-  """Publishes a tree of host scalars/arrays under `key` to every process (see `ask`)."""
+REJOIN_ENV = "PWTRAIN_REJOIN"  # "1": started in a dead process's place (pwtrain.launch)
+
+
+def rejoining() -> bool:
+  """Whether this process was started in the place of a dead one while the others went on
+  (pwtrain.launch sets $PWTRAIN_REJOIN on it; elastic pods): it joins them at a step boundary
+  (elastic/agreement.py) instead of starting the run with them."""
+  return active() and os.environ.get(REJOIN_ENV) == "1"
+
+
+_LEFT_OUT: set[int] = set()  # processes of the run taken for dead (elastic pods)
+_GENERATION = [0]  # how often the live processes changed
+
+
+def live() -> tuple[int, ...]:
+  """The ids of the run's live processes, ascending: every process (just process 0 outside a
+  distributed run), less those `leave_out` named."""
+  return tuple(i for i in range(jax.process_count()) if i not in _LEFT_OUT)
+
+
+def leave_out(ids) -> None:
+  """Takes processes `ids` for dead from now on: `barrier`, `gather` and the checkpoints'
+  barriers no longer wait for them. Every live process must leave out the same ones at the same
+  point of the run (elastic/agreement.py does, once they agree which are gone)."""
+  _LEFT_OUT.update(ids)
+  _GENERATION[0] += 1
+
+
+def take_back(ids) -> None:
+  """Processes `ids`, started again in the place of dead ones, are live again (`leave_out`)."""
+  _LEFT_OUT.difference_update(ids)
+  _GENERATION[0] += 1
+
+
+def generation() -> int:
+  """How often the live processes changed (0: never), the same on every live process."""
+  return _GENERATION[0]
+
+
+def membership() -> dict:
+  """What a process started in a dead one's place must adopt (`adopt`) to pair with the others:
+  the live processes' generation, those left out, and every `next_key` count."""
+  return {"generation": _GENERATION[0], "left_out": sorted(_LEFT_OUT), "counts": dict(_COUNTS)}
+
+
+def adopt(said: dict) -> None:
+  """Takes on the others' `membership()`."""
+  _GENERATION[0] = said["generation"]
+  _LEFT_OUT.clear()
+  _LEFT_OUT.update(said["left_out"])
+  _COUNTS.clear()
+  _COUNTS.update(said["counts"])
+
+
+def share(key: str, value, replace: bool = False) -> None:
+  """Publishes a tree of host scalars/arrays under `key` to every process (see `ask`);
+  `replace`: a value already there (a dead predecessor's) is deleted first."""
+  if replace:
+    _client().key_value_delete(f"pwtrain/{key}")
   _client().key_value_set(f"pwtrain/{key}", json.dumps(_encode(value)))
+
+
+def tell(key: str, value) -> None:
+  """Publishes JSON-serialisable `value` under `key`, replacing what was there (`hear`)."""
+  _client().key_value_delete(f"pwtrain/{key}")
+  _client().key_value_set(f"pwtrain/{key}", json.dumps(value))
+
+
+def hear(key: str, timeout_s: float = 600.0):
+  """The value `tell`-ed under `key`, waiting for it at most `timeout_s`."""
+  return json.loads(_client().blocking_key_value_get(f"pwtrain/{key}", int(timeout_s * 1000)))
+
+
+def told(key: str):
+  """The value `tell`-ed under `key` now, without waiting; None if there is none."""
+  try:
+    return json.loads(_client().key_value_try_get(f"pwtrain/{key}"))
+  except Exception:  # noqa: BLE001 - not found
+    return None
 
 
 def ask(key: str, timeout_s: float = 600.0):
@@ -41,26 +124,45 @@ def ask(key: str, timeout_s: float = 600.0):
 
 
 def gather(key: str, value, timeout_s: float = 600.0) -> list:
-  """Every process's JSON-serialisable `value` given under `key`, in process order, on every
-  process alike ([value] outside distributed mode). Every process must call it with `key`."""
+  """Every live process's JSON-serialisable `value` given under `key`, in the order of `live()`,
+  on every live process alike ([value] outside distributed mode). Every live process must call
+  it with `key`."""
   if not active():
     return [value]
   client = _client()
   client.key_value_set(f"pwtrain/{key}/{jax.process_index()}", json.dumps(value))
   return [
     json.loads(client.blocking_key_value_get(f"pwtrain/{key}/{i}", int(timeout_s * 1000)))
-    for i in range(jax.process_count())
+    for i in live()
   ]
 
 
-_COUNTS: dict = collections.defaultdict(itertools.count)
+def agree(key: str, value, among) -> dict[int, tuple[int, object]]:
+  """{process: (incarnation, its JSON-serialisable `value`)} of the processes of `among` that
+  are live, the same on every one of them: each tells its value under `key`, then waits in JAX's
+  live-nodes barrier (`jax_enable_recoverability`: the barrier waits for the live processes of
+  `among` only, and a process that died is found by its missing heartbeats), so every process
+  the barrier finds live told its value before it. An incarnation changes when a process of
+  that id was started again. Every live process of `among` must call it with `key`."""
+  client = _client()
+  client.key_value_set(f"pwtrain/{key}/{jax.process_index()}", json.dumps(value))
+  live = client.get_live_nodes(sorted(among))
+  return {
+    i: (incarnation, json.loads(client.blocking_key_value_get(f"pwtrain/{key}/{i}", 60_000)))
+    for i, incarnation in sorted(live.items())
+  }
+
+
+_COUNTS: collections.Counter = collections.Counter()
 
 
 def next_key(what: str) -> str:
   """A key for `to_host` that no earlier call of this process used: "<what>/<n>" for the n-th
   call with `what`. Processes that make their calls with one `what` in the same order (from one
   thread) get the same keys."""
-  return f"{what}/{next(_COUNTS[what])}"
+  n = _COUNTS[what]
+  _COUNTS[what] = n + 1
+  return f"{what}/{n}"
 
 
 class StopAgreement:
@@ -101,9 +203,13 @@ class StopAgreement:
 
 
 def barrier(name: str, timeout_s: float = 600.0) -> None:
-  """Waits until every process has reached the barrier `name` (no-op outside distributed
-  mode)."""
-  if active():
+  """Waits until every live process (`live()`) has reached the barrier `name` (no-op outside
+  distributed mode)."""
+  if not active():
+    return
+  if _LEFT_OUT:
+    _client().wait_at_barrier(f"pwtrain/{name}", int(timeout_s * 1000), process_ids=list(live()))
+  else:
     _client().wait_at_barrier(f"pwtrain/{name}", int(timeout_s * 1000))
 
 

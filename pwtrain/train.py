@@ -102,7 +102,7 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
   host_dir = workdir if primary else os.path.join(workdir, "processes", str(jax.process_index()))
   os.makedirs(host_dir, exist_ok=True)
   with workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext():
-    if not primary:
+    if not primary and not processes.rejoining():  # a process started again finds it built
       processes.barrier("data")
     tokenizer, source = open_train_source(config, workdir)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
@@ -124,8 +124,10 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
 def _train(config, harness, context: RunContext, batches, eval_set, workdir: str, host_dir: str):
   step_program, plan = harness.step_program, harness.plan
   mode, goodput = context.mode, context.goodput
-  # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic.py).
+  # fault.elastic: steps over the live pods, which drop a lost pod and carry on (elastic/).
   steps = ElasticSteps(config, harness, goodput) if config.fault.elastic else harness
+  # A process started in a dead one's place (elastic pods) joins the others at a step boundary.
+  joined = steps.join() if processes.rejoining() else None
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
@@ -135,7 +137,11 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
     # Elastic pods: a save whose worker was lost is discarded; the run goes on without the pod.
     discard_if=(lambda e: isinstance(e, IslandLost)) if config.fault.elastic else None,
   )
-  state, start = _restore_or_init(config, ckpt, step_program, batches)
+  if joined is None:
+    state, start = _restore_or_init(config, ckpt, step_program, batches)
+  else:
+    state, start, data_position = joined
+    batches.set_state(data_position)
   for change in workdir_lib.save_config(host_dir, config, start):  # what this start uses
     log.warning("resuming at step %d with a changed setting: %s", start, change)
   num_steps = config.train.num_steps
@@ -175,6 +181,8 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
     with StopRequest() as stop, _progress_lines(context.progress):
       while step < num_steps:
         profiler.before_step(step)
+        if config.fault.elastic:  # drills, and lost pods rejoining, before the batch is read
+          state = steps.boundary(state, step, batches.get_state)
         waited = time.perf_counter()
         batch = next(batches)
         waited = time.perf_counter() - waited
@@ -295,8 +303,11 @@ def _progress_lines(progress: str):
 
 def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
   """This process's reader of the training batches: the data streams whose rows its islands
-  read (every stream, except in distributed mode: loader.py on data.streams)."""
+  read (every stream, except in distributed mode: loader.py on data.streams; with elastic pods
+  every stream, since a survivor may take any pod's rows)."""
   rows = harness.rows_read_here()
+  if config.fault.elastic:
+    rows = tuple(range(config.train.global_batch))
   batches = TrainBatches(config, tokenizer, source, streams_of_rows(config, rows))
   if processes.active():
     me, num, read = jax.process_index(), batches.num_streams, batches.streams
@@ -313,7 +324,11 @@ def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
 
 def _data_state(batches: TrainBatches) -> dict:
   """The data position to checkpoint, every stream's: in distributed mode each process reads
-  only some streams, so their positions are gathered from all processes."""
+  only some streams, so their positions are gathered from the live processes. With elastic pods
+  every process reads every stream (`_train_batches`), and a dropped pod's stream goes on with
+  the others: the survivors read its rows each step (and train on them, or with
+  fault.keep_global_batch=False skip them), so the position saved while degraded is the
+  uninterrupted run's, and a resume reads the batches that run reads."""
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 

@@ -1,4 +1,4 @@
-"""Elastic pods (pwtrain/elastic.py): a lost pod is dropped and the run goes on, in process.
+"""Elastic pods (pwtrain/elastic/): a lost pod is dropped and the run goes on, in process.
 
 Embedded mode with the drill `fault.inject`: the lost pod's islands fail every node from the
 given step on, exactly as islands whose devices failed. The survivors' run must equal the
@@ -229,14 +229,6 @@ def test_a_computation_that_finds_its_devices_gone_loses_its_island():
         out.result(timeout=30)
   finally:
     scheduler.stop()
-
-
-def test_elastic_pods_are_refused_in_distributed_mode(tmp_path):
-  config = small_config(**THREE_PODS, **{"fault.elastic": True, "backend.mode": "distributed"})
-  with pytest.raises(
-    ConfigError, match="fault.elastic=True works in backend.mode=.embedded. or .remote."
-  ):
-    train.run(config, str(tmp_path / "run"), show_progress=False)
 
 
 # -- remote mode: worker processes on loopback, SIGKILLed by the drill --------------------------

@@ -53,9 +53,13 @@ class Controller:
     serialize_execution: bool | None = None,
     pull_timeout_s: float = 600.0,
     compile_everywhere: bool = False,
+    donate: bool = True,
   ):
-    """`pull_timeout_s`: distributed mode, how long a transfer pulled from another process may
-    take to arrive before that process is taken for dead (backend/pulls.py).
+    """`donate=False`: compile every piece without donating its inputs, so that a program's
+    inputs outlive it (elastic pods in distributed mode: a step may finish on some processes
+    and fail on others, and all of them run it again from the state it started from), at the
+    cost of holding both. `pull_timeout_s`: distributed mode, how long a transfer pulled from
+    another process may take to arrive before that process is taken for dead (backend/pulls.py).
     `compile_everywhere`: distributed mode, compile other processes' islands' pieces too, as
     every process did before it traced them to outlines (`compile`); for
     experiments/bench_distributed.py's comparison of the two, nothing else."""
@@ -64,6 +68,7 @@ class Controller:
     self.cluster = cluster
     self.trace = trace
     self.max_inflight = max_inflight
+    self.donate = donate
     if cluster.remote:  # islands schedule on their workers; the controller sends programs
       from pwtrain.backend.remote.dispatch import RemoteDispatcher  # grpc: remote mode only
 
@@ -142,7 +147,7 @@ class Controller:
       rules=rules,
       in_shardings=in_shardings,
       out_shardings=out_shardings,
-      donate_argnums=donate_argnums,
+      donate_argnums=donate_argnums if self.donate else (),
     )
 
   # -- dispatch -----------------------------------------------------------------------------
@@ -162,6 +167,33 @@ class Controller:
     with self._inflight_lock:
       self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
+
+  @property
+  def program_number(self) -> int:
+    """How many programs were dispatched: the next one's number, which names its pulls
+    (distributed mode); a process that rejoins a run takes the others' (elastic pods)."""
+    return self._step
+
+  @program_number.setter
+  def program_number(self, value: int) -> None:
+    self._step = value
+
+  def hand_over(self, value, source: int, destination: int, spec):
+    """Distributed mode: `value` (arrays of process `source`) as arrays of `spec` on process
+    `destination`, by one pull; counts as a program (dispatch.Dispatcher.hand_over)."""
+    with self._dispatch_lock:
+      step = self._step
+      self._step += 1
+      return self._dispatcher.hand_over(value, source, destination, spec, step)
+
+  def serve_pulls(self) -> None:
+    """Distributed mode: starts this process's transfer server now (else at the first program
+    with a pull), publishing its address."""
+    self._dispatcher.serve_pulls()
+
+  def forget(self, process: int) -> None:
+    """Distributed mode: `process` was started again; pulls from it go to its new server."""
+    self._dispatcher.forget(process)
 
   def _bound_inflight(self):
     # Check and pop under the lock: two clients seeing one program left would otherwise both

@@ -184,10 +184,34 @@ class LocalDispatcher:
       order = dispatch_order(program, self.cluster.islands)
       puts = {n.name: device_put(n.sharding) for n in order if isinstance(n, Transfer)}
       pulls = pulls_lib.pulls(program, self.cluster.islands) if self._distributed else {}
-      if pulls and self._puller is None:  # every process prepares the same programs
-        self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}", self._pull_timeout_s)
+      if pulls:  # every process prepares the same programs
+        self.serve_pulls()
       cached = self._prepared_programs[id(program)] = (program, order, puts, pulls)
     return cached[1:]
+
+  def serve_pulls(self) -> pulls_lib.Puller:
+    """This process's transfer server, started on first use."""
+    if self._puller is None:
+      self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}", self._pull_timeout_s)
+    return self._puller
+
+  def hand_over(self, value, source: int, destination: int, spec, step: int):
+    """`value` (arrays on process `source`'s devices) as arrays of `spec` on process
+    `destination`'s, by one pull named by program number `step` (elastic pods: a returning
+    process's state, from a live pod's); stand-ins of `spec` on every other process. Every
+    process calls it alike."""
+    uuid = pulls_lib.Pull(source, destination, spec, None, 0).uuid(self._id, step)
+    here = jax.process_index()
+    if here == destination:
+      return self.serve_pulls().pull(source, uuid, spec)
+    if here == source:
+      self.serve_pulls().offer(uuid, value)
+    return jax.tree.map(stand_in, spec)
+
+  def forget(self, process: int) -> None:
+    """`process` was started again: the next pull from it connects to its new server."""
+    if self._puller is not None:
+      self._puller.forget(process)
 
   def _by_pull(self, node: Transfer, pull, island_of, resolve, step: int):
     """A transfer between processes by pull, from the two islands' queues at its place in the

@@ -93,11 +93,20 @@ def _integer(value, where: str) -> tuple[int, str]:
     raise ConfigError(f"{where}={value!r} is not an integer") from None
 
 
-def initialize(backend) -> Place:
+def initialize(backend, heartbeat_timeout_s: int | None = None) -> Place:
   """Joins the run's processes (blocks until all have joined, at most
   `backend.connect_timeout_s`); returns this process's place. Must run before JAX initialises
-  a backend. A coordinator that cannot be reached is one clear error, not a wall of logs."""
+  a backend. A coordinator that cannot be reached is one clear error, not a wall of logs.
+
+  `heartbeat_timeout_s` (elastic pods): JAX's fault-tolerant runtime (`jax_enable_recoverability`)
+  with that heartbeat timeout: a process that dies is found after at most that long by the
+  others' live-nodes barrier (processes.agree), and they go on without it instead of aborting.
+  None: JAX's defaults (a dead process ends the others)."""
   place = resolve(backend)
+  recoverable = {}
+  if heartbeat_timeout_s is not None:
+    jax.config.update("jax_enable_recoverability", True)
+    recoverable = {"heartbeat_timeout_seconds": heartbeat_timeout_s}
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update(
     "jax_cross_host_transfer_socket_address", os.environ.get(TRANSFER_ENV) or _free_address()
@@ -113,11 +122,15 @@ def initialize(backend) -> Place:
     )
   try:
     if place is None:
-      jax.distributed.initialize(initialization_timeout=timeout)
+      jax.distributed.initialize(initialization_timeout=timeout, **recoverable)
       place = Place("", jax.process_count(), jax.process_index())
     else:
       jax.distributed.initialize(
-        place.coordinator, place.num_processes, place.process_id, initialization_timeout=timeout
+        place.coordinator,
+        place.num_processes,
+        place.process_id,
+        initialization_timeout=timeout,
+        **recoverable,
       )
   except (RuntimeError, ValueError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -134,6 +147,23 @@ def initialize(backend) -> Place:
       f"{place.num_processes} processes started? ({first[:200]})"
     ) from None
   return place
+
+
+def leave() -> None:
+  """Leaves a run that joined with a heartbeat timeout (`initialize`), process 0 last. JAX's
+  shutdown barrier then waits for no process, and process 0 serves the coordination service:
+  a process whose shutdown reaches it after it has gone aborts. So every live process waits
+  for the others to finish (JAX's live-nodes barrier, which leaves dead processes out), the
+  others shut down, and process 0 waits until they have (the same barrier returns once they
+  have left it) before it shuts down."""
+  from jax._src import distributed as jax_distributed
+
+  client = jax_distributed.global_state.client
+  everyone = list(range(jax.process_count()))
+  client.get_live_nodes(everyone)
+  if jax.process_index() == 0:
+    client.get_live_nodes(everyone)
+  jax.distributed.shutdown()
 
 
 def _reachable(address: str, timeout_s: float) -> bool:

@@ -5,7 +5,7 @@ shows up as errors on that slice's arrays), when its worker dies or goes silent 
 or when a drill says so (`fault.inject`). Every node of a lost island then fails with
 `IslandLost` instead of running, and so does every node that reads one of its outputs: the step
 in flight fails with it, naming the island and the cause, and the trainer decides what follows
-(pwtrain/elastic.py drops the island's pod and carries on without it).
+(pwtrain/elastic/ drops the island's pod and carries on without it).
 """
 
 # How a runtime reports devices that are gone (a failed chip, a slice down under Pathways): the

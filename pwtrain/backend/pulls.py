@@ -111,7 +111,8 @@ class Puller:
     self._name = name
     self._connections: dict[int, Any] = {}
     self._lock = threading.Lock()  # islands of one process pull from their own threads
-    processes.share(f"{name}/{jax.process_index()}", self._server.address())
+    # A process started in a dead one's place replaces its predecessor's address.
+    processes.share(f"{name}/{jax.process_index()}", self._server.address(), replace=True)
     self._watchdog = _Watchdog(timeout_s, on_timeout or _stop_process)
 
   def offer(self, uuid: int, value) -> None:
@@ -125,6 +126,12 @@ class Puller:
     from jax.experimental import transfer
 
     self.offer(uuid, jax.tree.map(lambda a: transfer.make_error_array(a, message), offered))
+
+  def forget(self, process: int) -> None:
+    """Drops the connection to `process`'s server: it was started again (elastic pods), and the
+    next pull connects to its new server."""
+    with self._lock:
+      self._connections.pop(process, None)
 
   def pull(self, process: int, uuid: int, spec):
     """The value `process` offers as `uuid`, as arrays of `spec` that are ready once it has

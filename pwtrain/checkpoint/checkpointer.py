@@ -54,6 +54,10 @@ class Checkpointer:
   Checkpointer then commits as one step: a state of references to arrays held elsewhere (remote
   island workers) always, and this process's arrays when the writer says it writes those
   (distributed mode's processes). Without one, states this process holds are saved whole.
+
+  In distributed mode a save spans the run's live processes (processes.live): every process,
+  or the survivors once elastic pods left a dead one out, for whom Orbax's manager is opened
+  again (`_opened`), and again once a process started in a dead one's place was taken back.
   """
 
   def __init__(
@@ -82,7 +86,40 @@ class Checkpointer:
     if part_writer is not None and not isinstance(part_writer, PartWriter):
       raise TypeError(f"part_writer {part_writer!r} is not a checkpoint.parts.PartWriter")
     self._part_writer = part_writer
-    self._manager = ocp.CheckpointManager(
+    self._keep, self._async_save = keep, async_save
+    self._manager: ocp.CheckpointManager | None = None
+    self._opened_for: tuple | None = None  # the live processes it spans (`_opened`)
+    if not processes.rejoining():  # which opens it with the others at its first save
+      self._opened()
+    # Parts of remote saves that were never committed (a crash between the phases) are garbage.
+    self.pending_root = f"{self.directory}.pending"
+    if os.path.isdir(self.pending_root) and not read_only and jax.process_index() == 0:
+      log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
+      shutil.rmtree(self.pending_root)
+    self._commit: threading.Thread | None = None
+    self._commit_error: BaseException | None = None
+    self._discard_if = discard_if or (lambda error: False)
+
+  def _opened(self) -> ocp.CheckpointManager:
+    """Orbax's manager of this directory for the live processes (processes.live): opened on
+    first use, and again (its saves so far finished) once they changed (elastic pods). Every
+    live process makes the same calls here, so they open it at the same call, which Orbax's
+    opening barrier needs."""
+    live = (processes.generation(), processes.live())
+    if live != self._opened_for:
+      if self._manager is not None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+      self._manager, self._opened_for = self._open(*live), live
+    return self._manager
+
+  def _open(self, generation: int, live: tuple[int, ...]) -> ocp.CheckpointManager:
+    """Orbax's manager of this directory, its barriers among processes `live`: every process of
+    the run, with Orbax's defaults, until the live processes first change (`generation` 0);
+    then (elastic pods in distributed mode) process 0 primary, barrier keys prefixed by the
+    generation, so that none waits for a dead process nor meets a key of another generation."""
+    first = generation == 0
+    return ocp.CheckpointManager(
       self.directory,
       # Named handlers let a fresh manager read metadata before anything was saved in it.
       item_handlers={
@@ -92,28 +129,27 @@ class Checkpointer:
         "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
       },
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        max_to_keep=self._keep,
         save_interval_steps=1,  # the trainer decides when; see should_save
-        enable_async_checkpointing=async_save,
-        create=not read_only,
-        read_only=read_only,
+        enable_async_checkpointing=self._async_save,
+        # Orbax creates the directory only with every process; a later generation finds it.
+        create=not self.read_only and first,
+        read_only=self.read_only,
+        multiprocessing_options=ocp.options.MultiprocessingOptions()
+        if first
+        else ocp.options.MultiprocessingOptions(
+          primary_host=0,
+          active_processes=set(live),
+          barrier_sync_key_prefix=f"pwtrain-live{generation}",
+        ),
       ),
     )
-    # Parts of remote saves that were never committed (a crash between the phases) are garbage.
-    self.pending_root = f"{self.directory}.pending"
-    if os.path.isdir(self.pending_root) and not read_only and jax.process_index() == 0:
-      log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
-      shutil.rmtree(self.pending_root)
-    self._commit: threading.Thread | None = None
-    self._num_saves = 0
-    self._commit_error: BaseException | None = None
-    self._discard_if = discard_if or (lambda error: False)
 
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    return self._opened().latest_step()
 
   def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
+    return sorted(self._opened().all_steps())
 
   def should_save(self, step: int, last_step: int) -> bool:
     return step % self.every == 0 or step == last_step
@@ -129,7 +165,7 @@ class Checkpointer:
       self._save_parts(step, state, data_state)
       return
     self._join_commit()
-    self._manager.save(
+    self._opened().save(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
@@ -142,11 +178,11 @@ class Checkpointer:
     if self._part_writer is None:
       raise TypeError("this state's leaves are references held elsewhere: pass a part_writer")
     self._join_commit()  # one save at a time, as the manager does
+    manager = self._opened()  # opened here, in the trainer's thread, not in the commit's
     # Distributed mode: every process writes into the same pending directory (saves come in
     # the same order on every process); remote: a fresh name per save.
-    self._num_saves += 1
     shared = self._part_writer.local_arrays
-    suffix = str(self._num_saves) if shared else uuid.uuid4().hex[:8]
+    suffix = processes.next_key("save").split("/")[1] if shared else uuid.uuid4().hex[:8]
     pending = os.path.join(self.pending_root, f"{step}-{suffix}")
     os.makedirs(pending, exist_ok=shared)
     try:
@@ -161,7 +197,7 @@ class Checkpointer:
       try:
         fingerprints = save.wait()
         # Phase two: every part is written; the step appears (atomically) only now.
-        self._manager.save(
+        manager.save(
           step,
           args=ocp.args.Composite(
             parts=checkpoint_parts.PartsSave(save.parts),
@@ -234,7 +270,7 @@ class Checkpointer:
       if in_parts:
         saved = checkpoint_parts.PartsHandler().metadata(self._parts(step))
       else:
-        saved = saved_leaves(self._manager.item_metadata(step)["state"])
+        saved = saved_leaves(self._opened().item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: a damaged checkpoint, not another model
       if not is_damage(e):
         raise
@@ -264,7 +300,7 @@ class Checkpointer:
     with quiet.quiet_if_failed():
       failure = None
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored = self._opened().restore(step, args=ocp.args.Composite(**items))
         if on_host:
           values = {}
           for part in checkpoint_parts.part_dirs(parts_dir) if in_parts else [self._item(step)]:
@@ -318,7 +354,7 @@ class Checkpointer:
       processes.barrier(f"quarantine/{step}/{processes.next_key('quarantine')}")
       if jax.process_index() != 0:
         processes.barrier(f"quarantined/{step}/{processes.next_key('quarantined')}")
-        self._manager.reload()
+        self._opened().reload()
         return f"{self.directory}.{reason}/{step}"
     target_root = f"{self.directory}.{reason}"
     os.makedirs(target_root, exist_ok=True)
@@ -329,17 +365,19 @@ class Checkpointer:
     shutil.move(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
       processes.barrier(f"quarantined/{step}/{processes.next_key('quarantined')}")
-    self._manager.reload()
+    self._opened().reload()
     return target
 
   def delete(self, step: int) -> None:
-    self._manager.delete(step)
+    self._opened().delete(step)
 
   def wait(self) -> None:
     try:
       self._join_commit()
     finally:
-      self._manager.wait_until_finished()
+      if self._manager is not None:
+        self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.close()
+    if self._manager is not None:
+      self._manager.close()

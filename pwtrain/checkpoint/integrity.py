@@ -136,7 +136,8 @@ def agree(step: int, failure: Exception | None) -> None:
   if failure is not None:
     mine = {"severity": _SEVERITY.get(type(failure), 3), "message": one_line(failure)}
   said = processes.gather(processes.next_key(f"restore/{step}"), mine)
-  failed = [(s["severity"], p, s["message"]) for p, s in enumerate(said) if s is not None]
+  told = zip(processes.live(), said, strict=True)
+  failed = [(s["severity"], p, s["message"]) for p, s in told if s is not None]
   if not failed:
     return
   severity, process, message = max(failed, key=lambda f: (f[0], -f[1]))

@@ -2,7 +2,7 @@
 
 A lost worker (dead, or silent for `fault.heartbeat_s` x 3) fails the step in flight with
 `WorkerLost`. With `fault.elastic` the run carries on without the worker's pod
-(pwtrain/elastic.py), and the supervisor relaunches a worker it launched as soon as its process
+(pwtrain/elastic/), and the supervisor relaunches a worker it launched as soon as its process
 has exited, on its old port, so that the pod rejoins. Otherwise, or when too few pods are left,
 with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on their old
 ports), or waits for externally started ones to answer again and resets them, and runs the job

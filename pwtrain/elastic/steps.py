@@ -1,7 +1,9 @@
 """Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
 
 `ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
-`settle`, `evaluate`, `step_program`), over one controller and one cluster:
+`settle`, `evaluate`, `step_program`), over one controller and one cluster; the trainer also
+calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
+dead one's place `join`s (distributed mode):
 
   detect   a step fails with `backend.faults.IslandLost`: a pod's devices failed (embedded),
            its worker died or went silent (remote: `WorkerLost`), or a drill made it so
@@ -20,7 +22,7 @@
            by the supervisor or by someone else; or a drill's `rejoin:podP@stepN`, which in
            remote mode waits for them), they are given every executable again and the live
            pods' state is copied onto them, island to island, at the next step boundary; then
-           every pod runs again.
+           every pod runs again (distributed mode: a dead process started again, agreement.py).
   too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
 
 What the exchange modes do with a lost pod: sync and overlapped sum the survivors' gradients over
@@ -35,19 +37,21 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np
 
+from pwtrain import processes
 from pwtrain.backend import Cluster, Program, Transfer
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
+from pwtrain.elastic import cells
+from pwtrain.elastic.agreement import Agreement
 from pwtrain.harness import Harness, StepOutputs
-from pwtrain.parallel.pipeline.state import state_key
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,10 @@ class ElasticSteps:
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
+    # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
+    # pods that a drill brings back at its step, not as soon as they are ready.
+    self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
+    self._rejoin_drills = {d.pod for d in self._drills if d.action == "rejoin"}
 
   @property
   def harness(self) -> Harness:
@@ -114,17 +122,47 @@ class ElasticSteps:
 
   # -- steps ----------------------------------------------------------------------------------
 
-  def step(self, state: dict, batch: dict, step: int) -> StepOutputs:
-    """Dispatches step `step` (0-based) as Harness.step does, on the live pods; returns at
-    once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
-    may be replaced by the state of their run again after a drop."""
+  def boundary(self, state: dict, step: int, data_position=dict) -> dict:
+    """Before step `step` (0-based) is dispatched and its batch read (the trainer calls it
+    before every `step`): the drills due there, and the lost pods whose islands can run again
+    rejoin (remote: their workers answer; distributed: their new processes are ready).
+    `data_position()`: the data position here, handed to a rejoining process."""
     self._drill(step + 1)
     answering = self.controller.answering()
     for p in range(self.num_pods):
       if p not in self.live and all(i.name in answering for i in self._islands[p]):
         self._rejoining.add(p)  # remote: its workers answer again
+    if self._agreement is not None:  # told alike on every live process (agreement.confirm)
+      self._rejoining |= self._agreement.returning - self._rejoin_drills - set(self.live)
     if self._rejoining:
-      state = self._rejoin(self.settle(state), step)
+      state = self._rejoin(self.settle(state), step, data_position)
+    return state
+
+  def join(self) -> tuple[dict, int, dict]:
+    """Distributed mode, in a process started in a dead one's place (processes.rejoining):
+    once the live processes welcome it at a step boundary (agreement.join), its pod's state is
+    copied from a live pod's, as they do in `_rejoin`. Returns (its state, the step (0-based)
+    it starts at, the data position there)."""
+    start = time.perf_counter()
+    handover = self._agreement.join()
+    everyone, survivors = self.live, tuple(handover["live"])
+    built = time.perf_counter()
+    self._harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
+    compile_s = time.perf_counter() - built
+    self.live = survivors
+    more_s, state = self._move(everyone, cells.stand_ins(self.step_program))
+    seconds, step = time.perf_counter() - start, handover["step"]
+    mine = [p for p in everyone if p not in survivors]
+    self._record(
+      "rejoin", mine, "this process started again", step + 1, seconds,
+      compile_s=compile_s + more_s, state_s=seconds - compile_s - more_s,
+    )  # fmt: skip
+    return state, step, handover["data"]
+
+  def step(self, state: dict, batch: dict, step: int) -> StepOutputs:
+    """Dispatches step `step` (0-based) as Harness.step does, on the live pods; returns at
+    once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
+    may be replaced by the state of their run again after a drop."""
     self._confirm(keep=self.config.backend.max_inflight_steps)
     state, metrics = self._current(state), _Metrics(self)
     try:
@@ -150,7 +188,8 @@ class ElasticSteps:
     return self.harness.evaluate(state, batches)
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
-    out = self.harness.step(state, self._rows(batch), step)
+    host_metrics = self._agreement is None  # distributed: read once the processes agree
+    out = self.harness.step(state, self._rows(batch), step, host_metrics=host_metrics)
     pending = _Pending(step, batch, state, out, metrics)
     self._pending.append(pending)
     self._head = out.state
@@ -180,7 +219,10 @@ class ElasticSteps:
       raise self._fatal
     pending = self._pending[0]
     try:
-      values = jax.device_get(pending.out.metrics.result())
+      if self._agreement is None:
+        values = jax.device_get(pending.out.metrics.result())
+      else:
+        values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
       self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
       return
@@ -234,11 +276,14 @@ class ElasticSteps:
         self._drop(e)
         return
 
-  def _rejoin(self, state: dict, step: int) -> dict:
+  def _rejoin(self, state: dict, step: int, data_position) -> dict:
     """Copies the live pods' state onto the returning pods at this step boundary."""
     start = time.perf_counter()
     pods = sorted(self._rejoining)
     self._rejoining.clear()
+    if self._agreement is not None:  # their processes take on the live ones' counts
+      handover = {"step": step, "live": list(self.live), "data": data_position()}
+      self._agreement.welcome(pods, handover)  # which clears their `returning`
     for p in pods:
       for island in self._islands[p]:
         self.controller.restore(island.name)
@@ -262,30 +307,33 @@ class ElasticSteps:
     compile_s = time.perf_counter() - start
     old, new = self.step_program, harness.step_program
     sources = [self.live.index(p) if p in self.live else 0 for p in live]
-    moved = _keep_cells(old, new, state, sources, same=[p in self.live for p in live])
+    moved = cells.keep_cells(old, new, state, sources, same=[p in self.live for p in live])
     if moved is not None:  # the rejoining pods' cells: copied from a live pod's islands
       moved = self._copy_cells(harness.plan, moved)
     else:
       whole = self._whole(state, keep=sorted(set(sources)))
-      moved = new.from_checkpoint(_for_pods(whole, new, getattr(new, "num_pods", 1)))
+      moved = new.from_checkpoint(cells.for_pods(whole, new, getattr(new, "num_pods", 1)))
     self.live = live
     return compile_s, moved
 
-  def _copy_cells(self, plan, cells: dict) -> dict:
-    """`cells` ({state key: value, or a `_Copy`}) with each copy made onto its cell's island in
-    `plan` (the new pod set's), by one program of transfers: device to device (embedded),
-    worker to worker (remote), never through this process."""
+  def _copy_cells(self, plan, moved: dict) -> dict:
+    """`moved` ({state key: value, or a `cells.Copy`}) with each copy made onto its cell's
+    island in `plan` (the new pod set's), by one program of transfers: device to device
+    (embedded), worker to worker (remote), never through this process."""
     nodes, inputs, outputs = [], {}, {}
-    for key, value in cells.items():
-      if not isinstance(value, _Copy):
+    for key, value in moved.items():
+      if not isinstance(value, cells.Copy):
         continue
       island = plan.cells[value.cell].name
       inputs[f"from/{key}"] = value.value
       nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
       outputs[key] = (f"copy/{key}", 0)
+    if self._agreement is not None:  # distributed: one pull each (cells.hand_over)
+      copy = functools.partial(cells.hand_over, self.controller, plan)
+      return {k: copy(v) if isinstance(v, cells.Copy) else v for k, v in moved.items()}
     if not nodes:
-      return cells
-    return {**cells, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
+      return moved
+    return {**moved, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
 
   def _harness_for(self, live: tuple) -> Harness:
     """The harness of pod set `live`: built (compiled) the first time, then cached."""
@@ -304,7 +352,7 @@ class ElasticSteps:
     one of them, or each one's where the pods' states differ."""
     program = self.step_program
     if hasattr(program, "pod_whole"):  # only the kept pods' cells: a lost pod's may have failed
-      state = {k: v for k, v in state.items() if _pod_of_key(k) in keep}
+      state = {k: v for k, v in state.items() if cells.pod_of_key(k) in keep}
     state = results(state)
     for leaf in jax.tree.leaves(state):
       if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -324,9 +372,15 @@ class ElasticSteps:
         self._confirm(keep=0)  # the fault hits this step, not one still in flight
         self.controller.wait()
         self._killed_at = time.perf_counter()
+        if self._agreement is not None:  # its process dies; the others find it gone
+          self._agreement.kill(drill.pod, step)
+          continue
         for island in self._islands[drill.pod]:
           self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
+        if self._agreement is not None:  # its new process: at this step, once it is ready
+          self._agreement.await_ready(drill.pod)
+          self._rejoin_drills.discard(drill.pod)
         self._rejoining.add(drill.pod)
 
   def _record(self, kind, pods, cause, step, seconds, detect_s=None, rerun_steps=0, **parts):
@@ -344,54 +398,3 @@ class ElasticSteps:
     if rerun_steps:
       line += f"; steps {step}-{step + rerun_steps - 1} run again"
     log.warning("%s", line)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Copy:
-  """Cell `cell`'s state (its value elsewhere) to be copied onto its island, laid out as
-  `shardings`."""
-
-  cell: tuple  # (pod, stage) of the new program
-  value: Any
-  shardings: Any
-
-
-def _keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> dict | None:
-  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]`: as they
-  are where `same[i]` (the same pod on the same islands), else a `_Copy` for pod i's islands;
-  or None where the two programs' cells are not laid out alike."""
-  if not (hasattr(old, "cell_shardings") and hasattr(new, "cell_shardings")):
-    return None
-  out = {}
-  for (i, s), shardings in new.cell_shardings.items():
-    source = (sources[i], s)
-    if jax.tree.structure(shardings) != jax.tree.structure(old.cell_shardings.get(source)):
-      return None
-    value = state[state_key(source)]
-    out[state_key((i, s))] = value if same[i] else _Copy((i, s), value, shardings)
-  return out
-
-
-def _pod_of_key(key: str) -> int:
-  """The pod of a pipeline state key "state/<pod>.<stage>" (pipeline/state.py)."""
-  return int(key.removeprefix("state/").split(".")[0])
-
-
-def _for_pods(whole: dict, program, num_pods: int) -> dict:
-  """A whole-model state shaped for `program`'s restore target: every pod's where the pods'
-  states differ (a dropped pod's gone, a rejoining pod's a copy of the first), else one; the
-  exchange's own entries (DiLoCo's anchor, stale gradients) as the program's exchange has them
-  (made afresh from the parameters where the state had none)."""
-  target = program.abstract_state
-  per_pod = "pods" in target
-  pods = whole["pods"] if "pods" in whole else [whole]
-  if per_pod:
-    pods = (pods + [pods[0]] * num_pods)[:num_pods]
-  one = target["pods"][0] if per_pod else target
-  exchange = getattr(program, "exchange", None)
-  fitted = []
-  for pod in pods:
-    missing = [k for k in one if k not in pod]
-    fresh = exchange.init_state(pod["params"]) if missing else {}
-    fitted.append({k: pod[k] if k in pod else fresh[k] for k in one})
-  return {"pods": fitted} if per_pod else fitted[0]

@@ -1,0 +1,115 @@
+"""Elastic pods in distributed mode (pwtrain/elastic/agreement.py): pods as processes started by
+pwtrain.launch on loopback; a SIGKILLed process's pod is dropped, the survivors go on, and the
+process started again in its place rejoins.
+
+The reference is the uninterrupted embedded run of the same model and batch (3 islands of one
+device each, as the processes have): the survivors take the lost pod's rows, so the trajectory
+equals it within the parity tolerance (the sums over the batch are split differently).
+The checkpoints written while degraded and after the rejoin are whole, restore in embedded mode,
+and hold the uninterrupted run's data positions.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers import SGD, assert_close, assert_trees_close, small_config
+from test_distributed import final_state, launch, process_logs
+
+from pwtrain import train
+from pwtrain.errors import ConfigError
+
+# 3 pods as 3 processes of 1 device each, a data stream each; a short heartbeat (a dead process
+# is found after 3 s); checkpoints at steps 4 and 8.
+PODS = {
+  **SGD,
+  "parallel.islands": 3,
+  "parallel.devices_per_island": 1,
+  "parallel.pods": 3,
+  "exchange.mode": "sync",
+  "train.global_batch": 6,
+  "data.streams": 3,
+  "train.num_steps": 8,
+  "train.checkpoint_every": 4,
+  "train.eval_every": 0,
+  "fault.heartbeat_s": 1.0,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(tmp_path):
+  """Pod 1's process SIGKILLs itself before step 3: the others find it gone, drop its pod and run
+  step 3 again with the whole batch, and checkpoint step 4 over themselves alone; the launcher
+  starts process 1 again, and it rejoins before step 6 (its state pulled from pod 0's). No
+  restart, each step once in metrics.jsonl, and the losses and parameter norms are the
+  uninterrupted run's. Both checkpoints are whole and hold that run's data positions (pod 1's
+  stream included: the survivors read its rows); each restores in embedded mode to that run's
+  state at its step, and the one written degraded also on a full restart of the processes."""
+  straight = train.run(small_config(**PODS), str(tmp_path / "a"), show_progress=False)
+  workdir = tmp_path / "b"
+  drill = {"fault.elastic": True, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
+  done = launch(workdir, 3, {**PODS, **drill}, devices=1, timeout=240)
+  logs = process_logs(workdir)
+  assert done.returncode == 0, done.stdout[-3000:] + logs[-3000:]
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = [row for row in rows if "loss" in row]
+  assert [row["step"] for row in rows] == list(range(1, 9))
+  assert [row["pods_live"] for row in rows] == [3, 3, 2, 2, 2, 3, 3, 3]
+  want = [r for r in straight.history if "loss" in r]
+  assert_close([row["loss"] for row in rows], [r["loss"] for r in want], "losses")
+  assert_close([r["param_norm"] for r in rows], [r["param_norm"] for r in want], "param norms")
+  assert "process 1 " in done.stdout and "go on without its pod" in done.stdout
+  assert "process 1 started again" in done.stdout
+  console = [line for line in done.stdout.splitlines() if line.startswith("[p0]")]
+  (lost,) = [line for line in console if "pod 1 lost" in line]
+  assert "process 1 left the run" in lost and "at step 3: 2 of 3 pods live" in lost, lost
+  assert "s after the fault" in lost, lost
+  (back,) = [line for line in console if "pod 1 rejoined" in line]
+  assert "at step 6: 3 of 3 pods live" in back, back
+  assert "pod 1 rejoined (this process started again) at step 6" in logs
+  assert "latest checkpoint: step 8" in done.stdout
+  assert "restart" not in done.stdout and "resumed" not in logs
+  assert "Fatal" not in logs and "Terminating process" not in logs  # every process left cleanly
+  for step in (4, 8):  # the data positions the uninterrupted run saved
+    assert _data_position(workdir, step) == _data_position(tmp_path / "a", step), step
+  restored = final_state(small_config(**PODS), workdir)
+  assert restored.start_step == 8
+  assert_trees_close(restored.state, straight.state, "final state")
+  # Step 4, written by the survivors alone, as the latest checkpoint of a 4-step run.
+  four = {**PODS, "train.num_steps": 4}
+  for run in (tmp_path / "a", workdir):
+    shutil.rmtree(run / "checkpoints" / "8")
+  want = final_state(small_config(**four), tmp_path / "a").state
+  restored = final_state(small_config(**four), workdir)
+  assert restored.start_step == 4
+  assert_trees_close(restored.state, want, "state at step 4")
+  again = launch(workdir, 3, {**four, "fault.elastic": True}, devices=1, timeout=120)
+  assert again.returncode == 0, again.stdout[-3000:]
+  assert "nothing to train" in again.stdout and "resumed from step 4" in process_logs(workdir)
+
+
+def _data_position(workdir, step: int) -> dict:
+  """The data item of checkpoint `step` in `workdir`, as saved."""
+  return json.load(open(os.path.join(workdir, "checkpoints", str(step), "data", "metadata")))
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    ({"parallel.islands": 3}, "each pod must be one process of its own"),
+    ({"exchange.mode": "stale"}, "takes exchange.mode='sync'"),
+    ({"fault.inject": "kill:pod0@step3"}, "pod 0's process serves the coordination service"),
+  ],
+)
+def test_what_elastic_pods_cannot_do_in_distributed_mode_is_one_clear_error(
+  overrides, message, tmp_path
+):
+  """In this one process every pod's island is on process 0, which the first case refuses; the
+  others are refused before that is looked at."""
+  config = small_config(
+    **{**PODS, "fault.elastic": True, "backend.mode": "distributed", **overrides}
+  )
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    train.run(config, str(tmp_path / "run"), show_progress=False)
