@@ -31,12 +31,7 @@ from pwtrain.parallel.pipeline.schedule import (
   island_orders,
   splits_backward,
 )
-from pwtrain.parallel.pipeline.state import (
-  PipelineProgram,
-  state_key,
-  train_state,
-  whole_abstract,
-)
+from pwtrain.parallel.pipeline.state import PipelineProgram, state_key, train_state, whole_abstract
 from pwtrain.parallel.stages import to_stage
 
 
@@ -361,8 +356,8 @@ class ProgramBuilder:
       saved = {"saved": (f"{pre}F{s}.{m}", f.output("saved"))} if "saved" in f.outputs else {}
       if split:  # B sends the input's gradient on; W adds the parameters' later
         name = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, **saved)
-        b = self.piece(cell, "B")  # at stage_remat "full", B's residuals are W's
-        saved = {"saved": (name, b.output("saved"))} if "saved" in b.outputs else saved
+        if "saved" in (b := self.piece(cell, "B")).outputs:  # at "full", B's residuals for W
+          saved = {"saved": (name, b.output("saved"))}
         run.micro[m] = {"x": x, "g_out": g, **saved}
         return
       b = self.node(cell, "B", f".{m}", state=state, x=x, g_out=g, grads=run.grads, **saved)
