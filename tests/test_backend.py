@@ -291,7 +291,9 @@ def test_puller_moves_values_and_a_failed_value_fails_the_pull(monkeypatch):
   from pwtrain.backend.pulls import Puller
 
   store = {}
-  monkeypatch.setattr(processes, "share", lambda key, value: store.__setitem__(key, value))
+  monkeypatch.setattr(
+    processes, "share", lambda key, value, replace=False: store.__setitem__(key, value)
+  )
   monkeypatch.setattr(processes, "ask", lambda key, timeout_s=600.0: store[key])
   puller = Puller("test")
   device = jax.devices()[0]
@@ -315,7 +317,9 @@ def test_a_pull_that_never_arrives_names_its_peer_in_bounded_time(monkeypatch):
   from pwtrain.backend.pulls import Puller
 
   store, told = {}, []
-  monkeypatch.setattr(processes, "share", lambda key, value: store.__setitem__(key, value))
+  monkeypatch.setattr(
+    processes, "share", lambda key, value, replace=False: store.__setitem__(key, value)
+  )
   monkeypatch.setattr(processes, "ask", lambda key, timeout_s=600.0: store[key])
   puller = Puller("silent", timeout_s=1.0, on_timeout=told.append)
   device = jax.devices()[0]
