@@ -178,23 +178,22 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
     outputs=outputs,
   )
 
-  def pulled_back(state, x, g_out, saved):
-    """(the parameters' gradient, *the input's gradient) of the microbatch."""
+  def vjp_of(state, x, saved=None):
+    """The microbatch's VJP of (params, x) (or of params, on the first stage): rebuilt from
+    F's residuals `saved` (stage_remat="none"), or by running the forward again."""
     if keep:
-      vjp = residuals.vjp(saved, (state["params"], x))
-    else:
-      _, vjp, _ = jax.vjp(differentiated(x), *primals(state, x), has_aux=True)
-    return vjp(cotangent_of(g_out))
+      return residuals.vjp(saved, (state["params"], x))
+    return jax.vjp(differentiated(x), *primals(state, x), has_aux=True)[1]
 
   def b_fn(state, x, g_out, grads, saved=None):
-    g_params, *g_in = pulled_back(state, x, g_out, saved)
+    g_params, *g_in = vjp_of(state, x, saved)(cotangent_of(g_out))
     return (jax.tree.map(jnp.add, grads, g_params), *g_in)
 
   inputs = {"state": cell.state_abs, "x": cell.x_abs, "g_out": cell.act_abs}
   if keep:
     inputs["saved"] = f_piece.out_abstract[f_piece.output("saved")]
   if split:
-    _compile_split_b(cell, inputs, keep, residuals, differentiated, primals, cotangent_of)
+    _compile_split_b(cell, inputs, keep, vjp_of, cotangent_of)
     return
   cell.compile(
     "B",
@@ -206,18 +205,18 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
   )
 
 
-def _compile_split_b(cell, inputs, keep, residuals, differentiated, primals, cotangent_of):
+def _compile_split_b(cell, inputs, keep, vjp_of, cotangent_of):
   """zero_bubble's B (the input's gradient) and W (the parameters') of a stage that is not the
-  last. At stage_remat="none" both rebuild the VJP from F's residuals (`residuals`, `inputs`
-  holding "saved"); at "full" B recomputes the forward and returns the VJP's residuals too
-  (KEPT, as F's: only W on this island reads them), so W does not recompute it again."""
-  w_residuals = residuals if keep else Residuals()
+  last, from the stage's `vjp_of(state, x, saved)`. At stage_remat="none" both rebuild the VJP
+  from F's residuals (`inputs` holding "saved"); at "full" B recomputes the forward and returns
+  the VJP's residuals too (KEPT, as F's: only W on this island reads them), so W does not
+  recompute it again."""
+  b_residuals = Residuals()  # stage_remat="full": B's VJP's, for W
 
   def b_fn(state, x, g_out, saved=None):
-    if keep:
-      return residuals.vjp(saved, (state["params"], x))(cotangent_of(g_out))[1]
-    _, vjp, _ = jax.vjp(differentiated(x), *primals(state, x), has_aux=True)
-    return vjp(cotangent_of(g_out))[1], w_residuals.save(vjp, (state["params"], x))
+    vjp = vjp_of(state, x, saved)
+    g_in = vjp(cotangent_of(g_out))[1]
+    return g_in if keep else (g_in, b_residuals.save(vjp, (state["params"], x)))
 
   b = cell.compile(
     "B",
@@ -228,7 +227,8 @@ def _compile_split_b(cell, inputs, keep, residuals, differentiated, primals, cot
   )
 
   def g_params(state, x, g_out, saved):
-    return w_residuals.vjp(saved, (state["params"], x))(cotangent_of(g_out))[0]
+    vjp = vjp_of(state, x, saved) if keep else b_residuals.vjp(saved, (state["params"], x))
+    return vjp(cotangent_of(g_out))[0]
 
   if not keep:
     inputs = {**inputs, "saved": b.out_abstract[b.output("saved")]}
