@@ -333,11 +333,7 @@ class Worker(pb_grpc.WorkerServicer):
     start = time.time()
     try:
       if r.source:
-        stream = self._peer(r.source).Fetch(
-          pb.FetchRequest(handle=r.handle), metadata=auth.call_metadata(self.token)
-        )
-        _, received = arrays.from_chunks(stream)
-        leaves = [x for x, _ in received]
+        leaves = self._pull(r.source, r.handle)
       else:
         leaves = self.store.lookup(r.handle).result()
         self.store.read(r.handle)
@@ -354,12 +350,32 @@ class Worker(pb_grpc.WorkerServicer):
     except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the output
       out.set_exception(RuntimeError(f"{self.island}: transfer {op.name} failed: {_describe(e)}"))
 
-  def _peer(self, address: str) -> pb_grpc.WorkerStub:
-    with self._peers_lock:
-      if address not in self._peers:
-        self._peers[address] = pb_grpc.WorkerStub(
-          grpc.insecure_channel(address, options=channel_options())
+  def _pull(self, address: str, handle: str) -> list:
+    """The arrays of `handle`, fetched from the worker at `address`. A channel whose connection
+    was refused waits out a backoff before it connects again, and refuses calls meanwhile; so
+    a peer started again on the same address (a pod rejoining: elastic pods) would be refused
+    for seconds after it answers. A refused pull therefore gets a new channel and one more try."""
+    for attempt in range(2):
+      try:
+        stream = self._peer(address).Fetch(
+          pb.FetchRequest(handle=handle), metadata=auth.call_metadata(self.token)
         )
+        _, received = arrays.from_chunks(stream)
+        return [x for x, _ in received]
+      except grpc.RpcError as e:
+        if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
+          raise
+        self._peer(address, fresh=True)
+    raise AssertionError("unreachable")
+
+  def _peer(self, address: str, fresh: bool = False) -> pb_grpc.WorkerStub:
+    """The stub of the worker at `address`, its channel kept for later pulls (`fresh`: a new
+    channel in place of the kept one). Each channel has its own connection (subchannel) rather
+    than one shared by every channel to the address, so a new one connects at once."""
+    with self._peers_lock:
+      if fresh or address not in self._peers:
+        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+        self._peers[address] = pb_grpc.WorkerStub(grpc.insecure_channel(address, options=options))
       return self._peers[address]
 
 
