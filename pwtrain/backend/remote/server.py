@@ -1,6 +1,6 @@
 """The island worker: serves one island's devices to a remote controller over gRPC.
 
-State: an object store of futures keyed by handle (values are flat lists of arrays), an
+State: an object store of futures keyed by handle (store.py; values are flat lists of arrays), an
 executable cache, and one execution queue drained by one thread, so the island runs every
 program's computations in the order the controller enqueued them (gang scheduling). Transfers
 run beside the queue: a Receive pulls its value straight from the worker that holds it, and
@@ -25,67 +25,9 @@ from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
+from pwtrain.backend.remote.store import Store
 from pwtrain.checkpoint import integrity
 from pwtrain.checkpoint import parts as checkpoint_parts
-
-# How long an operation waits for a handle that has not been announced yet (its Put or the
-# Enqueue that produces it may still be on the way).
-LOOKUP_TIMEOUT_S = 600.0
-
-
-class _Store:
-  """Futures of values by handle, each dropped after its announced number of reads."""
-
-  def __init__(self):
-    self._entries: dict[str, list] = {}  # handle -> [future, uses left (0: pinned)]
-    self._cond = threading.Condition()
-    self._generation = 0  # bumped by reset: lookups waiting for the old session give up
-
-  def create(self, handle: str, uses: int) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    if uses < 0:  # nobody reads it
-      return future
-    with self._cond:
-      if handle in self._entries:
-        raise ValueError(f"handle {handle!r} already exists")
-      self._entries[handle] = [future, uses]
-      self._cond.notify_all()
-    return future
-
-  def lookup(self, handle: str, timeout: float = LOOKUP_TIMEOUT_S) -> concurrent.futures.Future:
-    with self._cond:
-      generation = self._generation
-      self._cond.wait_for(
-        lambda: handle in self._entries or self._generation != generation, timeout
-      )
-      if handle not in self._entries:
-        raise KeyError(f"no value {handle!r} on this worker (released, reset or never produced)")
-      return self._entries[handle][0]
-
-  def read(self, handle: str) -> None:
-    """One announced read done: drops the value after its last."""
-    with self._cond:
-      entry = self._entries.get(handle)
-      if entry is not None and entry[1] > 0:
-        entry[1] -= 1
-        if entry[1] == 0:
-          del self._entries[handle]
-
-  def release(self, handle: str) -> None:
-    with self._cond:
-      self._entries.pop(handle, None)
-
-  def reset(self) -> None:
-    with self._cond:
-      for future, _ in self._entries.values():
-        if not future.done():
-          future.set_exception(RuntimeError("the worker was reset"))
-      self._entries.clear()
-      self._generation += 1
-      self._cond.notify_all()
-
-  def __len__(self) -> int:
-    return len(self._entries)
 
 
 class _Executable:
@@ -100,7 +42,7 @@ class Worker(pb_grpc.WorkerServicer):
     self.island = island
     self.devices = list(devices if devices is not None else jax.devices())
     self.platform = self.devices[0].platform
-    self.store = _Store()
+    self.store = Store()
     self._executables: dict[str, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
     self._queue: queue.Queue = queue.Queue()
