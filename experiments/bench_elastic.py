@@ -8,20 +8,23 @@ with a cold and a warm compilation cache.
 
 faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps in --mode
          (embedded, or remote: one worker process per pod, launched by the run), and pod 1 is
-         lost every --fault_every steps (--fault_offset into each interval), three sides run
+         lost every --fault_every steps (--fault_offset into each interval), four sides run
          one after another, after a short warm-up run that fills the cache:
            clean    no fault (the reference step time)
            elastic  fault.elastic=True and the drill `kill:pod1@stepN`; embedded: the pod's
                     islands fail, and `rejoin:pod1@stepN+R` (R = --rejoin_after) brings them
                     back; remote: pod 1's worker process is SIGKILLed, the supervisor relaunches
-                    it and the pod rejoins once it answers. The run drops the pod and carries on
-           restart  today's path, resuming from the last checkpoint (train.checkpoint_every) with
-                    a warm compilation cache: embedded, the process is SIGKILLed once step N is
-                    logged and started again; remote, pod 1's worker is SIGKILLed and the
-                    supervisor restarts every worker and resumes (fault.max_restarts)
+                    it and the pod rejoins once it answers. The run drops the pod and carries on,
+                    pod 0 hosting pod 1's work (fault.host_lost_pods)
+           rebuilt  the same with fault.host_lost_pods=False: the survivors' own program
+           restart  without fault.elastic: resuming from the last checkpoint
+                    (train.checkpoint_every) with a warm compilation cache: embedded, the
+                    process is SIGKILLed once step N is logged and started again; remote, pod
+                    1's worker is SIGKILLed and the supervisor restarts every worker and resumes
+                    (fault.max_restarts)
          Goodput = (kept steps x the clean run's median step time) / wall time, where wall time
          runs from the first process start to the last exit; seconds lost per fault = (wall -
-         clean wall) / faults. The elastic side's breakdown (detection, compile, state move) is
+         clean wall) / faults. The elastic sides' breakdown (detection, compile, state move) is
          read from its drop lines: detection is from the drill's kill to the drop (embedded: 0,
          the kill is the step boundary); the steps run again are counted from the log.
 first    time to first step (process start to the first metrics row) of palm_tiny and of
@@ -117,7 +120,7 @@ def fault_steps(args) -> list[int]:
   return list(range(args.fault_offset, args.steps, args.fault_every))
 
 
-def run_elastic(root: str, args, cache: str, name: str = "elastic") -> dict:
+def run_elastic(root: str, args, cache: str, name: str = "elastic", host: bool = True) -> dict:
   workdir = os.path.join(root, name)
   steps, rejoin = args.steps, args.rejoin_after
   drills = []
@@ -127,7 +130,7 @@ def run_elastic(root: str, args, cache: str, name: str = "elastic") -> dict:
       drills.append(f"rejoin:pod1@step{min(n + rejoin, steps)}")
   overrides = {
     **pods(args), "train.num_steps": steps, "fault.elastic": True,
-    "fault.inject": ",".join(drills),
+    "fault.inject": ",".join(drills), "fault.host_lost_pods": host,
   }  # fmt: skip
   begin = time.perf_counter()
   proc = start(workdir, "palm_tiny.py", overrides, cache)
@@ -222,36 +225,40 @@ def faults(args, cache: str) -> dict:
   root = tempfile.mkdtemp(prefix="bench_elastic_")
   # Every side starts warm: a short elastic run compiles the programs of both pod sets first.
   warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
-  run_elastic(root, warmup, cache, name="warmup")
+  run_elastic(root, warmup, cache, name="warmup", host=False)
   clean = run_clean(root, args, cache)
   elastic = run_elastic(root, args, cache)
+  rebuilt = run_elastic(root, args, cache, name="rebuilt", host=False)
   restart = run_restart(root, args, cache)
   productive = args.steps * clean["step_s"]
-  result = {"clean": clean, "elastic": elastic, "restart": restart}
-  for name in ("elastic", "restart"):
+  result = {"clean": clean, "elastic": elastic, "rebuilt": rebuilt, "restart": restart}
+  sides = ("elastic", "rebuilt", "restart")
+  for name in sides:
     side = result[name]
     side["goodput"] = productive / side["wall_s"]
     side["lost_per_fault_s"] = (side["wall_s"] - clean["wall_s"]) / max(side["faults"], 1)
   print(
     f"step time (clean, median): {clean['step_s'] * 1e3:.1f} ms; clean wall {clean['wall_s']:.1f} s"
   )
-  for name in ("elastic", "restart"):
+  for name in sides:
     side = result[name]
     print(
       f"{name:8s} wall {side['wall_s']:.1f} s, goodput {side['goodput']:.3f}, "
       f"{side['lost_per_fault_s']:.2f} s lost per fault ({side['faults']} faults)"
     )
-  for d in elastic["drops"]:
+  for name, d in [(n, d) for n in ("elastic", "rebuilt") for d in result[n]["drops"]]:
     print(
-      f"  elastic drop: detection {d['detect_s']:.2f} s, then {d['seconds']:.2f} s (compile "
+      f"  {name} drop: detection {d['detect_s']:.2f} s, then {d['seconds']:.2f} s (compile "
       f"{d['compile_s']:.2f} s, state move {d['state_s']:.2f} s), {d['rerun']} step(s) run "
       f"again = {d['rerun'] * clean['step_s']:.3f} s at the clean step time"
     )
-  print(f"  elastic rejoins: {', '.join(f'{s:.2f} s' for s in elastic['rejoins_s'])}")
+  for name in ("elastic", "rebuilt"):
+    print(f"  {name} rejoins: {', '.join(f'{s:.2f} s' for s in result[name]['rejoins_s'])}")
   print(f"  restart: {restart['steps_redone']} steps redone in all")
-  ratio = restart["lost_per_fault_s"] / max(elastic["lost_per_fault_s"], 1e-9)
-  print(f"restart loses {ratio:.1f}x the time elastic loses per fault")
-  result["restart_over_elastic"] = ratio
+  for name in ("elastic", "rebuilt"):
+    ratio = restart["lost_per_fault_s"] / max(result[name]["lost_per_fault_s"], 1e-9)
+    print(f"restart loses {ratio:.1f}x the time {name} loses per fault")
+    result[f"restart_over_{name}"] = ratio
   return result
 
 

@@ -185,6 +185,7 @@ def get_config():
   c.fault.elastic = False  # True: a lost pod is dropped, the run goes on, it rejoins when back
   c.fault.keep_global_batch = True  # elastic: survivors take the lost pod's rows (else shrink)
   c.fault.min_pods = 1  # elastic: below this many live pods the loss stops the run
+  c.fault.host_lost_pods = True  # elastic: survivors run lost pods' microbatches (else rebuild)
   c.fault.inject = ""  # elastic drills: "kill:pod1@step6,rejoin:pod1@step10"
 
   c.metrics = ml_collections.ConfigDict()  # besides metrics.jsonl and TensorBoard (always on)

@@ -57,9 +57,9 @@ def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_on
   uninterrupted, tmp_path, caplog
 ):
   """Pod 1 is lost at step 3 and rejoins at step 6: the survivors run steps 3-5 with the whole
-  batch, no checkpoint is read, each step appears once, and the losses, the final parameters
-  and every pod's gradient norm (after the rejoin: the rejoined pod's too) are the uninterrupted
-  run's."""
+  batch (pod 0 hosts pod 1's work: fault.host_lost_pods), no checkpoint is read, each step
+  appears once, and the losses, the final parameters and every pod's gradient norm are the
+  uninterrupted run's."""
   inject = "kill:pod1@step3,rejoin:pod1@step6"
   config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
   with caplog.at_level(logging.WARNING, logger="pwtrain"):
@@ -70,8 +70,26 @@ def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_on
   (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
   assert line.startswith("pod 1 lost (fault.inject kill:pod1@step3) at step 3: 2 of 3 pods live")
   assert "compile" in line and "state" in line
+  assert line.endswith("pod 1's work runs on pod 0")
   assert any(r.getMessage().startswith("pod 1 rejoined") for r in caplog.records)
   assert "resumed" not in caplog.text  # no checkpoint read
+
+
+@pytest.mark.slow
+def test_a_lost_pods_microbatches_are_shared_out_over_the_survivors(tmp_path, caplog):
+  """With 2 microbatches a pod, lost pod 1's first runs on pod 0 and its second on pod 2, its
+  running gradient sums moving from one to the other: the run is the uninterrupted one."""
+  shared = {**THREE_PODS, "parallel.devices_per_island": 1, "train.num_microbatches": 2}
+  shared["train.num_steps"] = 6
+  straight = train.run(small_config(**shared), str(tmp_path / "a"), show_progress=False)
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod1@step3,rejoin:pod1@step5"}
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(small_config(**shared, **drills), str(tmp_path / "b"), show_progress=False)
+  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert line.endswith("pod 1's work runs on pods 0,2"), line
+  assert _pods_live(tmp_path / "b") == [3, 3, 2, 2, 3, 3]
+  assert_close(_losses(result), _losses(straight), "losses")
+  assert_trees_close(result.state["params"], straight.state["params"], "params")
 
 
 def _pods_live(workdir) -> list[int]:
@@ -79,8 +97,8 @@ def _pods_live(workdir) -> list[int]:
 
 
 def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
-  """Each step once in metrics.jsonl; its losses, final parameters and, where every pod is
-  live, each pod's gradient norm equal the uninterrupted run's."""
+  """Each step once in metrics.jsonl; its losses, final parameters and each pod's gradient
+  norm (a hosted pod's too) equal the uninterrupted run's."""
   assert_close(_losses(result), _losses(uninterrupted), "losses")
   assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
   rows = [row for row in _rows(workdir) if "loss" in row]
@@ -88,7 +106,7 @@ def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
   want = {row["step"]: row for row in uninterrupted.history}
   norms = [f"pod{q}_grad_norm" for q in range(THREE_PODS["parallel.pods"])]
   for row in rows:
-    if row["pods_live"] == THREE_PODS["parallel.pods"] and norms[0] in want[row["step"]]:
+    if norms[0] in want[row["step"]]:
       assert_close([row[k] for k in norms], [want[row["step"]][k] for k in norms], "grad norms")
 
 
@@ -156,11 +174,12 @@ def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
 @pytest.mark.slow
 def test_the_stale_exchange_carries_on_without_a_pod(tmp_path):
   """stale (the in-flight gradient, summed over every pod before the loss, is applied; then the
-  survivors' over the whole batch) loses pod 2 and equals its uninterrupted run. (overlapped:
-  test_two_pods_of_two_stages_lose_and_regain_a_pod.)"""
+  survivors' over the whole batch) loses pod 2 and equals its uninterrupted run, with the
+  survivors' program built for two pods (fault.host_lost_pods=False; hosted: sync and
+  overlapped above)."""
   exchange = {**THREE_PODS, "exchange.mode": "stale", "train.num_steps": 6}
   straight = train.run(small_config(**exchange), str(tmp_path / "a"), show_progress=False)
-  drills = {"fault.elastic": True, "fault.inject": "kill:pod2@step3"}
+  drills = {"fault.elastic": True, "fault.inject": "kill:pod2@step3", "fault.host_lost_pods": False}
   elastic = train.run(small_config(**exchange, **drills), str(tmp_path / "b"), show_progress=False)
   assert_close(_losses(elastic), _losses(straight), "losses")
   assert_trees_close(elastic.state["params"], straight.state["params"], "params")

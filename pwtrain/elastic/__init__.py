@@ -1,7 +1,9 @@
 """Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
 
 steps      `ElasticSteps`: the run's steps over the live pods (drop, run again, rejoin)
-cells      the live pods' state moved onto another pod set
+podsets    each set of live pods' harness (lost pods hosted, or rebuilt) and the state moved
+           between them
+cells      the live pods' cells kept, copied or rebuilt for another pod set
 agreement  distributed mode: the processes' agreement, step by step, on the live pods
 """
 

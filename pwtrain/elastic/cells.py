@@ -24,10 +24,11 @@ class Copy:
   shardings: Any
 
 
-def keep_cells(old, new, state: dict, sources: list[int], same: list[bool]) -> dict | None:
-  """`new`'s pipeline state with new pod i's cells taken from `old`'s pod `sources[i]`: as they
-  are where `same[i]` (the same pod on the same islands), else a `Copy` for pod i's islands;
-  or None where the two programs' cells are not laid out alike."""
+def keep_cells(old, new, state: dict, sources: dict, same: dict) -> dict | None:
+  """`new`'s pipeline state with the cells of its pod i (each pod with state in `new`) taken
+  from `old`'s pod `sources[i]` (pod numbers as each program numbers them): as they are where
+  `same[i]` (the same pod on the same islands), else a `Copy` for pod i's islands; or None
+  where the two programs' cells are not laid out alike."""
   if not (hasattr(old, "cell_shardings") and hasattr(new, "cell_shardings")):
     return None
   out = {}

@@ -10,11 +10,12 @@ dead one's place `join`s (distributed mode):
            (`fault.inject`: embedded marks the islands lost, remote SIGKILLs their workers).
            Each step is confirmed (its metrics read) while the next one runs, so a loss is seen
            one step after it happens, or at once where the next step cannot be sent.
-  drop     the lost pods leave the live pod set. The step program for the survivors is built
-           (compiled once per pod set, then cached), the state the first failed step started
-           from is taken from a survivor's islands and laid out on the survivors
-           (`from_checkpoint` of that whole-model state: device to device, no file is read),
-           and the failed steps run again with the same batches. No survivor restarts.
+  drop     the lost pods leave the live pod set, whose harness is the full set's program with
+           each lost pod hosted by a survivor (nothing compiles), or one built for the
+           survivors (compiled once per pod set, then cached): podsets.py. The state the first
+           failed step started from stays on the survivors' islands (or is laid out on them
+           device to device; no file is read), and the failed steps run again with the same
+           batches. No survivor restarts.
   batch    by default the survivors take the lost pods' rows (`fault.keep_global_batch`), so
            with the sync or overlapped exchange the trajectory is the uninterrupted run's; else
            the batch shrinks to the live pods' rows.
@@ -35,9 +36,7 @@ The drills and the checks of fault.* are pwtrain/drills.py.
 
 import collections
 import concurrent.futures
-import copy
 import dataclasses
-import functools
 import logging
 import time
 
@@ -45,12 +44,11 @@ import jax
 import numpy as np
 
 from pwtrain import processes
-from pwtrain.backend import Cluster, Program, Transfer
 from pwtrain.backend.faults import IslandLost
-from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells
 from pwtrain.elastic.agreement import Agreement
+from pwtrain.elastic.podsets import PodSets
 from pwtrain.harness import Harness, StepOutputs
 
 log = logging.getLogger(__name__)
@@ -96,8 +94,6 @@ class ElasticSteps:
     self._islands = {p: plan.islands[p * stages : (p + 1) * stages] for p in range(plan.num_pods)}
     self._pod_of = {i.name: p for p, islands in self._islands.items() for i in islands}
     self.num_pods = plan.num_pods
-    self.live = tuple(range(plan.num_pods))
-    self._harnesses = {self.live: harness}
     self._pending: collections.deque[_Pending] = collections.deque()
     self._drills = parse_inject(config.fault.inject, plan.num_pods)
     self._rejoining: set[int] = set()
@@ -110,11 +106,17 @@ class ElasticSteps:
     # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
     # pods that a drill brings back at its step, not as soon as they are ready.
     self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
+    self.pods = PodSets(config, harness, self._islands, self._agreement)
     self._rejoin_drills = {d.pod for d in self._drills if d.action == "rejoin"}
 
   @property
+  def live(self) -> tuple:
+    """The live pods (configured numbers)."""
+    return self.pods.live
+
+  @property
   def harness(self) -> Harness:
-    return self._harnesses[self.live]
+    return self.pods.harness
 
   @property
   def step_program(self):
@@ -147,10 +149,10 @@ class ElasticSteps:
     handover = self._agreement.join()
     everyone, survivors = self.live, tuple(handover["live"])
     built = time.perf_counter()
-    self._harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
+    self.pods.harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
     compile_s = time.perf_counter() - built
-    self.live = survivors
-    more_s, state = self._move(everyone, cells.stand_ins(self.step_program))
+    self.pods.live = survivors
+    more_s, state = self.pods.move(everyone, cells.stand_ins(self.step_program))
     seconds, step = time.perf_counter() - start, handover["step"]
     mine = [p for p in everyone if p not in survivors]
     self._record(
@@ -253,7 +255,7 @@ class ElasticSteps:
       raise error
     detect_s = None if self._killed_at is None else start - self._killed_at  # a drill's
     self._killed_at = None
-    compile_s, state = self._move(live, self._pending[0].before)
+    compile_s, state = self.pods.move(live, self._pending[0].before)
     redo = list(self._pending)
     self._pending.clear()
     moved = time.perf_counter() - start - compile_s
@@ -288,80 +290,13 @@ class ElasticSteps:
       for island in self._islands[p]:
         self.controller.restore(island.name)
     live = tuple(sorted(set(self.live) | set(pods)))
-    compile_s, state = self._move(live, state)
+    compile_s, state = self.pods.move(live, state)
     seconds = time.perf_counter() - start
     self._record(
       "rejoin", pods, "its islands run again", step + 1, seconds, compile_s=compile_s,
       state_s=seconds - compile_s,
     )  # fmt: skip
     return state
-
-  def _move(self, live: tuple, state: dict) -> tuple[float, dict]:
-    """(seconds compiling, `state` of the current pod set laid out on pod set `live`), which
-    then becomes the current one. A pod in both keeps its cells' state where it is (nothing
-    moves); a rejoining pod gets a copy of the first live pod's, device to device. Where the
-    cells differ (down to one pod, whose exchange carries nothing), the state goes through
-    the whole-model form instead (`from_checkpoint`)."""
-    start = time.perf_counter()
-    harness = self._harness_for(live)
-    compile_s = time.perf_counter() - start
-    old, new = self.step_program, harness.step_program
-    sources = [self.live.index(p) if p in self.live else 0 for p in live]
-    moved = cells.keep_cells(old, new, state, sources, same=[p in self.live for p in live])
-    if moved is not None:  # the rejoining pods' cells: copied from a live pod's islands
-      moved = self._copy_cells(harness.plan, moved)
-    else:
-      whole = self._whole(state, keep=sorted(set(sources)))
-      moved = new.from_checkpoint(cells.for_pods(whole, new, getattr(new, "num_pods", 1)))
-    self.live = live
-    return compile_s, moved
-
-  def _copy_cells(self, plan, moved: dict) -> dict:
-    """`moved` ({state key: value, or a `cells.Copy`}) with each copy made onto its cell's
-    island in `plan` (the new pod set's), by one program of transfers: device to device
-    (embedded), worker to worker (remote), never through this process."""
-    nodes, inputs, outputs = [], {}, {}
-    for key, value in moved.items():
-      if not isinstance(value, cells.Copy):
-        continue
-      island = plan.cells[value.cell].name
-      inputs[f"from/{key}"] = value.value
-      nodes.append(Transfer(f"copy/{key}", f"from/{key}", island, value.shardings))
-      outputs[key] = (f"copy/{key}", 0)
-    if self._agreement is not None:  # distributed: one pull each (cells.hand_over)
-      copy = functools.partial(cells.hand_over, self.controller, plan)
-      return {k: copy(v) if isinstance(v, cells.Copy) else v for k, v in moved.items()}
-    if not nodes:
-      return moved
-    return {**moved, **self.controller.run(Program(tuple(nodes), outputs), inputs)}
-
-  def _harness_for(self, live: tuple) -> Harness:
-    """The harness of pod set `live`: built (compiled) the first time, then cached."""
-    if live not in self._harnesses:
-      config = copy.deepcopy(self.config)
-      config.parallel.pods = len(live)
-      config.parallel.islands = len(live) * config.parallel.stages
-      if not config.fault.keep_global_batch:
-        config.train.global_batch = self.config.train.global_batch * len(live) // self.num_pods
-      cluster = Cluster(tuple(i for p in live for i in self._islands[p]))
-      self._harnesses[live] = Harness.build(config, cluster=cluster, controller=self.controller)
-    return self._harnesses[live]
-
-  def _whole(self, state: dict, keep: list[int]) -> dict:
-    """The whole-model state of the current program's pods `keep` (indices into its pods):
-    one of them, or each one's where the pods' states differ."""
-    program = self.step_program
-    if hasattr(program, "pod_whole"):  # only the kept pods' cells: a lost pod's may have failed
-      state = {k: v for k, v in state.items() if cells.pod_of_key(k) in keep}
-    state = results(state)
-    for leaf in jax.tree.leaves(state):
-      if isinstance(leaf, jax.Array) and leaf.is_deleted():
-        raise RuntimeError("the survivors' state was consumed by the failed step; cannot drop")
-    if not hasattr(program, "pod_whole"):  # one pod on one island
-      return program.to_checkpoint(state)
-    if program.per_pod_checkpoint:
-      return {"pods": [program.pod_whole(state, p) for p in keep]}
-    return program.pod_whole(state, keep[0])
 
   def _drill(self, step: int) -> None:
     """The injected faults of `fault.inject` due before step `step` (1-based)."""
@@ -397,4 +332,8 @@ class ElasticSteps:
     line += f"took {seconds:.2f} s ({detail})"
     if rerun_steps:
       line += f"; steps {step}-{step + rerun_steps - 1} run again"
+    hosts = getattr(self.step_program, "hosts", {}) if kind == "drop" else {}
+    for pod, on in hosts.items():  # podsets.py: hosted, nothing compiled
+      on = sorted(set(on))
+      line += f"; pod {pod}'s work runs on pod{'s' * (len(on) > 1)} {','.join(map(str, on))}"
     log.warning("%s", line)

@@ -11,7 +11,7 @@ plan, the step builder and the dry run all read that instance:
   step        `compile_cell`, `gradient_nodes`, `apply_inputs`, `apply_refs`, `outer_nodes`:
               the mode's compiled pieces and the nodes and transfers it adds to the step
   cost        `bytes_per_step`, `received_copies`, `exposed_s`: what the dry run counts
-The step builder's side of these hooks is pipeline/builder.py (`ProgramBuilder`) and
+The step builder's side of these hooks is pipeline/wiring.py (`ProgramBuilder`) and
 pipeline/pieces.py (`CellPieces`).
 """
 

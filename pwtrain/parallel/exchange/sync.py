@@ -97,7 +97,7 @@ class Sync(Exchange):
       elif self.compression != "none":
         grads[key] = (builder.node(key, "enc", grads=grads[key]), 0)
     sent, pods = dict(grads), builder.pods
-    for p, s in builder.cells:
+    for p, s in builder.owners:  # a hosted pod's gradients are summed by the others only
       reduce = builder.piece((p, s), "reduce")
       parts = [
         sent[(p, s)]

@@ -2,8 +2,8 @@
 
 schedule.py orders each island's microbatches (GPipe, 1F1B, zero_bubble); pieces.py compiles a
 cell's functions with named inputs, and compute.py a stage's computation among them; state.py
-lays out the per-cell train states and checkpoints; builder.py compiles every cell and wires the
-step's nodes and transfers into one Program.
+lays out the per-cell train states and checkpoints; builder.py compiles every cell, and wiring.py
+wires the step's nodes and transfers into one Program.
 """
 
 from pwtrain.parallel.pipeline.builder import build

@@ -29,7 +29,8 @@ class PipelineProgram:
   """The StepProgram (parallel/program.py) of stages and pods over islands."""
 
   programs: dict[str, Program]  # "step", and the exchange's other kinds (DiLoCo: "outer")
-  build_eval: Callable[[], Program]  # compiles the forward-only program (see eval_program)
+  build_programs: Callable[[dict], dict]  # hosts -> `programs` with those pods hosted (hosted)
+  build_eval: Callable[[dict], Program]  # hosts -> the forward-only program (eval_program)
   abstract_state: dict  # whole-model state (every pod's, when they differ): restore target
   init: Callable[[], dict]  # () -> {"state/<p>.<s>": cell state}
   executables: dict  # (kind, pod, stage) -> Executable
@@ -40,6 +41,7 @@ class PipelineProgram:
   exchange: Exchange
   exchange_bytes: int  # bytes each pod sends to the other pods per (outer) step
   period: int = 0  # scanned layers: layers per stacked period (models/scan.py); 0: unrolled
+  hosts: dict = dataclasses.field(default_factory=dict)  # {pod: host per microbatch} (hosted)
 
   @property
   def program(self) -> Program:
@@ -58,7 +60,30 @@ class PipelineProgram:
 
   @functools.cached_property
   def eval_program(self) -> Program:
-    return self.build_eval()
+    return self.build_eval(self.hosts)
+
+  @property
+  def can_host(self) -> bool:
+    """Whether a pod can be hosted by another (`hosted`): the pods' states are equal."""
+    return self.num_pods > 1 and not self.exchange.per_pod_state
+
+  def hosted(self, hosts: dict[int, tuple]) -> "PipelineProgram":
+    """This program with each pod of `hosts` ({pod: its host pod for each microbatch}; not pod
+    0, which reports the metrics) run by live pods: host m's islands run the pod's microbatch
+    m with their own executables on their own state, the pod's running sums follow its
+    microbatches, and its gradients and statistics are summed as its own would be, in pod
+    order (pipeline/wiring.py). Nothing is compiled, and the trajectory is the one of every pod
+    running. The hosted pods keep no state: `state_keys`, `to_checkpoint` and `from_checkpoint`
+    cover the others. Only where `can_host`."""
+    used = {h for pods in hosts.values() for h in pods}
+    assert self.can_host and 0 not in hosts and not used & set(hosts)
+    assert all(len(pods) == self.num_micro for pods in hosts.values())
+    return dataclasses.replace(
+      self,
+      programs=self.build_programs(hosts),
+      cell_shardings={c: v for c, v in self.cell_shardings.items() if c[0] not in hosts},
+      hosts=dict(hosts),
+    )
 
   def feed(self, batch: dict) -> dict:
     """Host batch -> per-pod, per-microbatch inputs.
