@@ -6,7 +6,8 @@ with a cold and a warm compilation cache.
     --fault_offset=25 --rejoin_after=10
   python experiments/bench_elastic.py --sections=faults --mode=remote
 
-faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps in --mode
+faults   3 pods of palm_tiny (2 devices each, sync exchange, --microbatches microbatches each,
+         --global_batch rows a step) train --steps steps in --mode
          (embedded, or remote: one worker process per pod, launched by the run), and pod 1 is
          lost every --fault_every steps (--fault_offset into each interval), four sides run
          one after another, after a short warm-up run that fills the cache:
@@ -29,8 +30,8 @@ faults   3 pods of palm_tiny (2 devices each, sync exchange) train --steps steps
          the kill is the step boundary); the steps run again are counted from the log.
 first    time to first step (process start to the first metrics row) of palm_tiny and of
          palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
-         in a fresh workdir; and a restart in that workdir (see first_step), side by side per
-         block (--blocks), medians.
+         in a fresh workdir; and a restart in that workdir, all reading one corpus built first
+         (see first_step), side by side per block (--blocks), medians.
 """
 
 import argparse
@@ -90,10 +91,11 @@ def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
 
 
 def pods(args) -> dict:
-  """The three pods' settings in --mode."""
+  """The three pods' settings in --mode, with --microbatches and --global_batch."""
+  batch = {"train.num_microbatches": args.microbatches, "train.global_batch": args.global_batch}
   if args.mode == "remote":
-    return {**THREE_PODS, "backend.mode": "remote", "backend.launch_workers": True}
-  return THREE_PODS
+    return {**THREE_PODS, **batch, "backend.mode": "remote", "backend.launch_workers": True}
+  return {**THREE_PODS, **batch}
 
 
 def run_clean(root: str, args, cache: str) -> dict:
@@ -194,7 +196,7 @@ def run_restart(root: str, args, cache: str) -> dict:
     return run_restart_remote(root, args, cache)
   workdir = os.path.join(root, "restart")
   steps = args.steps
-  overrides = {**THREE_PODS, "train.num_steps": steps, "train.checkpoint_every": args.fault_every}
+  overrides = {**pods(args), "train.num_steps": steps, "train.checkpoint_every": args.fault_every}
   kills = fault_steps(args)
   begin = time.perf_counter()
   starts, redone, last_kill = 0, 0, 0
@@ -263,10 +265,11 @@ def faults(args, cache: str) -> dict:
 
 
 def first_step(args) -> dict:
-  """Per block, three starts that share one compilation cache: cold (empty cache, fresh
-  workdir), warm (the cache the first left, a fresh workdir: the corpus is built again) and a
-  restart (the warm run's workdir again, one step further: corpus built, checkpoint restored,
-  every program in the cache). Time to first step: process start to the new metrics row."""
+  """Per block, three starts that share one compilation cache and one corpus, built before
+  any is timed (data.data_dir), so that they differ in what the cache holds: cold (empty
+  cache, fresh workdir), warm (the cache the first left, a fresh workdir) and a restart (the
+  warm run's workdir again, one step further: checkpoint restored, every program in the
+  cache). Time to first step: process start to the new metrics row."""
   out = {}
   configs = {
     "palm_tiny": ("palm_tiny.py", {"data.max_files": 40}),
@@ -276,14 +279,20 @@ def first_step(args) -> dict:
     times = {"cold": [], "warm": [], "restart": []}
     for _ in range(args.blocks):
       root = tempfile.mkdtemp(prefix="bench_first_")
-      cache = os.path.join(root, "cache")
+      cache, data = os.path.join(root, "cache"), os.path.join(root, "tfds")
+      subprocess.run(
+        [sys.executable, "-c", f"from pwtrain.data.corpus import prepare_pystdlib; "
+         f"prepare_pystdlib({data!r}, {overrides['data.max_files']})"],
+        cwd=REPO, check=True,
+      )  # fmt: skip
       workdirs = {"cold": tempfile.mkdtemp(dir=root), "warm": tempfile.mkdtemp(dir=root)}
       workdirs["restart"] = workdirs["warm"]
       for side, steps in (("cold", 1), ("warm", 1), ("restart", 2)):
         workdir = workdirs[side]
         seen = len(logged_steps(workdir))
         run = {**overrides, "train.num_steps": steps, "train.eval_every": 0,
-               "train.checkpoint_every": 1, "train.log_every": 1}  # fmt: skip
+               "train.checkpoint_every": 1, "train.log_every": 1,
+               "data.data_dir": data}  # fmt: skip
         begin = time.perf_counter()
         proc = start(workdir, file, run, cache)
         while proc.poll() is None and len(logged_steps(workdir)) <= seen:
@@ -309,6 +318,8 @@ def main():
   parser.add_argument("--fault_every", type=int, default=50)
   parser.add_argument("--fault_offset", type=int, default=25, help="steps into each interval")
   parser.add_argument("--rejoin_after", type=int, default=10)
+  parser.add_argument("--microbatches", type=int, default=1, help="faults: per pod")
+  parser.add_argument("--global_batch", type=int, default=12, help="faults: rows per step")
   parser.add_argument("--blocks", type=int, default=3)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
