@@ -23,11 +23,15 @@ faults   3 pods of palm_tiny (2 devices each, sync exchange, --microbatches micr
                     process is SIGKILLed once step N is logged and started again; remote, pod
                     1's worker is SIGKILLed and the supervisor restarts every worker and resumes
                     (fault.max_restarts)
-         Goodput = (kept steps x the clean run's median step time) / wall time, where wall time
-         runs from the first process start to the last exit; seconds lost per fault = (wall -
-         clean wall) / faults. The elastic sides' breakdown (detection, compile, state move) is
-         read from its drop lines: detection is from the drill's kill to the drop (embedded: 0,
-         the kill is the step boundary); the steps run again are counted from the log.
+         --fault_blocks blocks of the four sides, medians over the blocks. Goodput = (kept
+         steps x the clean run's median step time) / wall time, where wall time runs from the
+         first process start to the last exit; seconds lost per fault = (span - the block's
+         clean span) / faults, where a span runs from the first step's metrics row to the last
+         one's (process starts vary by a second or more from run to run: outside the span;
+         a restart's are inside it). The elastic sides' breakdown (detection, compile, state
+         move) is read from their drop lines: detection is from the drill's kill to the drop
+         (embedded: the kill is at a step boundary; the steps in flight are confirmed first);
+         the steps run again are counted from the log.
 first    time to first step (process start to the first metrics row) of palm_tiny and of
          palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
          in a fresh workdir; and a restart in that workdir, all reading one corpus built first
@@ -70,6 +74,7 @@ THREE_PODS = {
 
 
 def start(workdir: str, config: str, overrides: dict, cache: str) -> subprocess.Popen:
+  """pwtrain.main on `config`, its output into `workdir`.log (read with `output`)."""
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -77,9 +82,13 @@ def start(workdir: str, config: str, overrides: dict, cache: str) -> subprocess.
     sys.executable, "-m", "pwtrain.main", f"--config={REPO / 'configs' / config}",
     f"--workdir={workdir}", f"--config.train.compile_cache_dir={cache}", *flags,
   ]  # fmt: skip
-  return subprocess.Popen(
-    command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-  )
+  with open(f"{workdir}.log", "a") as log:
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def output(workdir: str) -> str:
+  with open(f"{workdir}.log") as f:
+    return f.read()
 
 
 def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
@@ -88,6 +97,36 @@ def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
     return []
   with open(path) as f:
     return [json.loads(line)["step"] for line in f if '"loss"' in line]
+
+
+class Watch:
+  """When each step's metrics row first appeared in a workdir's metrics.jsonl (log_every=1),
+  across every process started there."""
+
+  def __init__(self, workdir: str):
+    self.workdir, self.seen = workdir, {}
+
+  def poll(self) -> list[int]:
+    steps = logged_steps(self.workdir)
+    for step in steps:
+      self.seen.setdefault(step, time.perf_counter())
+    return steps
+
+  def wait(self, proc: subprocess.Popen, until=None) -> None:
+    """Polls until `proc` exits, or until `until(steps)` holds."""
+    while proc.poll() is None:
+      if until is not None and until(self.poll()):
+        return
+      time.sleep(0.005)
+    self.poll()
+
+  def span_s(self) -> float:
+    """From the first step's row to the last step's: the training, without the starts."""
+    return self.seen[max(self.seen)] - self.seen[min(self.seen)]
+
+  def step_s(self) -> float:
+    times = [self.seen[s] for s in sorted(self.seen)]
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 def pods(args) -> dict:
@@ -100,20 +139,12 @@ def pods(args) -> dict:
 
 def run_clean(root: str, args, cache: str) -> dict:
   workdir = os.path.join(root, "clean")
-  begin = time.perf_counter()
-  first, times = None, {}
+  begin, watch = time.perf_counter(), Watch(workdir)
   proc = start(workdir, "palm_tiny.py", {**pods(args), "train.num_steps": args.steps}, cache)
-  while proc.poll() is None:  # step times from when each row appears (log_every=1)
-    for step in logged_steps(workdir):
-      times.setdefault(step, time.perf_counter())
-    time.sleep(0.005)
-  out = proc.communicate()[0]
-  assert proc.returncode == 0, out[-3000:]
+  watch.wait(proc)
+  assert proc.returncode == 0, output(workdir)[-3000:]
   wall = time.perf_counter() - begin
-  ordered = [times[s] for s in sorted(times) if s in times]
-  gaps = [b - a for a, b in zip(ordered, ordered[1:], strict=False)]
-  first = ordered[0] - begin if ordered else float("nan")
-  return {"wall_s": wall, "step_s": statistics.median(gaps), "first_step_s": first}
+  return {"wall_s": wall, "span_s": watch.span_s(), "step_s": watch.step_s(), "faults": 0}
 
 
 def fault_steps(args) -> list[int]:
@@ -134,9 +165,10 @@ def run_elastic(root: str, args, cache: str, name: str = "elastic", host: bool =
     **pods(args), "train.num_steps": steps, "fault.elastic": True,
     "fault.inject": ",".join(drills), "fault.host_lost_pods": host,
   }  # fmt: skip
-  begin = time.perf_counter()
+  begin, watch = time.perf_counter(), Watch(workdir)
   proc = start(workdir, "palm_tiny.py", overrides, cache)
-  out = proc.communicate()[0]
+  watch.wait(proc)
+  out = output(workdir)
   assert proc.returncode == 0, out[-3000:]
   wall = time.perf_counter() - begin
   pattern = (
@@ -149,7 +181,10 @@ def run_elastic(root: str, args, cache: str, name: str = "elastic", host: bool =
     for m in re.findall(pattern, out)
   ]  # fmt: skip
   rejoins = [float(s) for s in re.findall(r"rejoined .* took ([\d.]+) s", out)]
-  return {"wall_s": wall, "faults": len(drops), "drops": drops, "rejoins_s": rejoins}
+  return {
+    "wall_s": wall, "span_s": watch.span_s(), "faults": len(drops), "drops": drops,
+    "rejoins_s": rejoins,
+  }  # fmt: skip
 
 
 def worker_pid(proc: subprocess.Popen, island: str) -> int | None:
@@ -173,44 +208,49 @@ def run_restart_remote(root: str, args, cache: str) -> dict:
     **pods(args), "train.num_steps": args.steps, "train.checkpoint_every": args.fault_every,
     "fault.max_restarts": len(kills),
   }  # fmt: skip
-  begin = time.perf_counter()
+  begin, watch = time.perf_counter(), Watch(workdir)
   proc = start(workdir, "palm_tiny.py", overrides, cache)
   done = 0
-  while proc.poll() is None:
-    steps = logged_steps(workdir)
-    if done < len(kills) and kills[done] in steps:
-      pid = worker_pid(proc, "island1")
-      if pid is not None:
-        os.kill(pid, signal.SIGKILL)
-        done += 1
-    time.sleep(0.005)
-  out = proc.communicate()[0]
-  assert proc.returncode == 0, out[-3000:]
+  while done < len(kills):
+    watch.wait(proc, until=lambda steps, n=kills[done]: n in steps)
+    if proc.poll() is not None:
+      break
+    pid = worker_pid(proc, "island1")
+    if pid is not None:
+      os.kill(pid, signal.SIGKILL)
+      done += 1
+  watch.wait(proc)
+  assert proc.returncode == 0, output(workdir)[-3000:]
   # The rows of steps trained again were set aside at each resume.
   redone = len(logged_steps(workdir, "metrics.rolled_back.jsonl"))
-  return {"wall_s": time.perf_counter() - begin, "faults": done, "steps_redone": redone}
+  return {
+    "wall_s": time.perf_counter() - begin, "span_s": watch.span_s(), "faults": done,
+    "steps_redone": redone,
+  }  # fmt: skip
 
 
 def run_restart(root: str, args, cache: str) -> dict:
   if args.mode == "remote":
     return run_restart_remote(root, args, cache)
   workdir = os.path.join(root, "restart")
-  steps = args.steps
-  overrides = {**pods(args), "train.num_steps": steps, "train.checkpoint_every": args.fault_every}
+  overrides = {
+    **pods(args),
+    "train.num_steps": args.steps,
+    "train.checkpoint_every": args.fault_every,
+  }
   kills = fault_steps(args)
-  begin = time.perf_counter()
+  begin, watch = time.perf_counter(), Watch(workdir)
   starts, redone, last_kill = 0, 0, 0
   while True:
     starts += 1
+    seen = os.path.getsize(f"{workdir}.log") if os.path.exists(f"{workdir}.log") else 0
     proc = start(workdir, "palm_tiny.py", overrides, cache)
     target = kills[0] if kills else None
-    while proc.poll() is None:
-      if target is not None and target in logged_steps(workdir):
-        proc.send_signal(signal.SIGKILL)  # a lost pod stops every pod: the whole run dies
-        proc.wait()
-        break
-      time.sleep(0.005)
-    out = proc.communicate()[0]
+    watch.wait(proc, until=lambda steps, n=target: n is not None and n in steps)
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGKILL)  # a lost pod stops every pod: the whole run dies
+      proc.wait()
+    out = output(workdir)[seen:]
     resumed = re.search(r"resumed from step (\d+)", out)
     if starts > 1:  # this start redid the steps between its checkpoint and the last kill
       redone += last_kill - (int(resumed[1]) if resumed else 0)
@@ -220,45 +260,68 @@ def run_restart(root: str, args, cache: str) -> dict:
       continue
     assert proc.returncode == 0, out[-3000:]
     break
-  return {"wall_s": time.perf_counter() - begin, "faults": starts - 1, "steps_redone": redone}
+  return {
+    "wall_s": time.perf_counter() - begin, "span_s": watch.span_s(), "faults": starts - 1,
+    "steps_redone": redone,
+  }  # fmt: skip
+
+
+SIDES = ("clean", "elastic", "rebuilt", "restart")
 
 
 def faults(args, cache: str) -> dict:
-  root = tempfile.mkdtemp(prefix="bench_elastic_")
+  """--fault_blocks blocks of the four sides, one after another; per side the medians over the
+  blocks. Seconds lost per fault = (the side's span - the same block's clean span) / faults,
+  where a span runs from the first step's metrics row to the last one's (the process starts,
+  a second or more of noise from run to run, fall outside it; a restart's fall inside)."""
   # Every side starts warm: a short elastic run compiles the programs of both pod sets first.
+  root = tempfile.mkdtemp(prefix="bench_elastic_")
   warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
   run_elastic(root, warmup, cache, name="warmup", host=False)
-  clean = run_clean(root, args, cache)
-  elastic = run_elastic(root, args, cache)
-  rebuilt = run_elastic(root, args, cache, name="rebuilt", host=False)
-  restart = run_restart(root, args, cache)
-  productive = args.steps * clean["step_s"]
-  result = {"clean": clean, "elastic": elastic, "rebuilt": rebuilt, "restart": restart}
-  sides = ("elastic", "rebuilt", "restart")
-  for name in sides:
-    side = result[name]
-    side["goodput"] = productive / side["wall_s"]
-    side["lost_per_fault_s"] = (side["wall_s"] - clean["wall_s"]) / max(side["faults"], 1)
+  blocks = []
+  for b in range(args.fault_blocks):
+    root = tempfile.mkdtemp(prefix=f"bench_elastic_{b}_")
+    block = {"clean": run_clean(root, args, cache)}
+    block["elastic"] = run_elastic(root, args, cache)
+    block["rebuilt"] = run_elastic(root, args, cache, name="rebuilt", host=False)
+    block["restart"] = run_restart(root, args, cache)
+    clean = block["clean"]
+    for name in SIDES[1:]:
+      side = block[name]
+      side["goodput"] = args.steps * clean["step_s"] / side["wall_s"]
+      side["lost_per_fault_s"] = (side["span_s"] - clean["span_s"]) / max(side["faults"], 1)
+    print(
+      f"block {b + 1}: clean step {clean['step_s'] * 1e3:.1f} ms, "
+      + ", ".join(f"{n} {block[n]['lost_per_fault_s']:.2f} s/fault" for n in SIDES[1:]),
+      flush=True,
+    )
+    blocks.append(block)
+  med = lambda name, key: statistics.median(block[name][key] for block in blocks)
+  clean_step = med("clean", "step_s")
   print(
-    f"step time (clean, median): {clean['step_s'] * 1e3:.1f} ms; clean wall {clean['wall_s']:.1f} s"
+    f"clean: step {clean_step * 1e3:.1f} ms (median), wall {med('clean', 'wall_s'):.1f} s, "
+    f"span {med('clean', 'span_s'):.1f} s; medians of {len(blocks)} blocks:"
   )
-  for name in sides:
-    side = result[name]
+  for name in SIDES[1:]:
     print(
-      f"{name:8s} wall {side['wall_s']:.1f} s, goodput {side['goodput']:.3f}, "
-      f"{side['lost_per_fault_s']:.2f} s lost per fault ({side['faults']} faults)"
-    )
-  for name, d in [(n, d) for n in ("elastic", "rebuilt") for d in result[n]["drops"]]:
-    print(
-      f"  {name} drop: detection {d['detect_s']:.2f} s, then {d['seconds']:.2f} s (compile "
-      f"{d['compile_s']:.2f} s, state move {d['state_s']:.2f} s), {d['rerun']} step(s) run "
-      f"again = {d['rerun'] * clean['step_s']:.3f} s at the clean step time"
+      f"{name:8s} wall {med(name, 'wall_s'):.1f} s, span {med(name, 'span_s'):.1f} s, goodput "
+      f"{med(name, 'goodput'):.3f}, {med(name, 'lost_per_fault_s'):.2f} s lost per fault "
+      f"({blocks[0][name]['faults']} faults), = {med(name, 'lost_per_fault_s') / clean_step:.1f} "
+      "clean steps"
     )
   for name in ("elastic", "rebuilt"):
-    print(f"  {name} rejoins: {', '.join(f'{s:.2f} s' for s in result[name]['rejoins_s'])}")
-  print(f"  restart: {restart['steps_redone']} steps redone in all")
+    drops = [d for block in blocks for d in block[name]["drops"]]
+    for key in ("detect_s", "compile_s", "state_s"):
+      values = [d[key] for d in drops]
+      print(f"  {name} drops, {key}: {', '.join(f'{v:.2f}' for v in values)}")
+    print(f"  {name} steps run again per drop: {sorted({d['rerun'] for d in drops})}")
+    rejoins = [s for block in blocks for s in block[name]["rejoins_s"]]
+    print(f"  {name} rejoins, s: {', '.join(f'{s:.2f}' for s in rejoins)}")
+  redone = [block["restart"]["steps_redone"] for block in blocks]
+  print(f"  restart: steps redone in all, per block: {redone}")
+  result = {"blocks": blocks}
   for name in ("elastic", "rebuilt"):
-    ratio = restart["lost_per_fault_s"] / max(result[name]["lost_per_fault_s"], 1e-9)
+    ratio = med("restart", "lost_per_fault_s") / max(med(name, "lost_per_fault_s"), 1e-3)
     print(f"restart loses {ratio:.1f}x the time {name} loses per fault")
     result[f"restart_over_{name}"] = ratio
   return result
@@ -298,8 +361,8 @@ def first_step(args) -> dict:
         while proc.poll() is None and len(logged_steps(workdir)) <= seen:
           time.sleep(0.005)
         times[side].append(time.perf_counter() - begin)
-        log = proc.communicate()[0]
-        assert proc.returncode == 0, log[-3000:]
+        proc.wait()
+        assert proc.returncode == 0, output(workdir)[-3000:]
     medians = {side: statistics.median(t) for side, t in times.items()}
     out[name] = {"seconds": times, "medians_s": medians}
     c, w, r = medians["cold"], medians["warm"], medians["restart"]
@@ -320,7 +383,8 @@ def main():
   parser.add_argument("--rejoin_after", type=int, default=10)
   parser.add_argument("--microbatches", type=int, default=1, help="faults: per pod")
   parser.add_argument("--global_batch", type=int, default=12, help="faults: rows per step")
-  parser.add_argument("--blocks", type=int, default=3)
+  parser.add_argument("--fault_blocks", type=int, default=3, help="faults: blocks of 4 sides")
+  parser.add_argument("--blocks", type=int, default=3, help="first: blocks of 3 starts")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # its runs simulate CPU devices (no libtpu)
