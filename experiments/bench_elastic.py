@@ -115,7 +115,8 @@ class Watch:
   def wait(self, proc: subprocess.Popen, until=None) -> None:
     """Polls until `proc` exits, or until `until(steps)` holds."""
     while proc.poll() is None:
-      if until is not None and until(self.poll()):
+      steps = self.poll()
+      if until is not None and until(steps):
         return
       time.sleep(0.005)
     self.poll()
