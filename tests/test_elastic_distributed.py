@@ -41,7 +41,8 @@ PODS = {
 @pytest.mark.processes
 def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(tmp_path):
   """Pod 1's process SIGKILLs itself before step 3: the others find it gone, drop its pod and run
-  step 3 again with the whole batch, and checkpoint step 4 over themselves alone; the launcher
+  step 3 again with the whole batch (pod 0's process runs pod 1's microbatch: nothing
+  compiles), and checkpoint step 4 over themselves alone; the launcher
   starts process 1 again, and it rejoins before step 6 (its state pulled from pod 0's). No
   restart, each step once in metrics.jsonl, and the losses and parameter norms are the
   uninterrupted run's. Both checkpoints are whole and hold that run's data positions (pod 1's
@@ -65,7 +66,7 @@ def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupte
   console = [line for line in done.stdout.splitlines() if line.startswith("[p0]")]
   (lost,) = [line for line in console if "pod 1 lost" in line]
   assert "process 1 left the run" in lost and "at step 3: 2 of 3 pods live" in lost, lost
-  assert "s after the fault" in lost, lost
+  assert "s after the fault" in lost and lost.endswith("pod 1's work runs on pod 0"), lost
   (back,) = [line for line in console if "pod 1 rejoined" in line]
   assert "at step 6: 3 of 3 pods live" in back, back
   assert "pod 1 rejoined (this process started again) at step 6" in logs
@@ -88,6 +89,28 @@ def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupte
   again = launch(workdir, 3, {**four, "fault.elastic": True}, devices=1, timeout=120)
   assert again.returncode == 0, again.stdout[-3000:]
   assert "nothing to train" in again.stdout and "resumed from step 4" in process_logs(workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_the_survivors_own_program_when_lost_pods_are_not_hosted(tmp_path):
+  """fault.host_lost_pods=False: after pod 1's process is lost the survivors run a program
+  built for two pods, each taking half of pod 1's rows, until it rejoins; the losses are the
+  uninterrupted run's."""
+  six = {**PODS, "train.num_steps": 6, "train.checkpoint_every": 100}
+  straight = train.run(small_config(**six), str(tmp_path / "a"), show_progress=False)
+  drill = {"fault.inject": "kill:pod1@step3,rejoin:pod1@step5", "fault.host_lost_pods": False}
+  workdir = tmp_path / "b"
+  done = launch(workdir, 3, {**six, "fault.elastic": True, **drill}, devices=1, timeout=240)
+  assert done.returncode == 0, done.stdout[-3000:] + process_logs(workdir)[-3000:]
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = [row for row in rows if "loss" in row]
+  assert [row["pods_live"] for row in rows] == [3, 3, 2, 2, 3, 3]
+  want = [r["loss"] for r in straight.history if "loss" in r]
+  assert_close([row["loss"] for row in rows], want, "losses")
+  console = [line for line in done.stdout.splitlines() if line.startswith("[p0]")]
+  (lost,) = [line for line in console if "pod 1 lost" in line]
+  assert "runs on" not in lost, lost
 
 
 def _data_position(workdir, step: int) -> dict:

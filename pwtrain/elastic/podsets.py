@@ -9,8 +9,7 @@ A set's harness is one of two kinds:
            over the live pods: with at least as many microbatches as live pods each takes
            about an equal share; with fewer, some live pods take one more microbatch each.
            Used where it can be: `fault.host_lost_pods`, the global batch kept, pod 0 live (it
-           reports the metrics), the pods' states equal (not DiLoCo, no error feedback), and
-           not in distributed mode (whose processes agree on rebuilt sets).
+           reports the metrics), and the pods' states equal (not DiLoCo, no error feedback).
   rebuilt  a plan and step program laid out for the live pods alone, numbered 0, 1, ... in
            pod order on their own islands, each taking an equal share of the batch: compiled
            the first time the set is used, then cached.
@@ -62,7 +61,6 @@ class PodSets:
       fault.host_lost_pods
       and fault.keep_global_batch
       and 0 in live
-      and self._agreement is None
       and getattr(full, "can_host", False)
     ):
       return None
