@@ -153,14 +153,16 @@ def test_diloco_averages_only_the_live_pods_deltas(tmp_path):
 
 @pytest.mark.slow
 def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
-  """The pipeline layout, exchange overlapped (each stage's gradients sent as its backward ends:
-  a pod's cells are its stages): pod 1's two stage islands are lost, pod 0 runs both stages on
-  alone with the whole batch, and pod 1 rejoins; the run equals the uninterrupted one."""
+  """The pipeline layout, interleaved (two chunks an island), exchange overlapped (each chunk's
+  gradients sent as its backward ends: a pod's cells are its chunks): pod 1's two islands are
+  lost, pod 0's run its microbatches after their own with the whole batch, and pod 1 rejoins;
+  the run equals the uninterrupted one."""
   pipeline = {
     **SGD, "parallel.islands": 4, "parallel.devices_per_island": 2, "parallel.pods": 2,
     "parallel.stages": 2, "parallel.data": -1, "train.num_microbatches": 2,
     "train.global_batch": 16, "train.num_steps": 8, "model.num_layers": 4,
-    "exchange.mode": "overlapped",
+    "exchange.mode": "overlapped", "parallel.schedule": "interleaved",
+    "parallel.virtual_stages": 2,
   }  # fmt: skip
   straight = train.run(small_config(**pipeline), str(tmp_path / "a"), show_progress=False)
   drills = {"fault.elastic": True, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
