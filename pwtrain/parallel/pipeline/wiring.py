@@ -34,7 +34,8 @@ class ProgramBuilder:
 
   `hosts` ({pod: its host pod for each microbatch}, elastic pods): each of those pods is hosted
   by live pods: microbatch m of each of its cells runs on the islands of the same stage of host
-  m, with that pod's pieces on its state (the pods' states are equal: PipelineProgram.hosted).
+  m, with the host's pieces on the host's state (the pods' states are equal:
+  PipelineProgram.hosted).
   Its running gradient sums and statistics follow its microbatches from host to host, so they
   add up in the order they would on its own islands, and end on its last microbatch's host (its
   home), whence they go into the sums as its own would. It applies no update, keeps no state."""
