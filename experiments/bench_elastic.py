@@ -369,8 +369,7 @@ def first_step(args) -> dict:
                "data.data_dir": data}  # fmt: skip
         begin = time.perf_counter()
         proc = start(workdir, file, run, cache)
-        while proc.poll() is None and len(logged_steps(workdir)) <= seen:
-          time.sleep(0.005)
+        Watch(workdir).wait(proc, until=lambda steps, seen=seen: len(steps) > seen)
         times[side].append(time.perf_counter() - begin)
         proc.wait()
         assert proc.returncode == 0, output(workdir)[-3000:]

@@ -47,6 +47,11 @@ class PodSets:
     return self._harnesses[self.live]
 
   @property
+  def _full(self) -> Harness:
+    """The harness of every configured pod: the run's own."""
+    return self._harnesses[tuple(range(self.num_pods))]
+
+  @property
   def step_program(self):
     return self.harness.step_program
 
@@ -55,13 +60,12 @@ class PodSets:
     hosted, else None. The lost pods' microbatches, in pod order, are cut into as many
     contiguous runs as there are live pods, one each: with at least as many microbatches as
     live pods every live pod takes about an equal share (else the first ones take one each)."""
-    full = self._harnesses[tuple(range(self.num_pods))].step_program
     fault = self.config.fault
     if not (
       fault.host_lost_pods
       and fault.keep_global_batch
       and 0 in live
-      and getattr(full, "can_host", False)
+      and getattr(self._full.step_program, "can_host", False)
     ):
       return None
     micro = self.config.train.num_microbatches
@@ -77,10 +81,9 @@ class PodSets:
       return self._harnesses[live]
     hosts = self.hosts(live)
     if hosts is not None:
-      full = self._harnesses[tuple(range(self.num_pods))]
-      program = full.step_program.hosted(hosts)
+      program = self._full.step_program.hosted(hosts)
       harness = dataclasses.replace(
-        full, step_program=program, owns_cluster=False, owns_controller=False
+        self._full, step_program=program, owns_cluster=False, owns_controller=False
       )
       self._numbers[live] = {p: p for p in live}
     else:

@@ -120,7 +120,7 @@ class ElasticSteps:
 
   @property
   def step_program(self):
-    return self.harness.step_program
+    return self.pods.step_program
 
   # -- steps ----------------------------------------------------------------------------------
 
