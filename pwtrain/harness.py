@@ -14,14 +14,21 @@ created.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import logging
+import os
+import pathlib
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import flax
 import jax
+import jaxlib
 import numpy as np
+import optax
 
 from pwtrain import optim, processes
 from pwtrain import step as step_lib
@@ -34,10 +41,13 @@ from pwtrain.backend import (
   Trace,
   Transfer,
 )
+from pwtrain.backend.saved import SavedExecutables, digest
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.plan import Plan
 from pwtrain.parallel.program import StepProgram
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Harness:
     controller: Controller | None = None,
     trace: Trace | None = None,
     serialize_execution: bool | None = None,
+    saved_dir: str | None = None,
   ) -> "Harness":
     """Lays `config` out and compiles its step. Checking the config is the caller's
     (config.validate; train.run checks it before remote workers are launched and listed in it).
@@ -85,6 +96,8 @@ class Harness:
     (default: a fresh manager for the cluster). The controller is a new `Controller(cluster,
     max_inflight=backend.max_inflight_steps, trace=trace, serialize_execution=...)` unless
     `controller` is given (then `trace` and `serialize_execution` must be left unset).
+    With `saved_dir`, the compiled pieces are kept there under what built them (`build_key`),
+    and a later build of the same key loads them without tracing (backend/saved.py).
     """
     if cluster is not None and devices is not None:
       raise ValueError("Harness.build: give `devices` or a `cluster`, not both")
@@ -112,7 +125,15 @@ class Harness:
         )
       tx, schedule = optim.build(config.optim, config.train.num_steps)
       start = time.perf_counter()
-      step_program = build_step_program(config, plan, controller, tx, schedule)
+      saved = SavedExecutables(saved_dir, build_key(config, plan)) if saved_dir else None
+      with controller.saving(saved) if saved else contextlib.nullcontext():
+        step_program = build_step_program(config, plan, controller, tx, schedule)
+      controller.wait_compiles()  # every piece compiled (errors raised here, not at a step)
+      if saved and (saved.loaded or saved.saved):
+        log.info(
+          "compiled pieces: %d loaded from %s without tracing, %d traced and saved",
+          len(saved.loaded), saved_dir, len(saved.saved),
+        )  # fmt: skip
       compile_s = time.perf_counter() - start
     except BaseException:
       _close(controller if owns_controller else None, cluster if owns_cluster else None)
@@ -240,3 +261,34 @@ def _close(controller: Controller | None, cluster: Cluster | None) -> None:
   finally:
     if cluster is not None:
       cluster.close()
+
+
+def build_key(config, plan: Plan) -> str:
+  """What decides the programs `Harness.build` traces for `config` on `plan`, as a digest: the
+  config, the islands' devices, pwtrain's source, the versions of the libraries that trace and
+  compile, JAX's settings (but where it logs, dumps and caches) and XLA_FLAGS."""
+  devices = [(i.name, [(d.id, d.platform, d.device_kind) for d in i.devices]) for i in plan.islands]
+  settings = sorted(
+    (k, repr(v))
+    for k, v in jax.config.values.items()
+    if not any(w in k for w in ("cache", "log", "dump", "address", "timeout", "traceback"))
+  )
+  return digest(
+    config.to_json_best_effort(sort_keys=True),
+    devices,
+    jax.process_count(),
+    _source_digest(),
+    _versions(),
+    settings,
+    os.environ.get("XLA_FLAGS", ""),
+  )
+
+
+@functools.cache
+def _source_digest() -> str:
+  root = pathlib.Path(__file__).parent
+  return digest(*((str(p.relative_to(root)), p.read_bytes()) for p in sorted(root.rglob("*.py"))))
+
+
+def _versions() -> tuple:
+  return jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__, np.__version__

@@ -112,7 +112,9 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
     try:
       # Closed last: waits for every step.
       with context.goodput.bad("compile"):
-        harness = Harness.build(config, cluster=cluster, plan=plan, trace=trace)
+        harness = Harness.build(
+          config, cluster=cluster, plan=plan, trace=trace, saved_dir=_saved_dir()
+        )
       with harness:
         batches = _train_batches(config, tokenizer, source, harness)
         return _train(config, harness, context, batches, eval_set, workdir, host_dir)
@@ -247,6 +249,14 @@ def _use_compile_cache(directory: str, workdir: str) -> None:
   )
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _saved_dir() -> str | None:
+  """Where the compiled pieces are kept, so that a start with the same config and code loads
+  them without tracing (backend/saved.py): beside the compilation cache's entries, if there is
+  one."""
+  cache = jax.config.jax_compilation_cache_dir
+  return os.path.join(cache, "pieces") if cache else None
 
 
 def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:

@@ -46,3 +46,61 @@ def test_harness_refuses_devices_with_a_cluster_and_trace_with_a_controller():
     Harness.build(config, [], cluster=object())
   with pytest.raises(ValueError, match="for a new controller"):
     Harness.build(config, controller=object(), trace=object())
+
+
+def _run_saved(config, batches, saved_dir, caplog):
+  """Builds `config` keeping its compiled pieces in `saved_dir` and runs `batches`: (pieces
+  loaded, pieces traced and saved, host metrics, final host state)."""
+  import re
+
+  import jax
+
+  caplog.clear()
+  with caplog.at_level("INFO", logger="pwtrain.harness"):
+    harness = Harness.build(config, saved_dir=str(saved_dir))
+  with harness:
+    state, metrics = harness.init(), []
+    for i, batch in enumerate(batches):
+      out = harness.step(state, batch, i)
+      state, metrics = out.state, [*metrics, out.metrics]
+    metrics = jax.device_get([m.result() for m in metrics])
+    state = jax.device_get({k: v.result() for k, v in state.items()})
+  counts = re.search(r"compiled pieces: (\d+) loaded from .* (\d+) traced", caplog.text)
+  return int(counts[1]), int(counts[2]), metrics, state
+
+
+def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(tmp_path, caplog):
+  """Harness.build(saved_dir=...) (backend/saved.py): a second build of the same config traces
+  nothing and its steps equal the first's exactly; a changed config traces again; a saved piece
+  that no longer loads is compiled again. Two pipeline stages: pieces on subsets of the devices."""
+  import numpy as np
+  from helpers import random_batches
+
+  config = tiny_test_config(
+    **{"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2}
+  )
+  batches = random_batches(config, 2)
+  loaded, saved, metrics, state = _run_saved(config, batches, tmp_path, caplog)
+  assert loaded == 0 and saved > 2, caplog.text
+  again = _run_saved(config, batches, tmp_path, caplog)
+  assert again[:2] == (saved, 0), caplog.text
+  assert [m["loss"] for m in again[2]] == [m["loss"] for m in metrics]
+  for key in state:
+    for a, b in zip(jax_leaves(again[3][key]), jax_leaves(state[key]), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+  changed = config.copy_and_resolve_references()
+  changed.optim.lr = config.optim.lr / 2
+  assert _run_saved(changed, batches[:1], tmp_path, caplog)[:2] == (0, saved)
+
+  broken = sorted(tmp_path.glob("*.bin"))[0]
+  broken.write_bytes(broken.read_bytes()[:100])
+  loaded, resaved, metrics_after, _ = _run_saved(config, batches, tmp_path, caplog)
+  assert "did not load" in caplog.text and (loaded, resaved) == (saved - 1, 1)
+  assert [m["loss"] for m in metrics_after] == [m["loss"] for m in metrics]
+
+
+def jax_leaves(tree):
+  import jax
+
+  return jax.tree.leaves(tree)

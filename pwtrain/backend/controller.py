@@ -15,6 +15,7 @@ one global order), and the run-ahead bound counts all clients' programs together
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 from typing import Any
 
@@ -135,7 +136,9 @@ class Controller:
     process does not run (`runs_here`) is traced, not compiled, where `out_shardings` fixes
     every output's sharding but KEPT ones: its Executable's `compiled` is then an Outline
     (backend/outline.py), which answers its shapes and shardings only. Remote mode: the
-    island's worker compiles it (backend/remote/dispatch.py).
+    island's worker compiles it (backend/remote/dispatch.py). Local islands compile on
+    background threads while the caller traces on: the Executable's `compiled` waits for its
+    compile, `wait_compiles` for all.
     """
     self.cluster[island]  # fail early on an unknown island
     return self._dispatcher.compile(
@@ -149,6 +152,19 @@ class Controller:
       out_shardings=out_shardings,
       donate_argnums=donate_argnums if self.donate else (),
     )
+
+  def saving(self, saved):
+    """A context within which compiled pieces are kept in, and loaded from, `saved` (a
+    backend.saved.SavedExecutables): a piece saved before is not traced again. Local islands
+    only; remote workers and distributed mode compile as ever."""
+    if jax.process_count() > 1:
+      return contextlib.nullcontext()
+    return self._dispatcher.saving(saved)
+
+  def wait_compiles(self) -> None:
+    """Blocks until every compile started so far has ended (local dispatch compiles on
+    background threads: LocalDispatcher.compile); raises the first one's error."""
+    self._dispatcher.wait_compiles()
 
   # -- dispatch -----------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put
 import concurrent.futures
 import contextlib
 import itertools
+import logging
+import os
 import threading
 
 import jax
@@ -18,6 +20,7 @@ import jax
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend import outline as outline_lib
 from pwtrain.backend import pulls as pulls_lib
+from pwtrain.backend import saved as saved_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import Executable, Node, Program, Transfer
@@ -28,6 +31,7 @@ from pwtrain.sharding import stand_in
 
 CROSS = "cross-process"  # the scheduler of transfers between processes (distributed mode)
 _DISPATCHERS = itertools.count()  # names each controller's pulls alike on every process
+log = logging.getLogger(__name__)
 
 
 class LocalDispatcher:
@@ -47,6 +51,13 @@ class LocalDispatcher:
   ):
     self.cluster = cluster
     self._compile_everywhere = compile_everywhere
+    # XLA compiles (or loads from the persistent cache) on these threads while the caller
+    # traces the next piece: see `compile`.
+    self._compiler = concurrent.futures.ThreadPoolExecutor(
+      max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="compile"
+    )
+    self._compiling: list[concurrent.futures.Future] = []
+    self._saved: saved_lib.SavedExecutables | None = None  # see `saving`
     self.trace = trace
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
@@ -103,24 +114,84 @@ class LocalDispatcher:
   ) -> Executable:
     """`fn` lowered for abstract `args` and compiled (see Controller.compile); for an island
     another process runs, only traced, to its Outline (backend/outline.py) where that tells its
-    outputs' shardings (else compiled as well), unless `compile_everywhere`."""
+    outputs' shardings (else compiled as well), unless `compile_everywhere`. Tracing and
+    lowering run here; XLA's compile runs on a compile thread, so that the caller traces its
+    next piece meanwhile, and the Executable's `compiled` waits for it (`wait_compiles` waits
+    for all). While `saving` executables, a piece saved before is loaded instead of traced."""
     jitted = jax.jit(
       fn,
       in_shardings=in_shardings,
       out_shardings=outline_lib.without_kept(out_shardings),
       donate_argnums=donate_argnums,
     )
-    activate = sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
-    with activate:
-      if self._here[island] or self._compile_everywhere or in_shardings is not None:
-        compiled = jitted.lower(*args).compile()
+
+    def activate():
+      return sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
+
+    compiles_here = self._here[island] or self._compile_everywhere or in_shardings is not None
+    saved, key = self._saved, None
+    if saved is not None and compiles_here:
+      devices = tuple(d.id for d in self.cluster[island].devices)
+      key = saved.key(name, devices, saved_lib.abstract(args), donate_argnums, in_shardings,
+                      out_shardings)  # fmt: skip
+      num_outputs = saved.num_outputs(key)
+      if num_outputs is not None:
+
+        def load():
+          try:
+            return saved.load(key)
+          except Exception as e:  # noqa: BLE001 - any unloadable file: trace and compile again
+            log.warning("%s: the saved executable did not load (%s); compiling it again", name, e)
+            with activate():
+              compiled = jitted.lower(*args).compile()
+            saved.save(key, compiled, num_outputs)
+            return compiled
+
+        return self._executable(name, island, self._background(load), num_outputs, donate_argnums)
+    with activate():
+      if compiles_here:
+        lowered = jitted.lower(*args)
       else:
         traced = jitted.trace(*args)
         compiled = outline_lib.outline(name, traced, args, out_shardings)
-        compiled = compiled or traced.lower().compile()
-    out_tree = compiled.out_info
+        lowered = None if compiled else traced.lower()
+    out_tree = lowered.out_info if lowered is not None else compiled.out_info
     num_outputs = len(out_tree) if isinstance(out_tree, tuple) else 1
+    if lowered is not None:
+
+      def build():
+        compiled = lowered.compile()
+        if key is not None:
+          saved.save(key, compiled, num_outputs)
+        return compiled
+
+      compiled = self._background(build)
+    return self._executable(name, island, compiled, num_outputs, donate_argnums)
+
+  def _background(self, fn) -> concurrent.futures.Future:
+    future = self._compiler.submit(fn)
+    self._compiling = [f for f in self._compiling if not f.done() or f.exception()]
+    self._compiling.append(future)
+    return future
+
+  @staticmethod
+  def _executable(name, island, compiled, num_outputs, donate_argnums) -> Executable:
     return Executable(name, island, compiled, num_outputs, None, tuple(donate_argnums))
+
+  @contextlib.contextmanager
+  def saving(self, saved: saved_lib.SavedExecutables):
+    """Within: pieces compiled here are kept in (and loaded from) `saved` (backend/saved.py)."""
+    self._saved = saved
+    try:
+      yield
+    finally:
+      self._saved = None
+
+  def wait_compiles(self) -> None:
+    """Blocks until every compile started so far has ended; raises the first one's error."""
+    compiling, self._compiling = self._compiling, []
+    for future in compiling:
+      future.result()
 
   def dispatch(self, program: Program, inputs: dict, step: int) -> dict:
     """Enqueues every node of `program` on its island's queue (this process's islands: see
@@ -261,6 +332,7 @@ class LocalDispatcher:
     return out
 
   def close(self) -> None:
+    self._compiler.shutdown(wait=True, cancel_futures=True)
     for scheduler in self._schedulers.values():
       scheduler.stop()
     self._cross.stop()

@@ -5,6 +5,7 @@ Because every node is compiled ahead, the controller can enqueue the whole graph
 it has run.
 """
 
+import concurrent.futures
 import dataclasses
 from typing import Any
 
@@ -17,12 +18,21 @@ class Executable:
 
   name: str
   island: str
-  # jax.stages.Compiled; remote: compiled locally only if inspected; distributed, an island of
-  # another process: usually its outline.Outline (shapes and shardings only)
-  compiled: Any
+  # jax.stages.Compiled, or a Future of one while the compile runs in the background (see
+  # `compiled`); remote: compiled locally only if inspected; distributed, an island of another
+  # process: usually its outline.Outline (shapes and shardings only)
+  compiling: Any
   num_outputs: int
   remote: Any = None  # remote islands: the worker's copy (backend.remote.dispatch)
   donate_argnums: tuple[int, ...] = ()  # arguments whose buffers it may reuse (then gone)
+
+  @property
+  def compiled(self):
+    """The compiled function (or its stand-in above); waits for a background compile to end,
+    and raises its error if it failed."""
+    if isinstance(self.compiling, concurrent.futures.Future):
+      return self.compiling.result()
+    return self.compiling
 
   def memory_analysis(self):
     return self.compiled.memory_analysis()
