@@ -129,10 +129,11 @@ class Harness:
       with controller.saving(saved) if saved else contextlib.nullcontext():
         step_program = build_step_program(config, plan, controller, tx, schedule)
       controller.wait_compiles()  # every piece compiled (errors raised here, not at a step)
-      if saved and (saved.loaded or saved.saved):
+      if saved:
         log.info(
-          "compiled pieces: %d loaded from %s without tracing, %d traced and saved",
-          len(saved.loaded), saved_dir, len(saved.saved),
+          "compiled pieces: %d loaded from %s without tracing, %d traced and saved, %d traced "
+          "and found in JAX's compilation cache (not saved)",
+          len(saved.loaded), saved_dir, len(saved.saved), len(saved.from_cache),
         )  # fmt: skip
       compile_s = time.perf_counter() - start
     except BaseException:

@@ -1,6 +1,7 @@
 """pwtrain.config.load (the one config loader) and the Harness's own contract; the harness's
 steps are exercised by every test that trains (helpers.run_program, train.run)."""
 
+import jax
 import pytest
 from helpers import REPO, load_config, tiny_test_config
 
@@ -49,8 +50,9 @@ def test_harness_refuses_devices_with_a_cluster_and_trace_with_a_controller():
 
 
 def _run_saved(config, batches, saved_dir, caplog):
-  """Builds `config` keeping its compiled pieces in `saved_dir` and runs `batches`: (pieces
-  loaded, pieces traced and saved, host metrics, final host state)."""
+  """Builds `config` keeping its compiled pieces in `saved_dir` and runs `batches`: ({"loaded",
+  "saved", "cached"}: how many pieces were loaded, traced and saved, traced and found in JAX's
+  cache), host metrics, final host state)."""
   import re
 
   import jax
@@ -65,8 +67,13 @@ def _run_saved(config, batches, saved_dir, caplog):
       state, metrics = out.state, [*metrics, out.metrics]
     metrics = jax.device_get([m.result() for m in metrics])
     state = jax.device_get({k: v.result() for k, v in state.items()})
-  counts = re.search(r"compiled pieces: (\d+) loaded from .* (\d+) traced", caplog.text)
-  return int(counts[1]), int(counts[2]), metrics, state
+  found = re.search(r"pieces: (\d+) loaded .* (\d+) traced and saved, (\d+) traced", caplog.text)
+  counts = dict(zip(("loaded", "saved", "cached"), map(int, found.groups()), strict=True))
+  return counts, metrics, state
+
+
+# A model no other test compiles: its pieces are not in the session's compilation cache.
+_OWN = {"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2, "model.d_ff": 96}
 
 
 def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(tmp_path, caplog):
@@ -76,31 +83,48 @@ def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(tmp_p
   import numpy as np
   from helpers import random_batches
 
-  config = tiny_test_config(
-    **{"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2}
-  )
+  config = tiny_test_config(**_OWN)
   batches = random_batches(config, 2)
-  loaded, saved, metrics, state = _run_saved(config, batches, tmp_path, caplog)
-  assert loaded == 0 and saved > 2, caplog.text
-  again = _run_saved(config, batches, tmp_path, caplog)
-  assert again[:2] == (saved, 0), caplog.text
-  assert [m["loss"] for m in again[2]] == [m["loss"] for m in metrics]
+  counts, metrics, state = _run_saved(config, batches, tmp_path, caplog)
+  pieces = counts["saved"]
+  assert counts == {"loaded": 0, "saved": pieces, "cached": 0} and pieces > 2, caplog.text
+  counts, again, again_state = _run_saved(config, batches, tmp_path, caplog)
+  assert counts == {"loaded": pieces, "saved": 0, "cached": 0}, caplog.text
+  assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
   for key in state:
-    for a, b in zip(jax_leaves(again[3][key]), jax_leaves(state[key]), strict=True):
+    for a, b in zip(jax.tree.leaves(again_state[key]), jax.tree.leaves(state[key]), strict=True):
       np.testing.assert_array_equal(a, b)
 
   changed = config.copy_and_resolve_references()
   changed.optim.lr = config.optim.lr / 2
-  assert _run_saved(changed, batches[:1], tmp_path, caplog)[:2] == (0, saved)
+  counts = _run_saved(changed, batches[:1], tmp_path, caplog)[0]
+  assert counts["loaded"] == 0 and counts["saved"] + counts["cached"] == pieces, caplog.text
 
   broken = sorted(tmp_path.glob("*.bin"))[0]
   broken.write_bytes(broken.read_bytes()[:100])
-  loaded, resaved, metrics_after, _ = _run_saved(config, batches, tmp_path, caplog)
-  assert "did not load" in caplog.text and (loaded, resaved) == (saved - 1, 1)
-  assert [m["loss"] for m in metrics_after] == [m["loss"] for m in metrics]
+  counts, after, _ = _run_saved(config, batches, tmp_path, caplog)
+  assert "did not load" in caplog.text and counts["loaded"] == pieces - 1, caplog.text
+  assert [m["loss"] for m in after] == [m["loss"] for m in metrics]
+  assert not broken.exists() or broken.stat().st_size > 100  # forgotten, or saved anew
 
 
-def jax_leaves(tree):
-  import jax
+def test_a_piece_from_jaxs_cache_is_not_saved(tmp_path, caplog):
+  """An executable loaded from JAX's persistent cache does not serialize whole again (on XLA:CPU
+  its copy fails at its first run): a build whose compiles JAX's cache answers saves nothing, and
+  the next build of that config traces again and runs."""
+  from helpers import random_batches
 
-  return jax.tree.leaves(tree)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  try:
+    config = tiny_test_config(**{**_OWN, "model.d_ff": 80})
+    batches = random_batches(config, 1)
+    counts, metrics, _ = _run_saved(config, batches, tmp_path / "first", caplog)
+    pieces = counts["saved"] + counts["cached"]  # pieces alike within the build: cached
+    assert counts["saved"] > 0, caplog.text
+    counts = _run_saved(config, batches, tmp_path / "second", caplog)[0]
+    assert counts == {"loaded": 0, "saved": 0, "cached": pieces}, caplog.text
+    counts, again, _ = _run_saved(config, batches, tmp_path / "second", caplog)
+    assert counts == {"loaded": 0, "saved": 0, "cached": pieces}, caplog.text
+    assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

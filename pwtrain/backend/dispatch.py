@@ -57,7 +57,7 @@ class LocalDispatcher:
       max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="compile"
     )
     self._compiling: list[concurrent.futures.Future] = []
-    self._saved: saved_lib.SavedExecutables | None = None  # see `saving`
+    self._saved: tuple = (None, None)  # (the thread, its SavedExecutables): see `saving`
     self.trace = trace
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
@@ -129,7 +129,9 @@ class LocalDispatcher:
       return sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
 
     compiles_here = self._here[island] or self._compile_everywhere or in_shardings is not None
-    saved, key = self._saved, None
+    saving_thread, saved = self._saved
+    saved = saved if saving_thread == threading.get_ident() else None
+    key = None
     if saved is not None and compiles_here:
       devices = tuple(d.id for d in self.cluster[island].devices)
       key = saved.key(name, devices, saved_lib.abstract(args), donate_argnums, in_shardings,
@@ -142,9 +144,10 @@ class LocalDispatcher:
             return saved.load(key)
           except Exception as e:  # noqa: BLE001 - any unloadable file: trace and compile again
             log.warning("%s: the saved executable did not load (%s); compiling it again", name, e)
+            saved.forget(key)
             with activate():
-              compiled = jitted.lower(*args).compile()
-            saved.save(key, compiled, num_outputs)
+              compiled, fresh = saved_lib.compile_lowered(jitted.lower(*args))
+            saved.save(key, compiled, num_outputs, fresh)
             return compiled
 
         return self._executable(name, island, self._background(load), num_outputs, donate_argnums)
@@ -160,9 +163,10 @@ class LocalDispatcher:
     if lowered is not None:
 
       def build():
-        compiled = lowered.compile()
-        if key is not None:
-          saved.save(key, compiled, num_outputs)
+        if key is None:
+          return lowered.compile()
+        compiled, fresh = saved_lib.compile_lowered(lowered)
+        saved.save(key, compiled, num_outputs, fresh)
         return compiled
 
       compiled = self._background(build)
@@ -180,12 +184,13 @@ class LocalDispatcher:
 
   @contextlib.contextmanager
   def saving(self, saved: saved_lib.SavedExecutables):
-    """Within: pieces compiled here are kept in (and loaded from) `saved` (backend/saved.py)."""
-    self._saved = saved
+    """Within: the pieces this thread compiles are kept in (and loaded from) `saved`
+    (backend/saved.py); other clients' compiles meanwhile are not."""
+    self._saved = (threading.get_ident(), saved)
     try:
       yield
     finally:
-      self._saved = None
+      self._saved = (None, None)
 
   def wait_compiles(self) -> None:
     """Blocks until every compile started so far has ended; raises the first one's error."""

@@ -13,23 +13,49 @@ key made of
   arguments (shapes, dtypes, shardings), donated arguments and requested shardings.
 
 A piece found there is loaded (on a compile thread) and never traced; one that is not is traced,
-compiled and saved. A saved piece that no longer loads (a truncated file, another jaxlib) is
+compiled and saved, unless JAX's persistent cache had its executable: an executable loaded from
+that cache does not serialize whole again (on XLA:CPU its kernels are missing and the loaded copy
+fails at its first run), so such a piece is left unsaved and traced at every start until a
+compile of its own. A saved piece that no longer loads (a truncated file, another jaxlib) is
 traced and compiled again, and replaced. A key's files are written whole (to a temporary name,
 then renamed), so a reader sees a piece complete or not at all.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import pickle
 import tempfile
+import threading
 import zlib
 
 import jax
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
+
+# Whether the compile running on this thread found its executable in JAX's persistent cache
+# (jax.monitoring reports it on the compiling thread).
+_compile = threading.local()
+
+
+def _on_event(event: str, **_) -> None:
+  if event == "/jax/compilation_cache/cache_hits":
+    _compile.cache_hit = True
+
+
+monitoring.register_event_listener(_on_event)
+
+
+def compile_lowered(lowered):
+  """`lowered.compile()`, and whether XLA compiled it here (False: JAX's persistent cache had it,
+  and it cannot be saved: the module doc)."""
+  _compile.cache_hit = False
+  compiled = lowered.compile()
+  return compiled, not _compile.cache_hit
 
 
 def digest(*parts) -> str:
@@ -60,6 +86,7 @@ class SavedExecutables:
     self._count = 0
     self.loaded: list[str] = []  # keys of the pieces loaded (not traced)
     self.saved: list[str] = []  # keys of the pieces traced, compiled and saved
+    self.from_cache: list[str] = []  # keys of the pieces JAX's cache had (traced, not saved)
 
   def key(self, *parts) -> str:
     """The next piece's key: the build's, the piece's place in the build order, and `parts`."""
@@ -85,8 +112,12 @@ class SavedExecutables:
     self.loaded.append(key)
     return compiled
 
-  def save(self, key: str, compiled, num_outputs: int) -> None:
-    """Keeps `compiled` under `key`; a piece that cannot be serialized is left unsaved."""
+  def save(self, key: str, compiled, num_outputs: int, fresh: bool = True) -> None:
+    """Keeps `compiled` under `key`, if XLA compiled it in this process (`fresh`, from
+    `compile_lowered`); a piece that cannot be serialized is left unsaved."""
+    if not fresh:
+      self.from_cache.append(key)
+      return
     try:
       blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
     except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
@@ -101,6 +132,12 @@ class SavedExecutables:
       self.saved.append(key)
     except OSError as e:  # a full or read-only disk costs the next start its trace, no more
       log.warning("could not save a compiled piece in %s: %s", self.directory, e)
+
+  def forget(self, key: str) -> None:
+    """Removes the piece saved under `key` (one that did not load)."""
+    for kind in ("json", "bin"):  # the marker first: a reader never finds half a piece
+      with contextlib.suppress(OSError):
+        os.remove(self._path(key, kind))
 
   def _about(self, key: str) -> dict:
     with open(self._path(key, "json")) as f:
