@@ -41,7 +41,7 @@ from pwtrain.backend import (
   Trace,
   Transfer,
 )
-from pwtrain.backend.saved import SavedExecutables, digest
+from pwtrain.backend.saved import NotSaved, SavedExecutables, digest
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel.plan import Plan
@@ -126,10 +126,14 @@ class Harness:
       tx, schedule = optim.build(config.optim, config.train.num_steps)
       start = time.perf_counter()
       saved = SavedExecutables(saved_dir, build_key(config, plan)) if saved_dir else None
-      with controller.saving(saved) if saved else contextlib.nullcontext():
-        step_program = build_step_program(config, plan, controller, tx, schedule)
-      controller.wait_compiles()  # every piece compiled (errors raised here, not at a step)
+      try:
+        step_program = _build_step(config, plan, controller, tx, schedule, saved)
+      except NotSaved as e:  # a loading build missing a piece: traced whole instead
+        log.warning("the compiled pieces in %s did not load (%s); tracing them", saved_dir, e)
+        saved = saved.discard()
+        step_program = _build_step(config, plan, controller, tx, schedule, saved)
       if saved:
+        saved.finish()
         log.info(
           "compiled pieces: %d loaded from %s without tracing, %d traced and saved, %d traced "
           "and found in JAX's compilation cache (not saved)",
@@ -262,6 +266,15 @@ def _close(controller: Controller | None, cluster: Cluster | None) -> None:
   finally:
     if cluster is not None:
       cluster.close()
+
+
+def _build_step(config, plan, controller, tx, schedule, saved) -> StepProgram:
+  """build_step_program, its pieces loaded from or saved in `saved` (if any), every compile
+  ended (errors raised here, not at a step)."""
+  with controller.saving(saved) if saved else contextlib.nullcontext():
+    step_program = build_step_program(config, plan, controller, tx, schedule)
+  controller.wait_compiles()
+  return step_program
 
 
 def build_key(config, plan: Plan) -> str:

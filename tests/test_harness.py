@@ -72,25 +72,47 @@ def _run_saved(config, batches, saved_dir, caplog):
   return counts, metrics, state
 
 
-# A model no other test compiles: its pieces are not in the session's compilation cache.
-_OWN = {"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2, "model.d_ff": 96}
+@pytest.fixture
+def own_compile_cache(tmp_path):
+  """A compilation cache of the test's own, empty: pieces the session's cache holds (every
+  program other tests compiled) would be answered from it, and so not saved."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+  cc.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  cc.reset_cache()
 
 
-def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(tmp_path, caplog):
+# Two pipeline stages whose B pieces trace from what tracing their F recorded (stage_remat="none").
+_OWN = {
+  "parallel.stages": 2,
+  "parallel.islands": 2,
+  "parallel.stage_remat": "none",
+  "train.num_microbatches": 2,
+  "model.d_ff": 96,
+}
+
+
+def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(
+  tmp_path, caplog, own_compile_cache
+):
   """Harness.build(saved_dir=...) (backend/saved.py): a second build of the same config traces
-  nothing and its steps equal the first's exactly; a changed config traces again; a saved piece
-  that no longer loads is compiled again. Two pipeline stages: pieces on subsets of the devices."""
+  nothing and its steps equal the first's exactly; a changed config traces again; a build with a
+  piece that no longer loads, or is gone, is traced whole and runs alike. Two pipeline stages:
+  pieces on subsets of the devices, and B pieces that need their F traced first."""
   import numpy as np
   from helpers import random_batches
 
-  config = tiny_test_config(**_OWN)
+  config, pieces_dir = tiny_test_config(**_OWN), tmp_path / "pieces"
   batches = random_batches(config, 2)
-  counts, metrics, state = _run_saved(config, batches, tmp_path, caplog)
-  # Pieces whose programs other tests compiled (the session's compilation cache) are not saved.
-  saved, cached = counts["saved"], counts["cached"]
-  assert counts["loaded"] == 0 and saved > 2, caplog.text
-  counts, again, again_state = _run_saved(config, batches, tmp_path, caplog)
-  assert counts == {"loaded": saved, "saved": 0, "cached": cached}, caplog.text
+  counts, metrics, state = _run_saved(config, batches, pieces_dir, caplog)
+  pieces, files = counts["saved"], sorted(pieces_dir.glob("*.bin"))
+  assert counts == {"loaded": 0, "saved": pieces, "cached": 0} and pieces > 2, caplog.text
+  counts, again, again_state = _run_saved(config, batches, pieces_dir, caplog)
+  assert counts == {"loaded": pieces, "saved": 0, "cached": 0}, caplog.text
   assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
   for key in state:
     for a, b in zip(jax.tree.leaves(again_state[key]), jax.tree.leaves(state[key]), strict=True):
@@ -98,34 +120,43 @@ def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(tmp_p
 
   changed = config.copy_and_resolve_references()
   changed.optim.lr = config.optim.lr / 2
-  counts = _run_saved(changed, batches[:1], tmp_path, caplog)[0]
-  assert counts["loaded"] == 0 and counts["saved"] + counts["cached"] == saved + cached
+  counts = _run_saved(changed, batches[:1], pieces_dir, caplog)[0]
+  assert counts["loaded"] == 0 and counts["saved"] + counts["cached"] == pieces, caplog.text
 
-  broken = sorted(tmp_path.glob("*.bin"))[0]
-  broken.write_bytes(broken.read_bytes()[:100])
-  counts, after, _ = _run_saved(config, batches, tmp_path, caplog)
-  assert "did not load" in caplog.text and counts["loaded"] == saved - 1, caplog.text
+  files[-1].write_bytes(files[-1].read_bytes()[:100])
+  counts, after, _ = _run_saved(config, batches, pieces_dir, caplog)
+  assert "did not load" in caplog.text and counts["loaded"] == 0, caplog.text
+  assert counts["saved"] + counts["cached"] == pieces, caplog.text
   assert [m["loss"] for m in after] == [m["loss"] for m in metrics]
-  assert not broken.exists() or broken.stat().st_size > 100  # forgotten, or saved anew
 
 
-def test_a_piece_from_jaxs_cache_is_not_saved(tmp_path, caplog):
+def test_a_build_missing_a_saved_piece_is_traced_whole(tmp_path, caplog, own_compile_cache):
+  """A piece gone from a complete build (found missing while building, before any compile ends):
+  the build is traced whole, never half loaded and half traced, and runs alike."""
+  from helpers import random_batches
+
+  config, pieces_dir = tiny_test_config(**_OWN), tmp_path / "pieces"
+  batches = random_batches(config, 1)
+  counts, metrics, _ = _run_saved(config, batches, pieces_dir, caplog)
+  assert counts["loaded"] == 0 and counts["saved"] > 2 and counts["cached"] == 0, caplog.text
+  sorted(pieces_dir.glob("*.json"))[1].unlink()
+  counts, after, _ = _run_saved(config, batches, pieces_dir, caplog)
+  assert "did not load" in caplog.text and counts["loaded"] == 0, caplog.text
+  assert [m["loss"] for m in after] == [m["loss"] for m in metrics]
+
+
+def test_a_piece_from_jaxs_cache_is_not_saved(tmp_path, caplog, own_compile_cache):
   """An executable loaded from JAX's persistent cache does not serialize whole again (on XLA:CPU
   its copy fails at its first run): a build whose compiles JAX's cache answers saves nothing, and
   the next build of that config traces again and runs."""
   from helpers import random_batches
 
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  try:
-    config = tiny_test_config(**{**_OWN, "model.d_ff": 80})
-    batches = random_batches(config, 1)
-    counts, metrics, _ = _run_saved(config, batches, tmp_path / "first", caplog)
-    pieces = counts["saved"] + counts["cached"]  # pieces alike within the build: cached
-    assert counts["saved"] > 0, caplog.text
-    counts = _run_saved(config, batches, tmp_path / "second", caplog)[0]
-    assert counts == {"loaded": 0, "saved": 0, "cached": pieces}, caplog.text
+  config = tiny_test_config(**_OWN)
+  batches = random_batches(config, 1)
+  counts, metrics, _ = _run_saved(config, batches, tmp_path / "first", caplog)
+  pieces = counts["saved"] + counts["cached"]  # pieces alike within the build: cached
+  assert counts["saved"] > 0, caplog.text
+  for _ in range(2):
     counts, again, _ = _run_saved(config, batches, tmp_path / "second", caplog)
     assert counts == {"loaded": 0, "saved": 0, "cached": pieces}, caplog.text
     assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
-  finally:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -10,6 +10,7 @@ pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -56,8 +57,9 @@ class LocalDispatcher:
     self._compiler = concurrent.futures.ThreadPoolExecutor(
       max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="compile"
     )
-    self._compiling: list[concurrent.futures.Future] = []
-    self._saved: tuple = (None, None)  # (the thread, its SavedExecutables): see `saving`
+    self._compiling: dict[int, list] = {}  # thread -> the futures of its compiles
+    self._compiling_lock = threading.Lock()
+    self._saved: dict[int, saved_lib.SavedExecutables] = {}  # thread -> its own: see `saving`
     self.trace = trace
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
@@ -129,28 +131,16 @@ class LocalDispatcher:
       return sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
 
     compiles_here = self._here[island] or self._compile_everywhere or in_shardings is not None
-    saving_thread, saved = self._saved
-    saved = saved if saving_thread == threading.get_ident() else None
+    saved = self._saved.get(threading.get_ident()) if compiles_here else None
     key = None
-    if saved is not None and compiles_here:
+    if saved is not None:
       devices = tuple(d.id for d in self.cluster[island].devices)
       key = saved.key(name, devices, saved_lib.abstract(args), donate_argnums, in_shardings,
                       out_shardings)  # fmt: skip
-      num_outputs = saved.num_outputs(key)
-      if num_outputs is not None:
-
-        def load():
-          try:
-            return saved.load(key)
-          except Exception as e:  # noqa: BLE001 - any unloadable file: trace and compile again
-            log.warning("%s: the saved executable did not load (%s); compiling it again", name, e)
-            saved.forget(key)
-            with activate():
-              compiled, fresh = saved_lib.compile_lowered(jitted.lower(*args))
-            saved.save(key, compiled, num_outputs, fresh)
-            return compiled
-
-        return self._executable(name, island, self._background(load), num_outputs, donate_argnums)
+      if saved.loading:  # every piece loaded, none traced (backend/saved.py)
+        num_outputs = saved.num_outputs(key)
+        future = self._background(functools.partial(saved.load, key))
+        return self._executable(name, island, future, num_outputs, donate_argnums)
     with activate():
       if compiles_here:
         lowered = jitted.lower(*args)
@@ -173,9 +163,12 @@ class LocalDispatcher:
     return self._executable(name, island, compiled, num_outputs, donate_argnums)
 
   def _background(self, fn) -> concurrent.futures.Future:
+    """`fn()` on a compile thread; the calling thread's `wait_compiles` waits for it."""
     future = self._compiler.submit(fn)
-    self._compiling = [f for f in self._compiling if not f.done() or f.exception()]
-    self._compiling.append(future)
+    with self._compiling_lock:
+      mine = self._compiling.setdefault(threading.get_ident(), [])
+      mine[:] = [f for f in mine if not f.done() or f.exception()]
+      mine.append(future)
     return future
 
   @staticmethod
@@ -184,18 +177,19 @@ class LocalDispatcher:
 
   @contextlib.contextmanager
   def saving(self, saved: saved_lib.SavedExecutables):
-    """Within: the pieces this thread compiles are kept in (and loaded from) `saved`
+    """Within: the pieces this thread compiles are loaded from, or saved in, `saved`
     (backend/saved.py); other clients' compiles meanwhile are not."""
-    self._saved = (threading.get_ident(), saved)
+    self._saved[threading.get_ident()] = saved
     try:
       yield
     finally:
-      self._saved = (None, None)
+      del self._saved[threading.get_ident()]
 
   def wait_compiles(self) -> None:
-    """Blocks until every compile started so far has ended; raises the first one's error."""
-    compiling, self._compiling = self._compiling, []
-    for future in compiling:
+    """Blocks until every compile this thread started has ended; raises the first one's error."""
+    with self._compiling_lock:
+      mine = self._compiling.pop(threading.get_ident(), [])
+    for future in mine:
       future.result()
 
   def dispatch(self, program: Program, inputs: dict, step: int) -> dict:

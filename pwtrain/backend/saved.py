@@ -12,13 +12,16 @@ key made of
   and, per piece, its place in the build order, its name, its island's devices, its abstract
   arguments (shapes, dtypes, shardings), donated arguments and requested shardings.
 
-A piece found there is loaded (on a compile thread) and never traced; one that is not is traced,
-compiled and saved, unless JAX's persistent cache had its executable: an executable loaded from
-that cache does not serialize whole again (on XLA:CPU its kernels are missing and the loaded copy
-fails at its first run), so such a piece is left unsaved and traced at every start until a
-compile of its own. A saved piece that no longer loads (a truncated file, another jaxlib) is
-traced and compiled again, and replaced. A key's files are written whole (to a temporary name,
-then renamed), so a reader sees a piece complete or not at all.
+A build loads every piece or traces every piece: pieces may depend on what tracing an earlier
+one recorded (a pipeline stage's B reads the VJP structure its F's trace left), so a build never
+mixes the two. A traced build saves each piece XLA compiled in this process and, if it saved
+them all, marks the build complete; a later build of the same key then loads every piece (on
+compile threads) and traces none. A piece JAX's persistent cache had is not saved: an executable
+loaded from that cache does not serialize whole again (on XLA:CPU its kernels are missing and
+the copy fails at its first run), so that build stays unmarked and is traced at every start
+until one compiles all of its pieces itself. A loading build that finds a piece missing or
+unloadable (`NotSaved`) is discarded by its caller and traced instead (Harness.build). Files are
+written whole (to a temporary name, then renamed), the build's mark last.
 """
 
 import contextlib
@@ -77,13 +80,20 @@ def abstract(tree) -> tuple:
   )
 
 
+class NotSaved(Exception):
+  """A loading build met a piece it has no whole saved copy of (see the module doc)."""
+
+
 class SavedExecutables:
-  """The compiled pieces of one build (see the module doc), in `directory`."""
+  """The compiled pieces of one build (see the module doc), in `directory`: `loading` if the
+  build was marked complete, else traced and saved."""
 
   def __init__(self, directory: str, build_key: str):
     self.directory = directory
     self.build_key = build_key
     self._count = 0
+    self._lock = threading.Lock()
+    self.loading = os.path.isfile(self._path(build_key, "build"))
     self.loaded: list[str] = []  # keys of the pieces loaded (not traced)
     self.saved: list[str] = []  # keys of the pieces traced, compiled and saved
     self.from_cache: list[str] = []  # keys of the pieces JAX's cache had (traced, not saved)
@@ -93,51 +103,62 @@ class SavedExecutables:
     self._count += 1
     return digest(self.build_key, self._count, *parts)
 
-  def num_outputs(self, key: str) -> int | None:
-    """The saved piece's number of outputs, or None if none is saved under `key`."""
+  def num_outputs(self, key: str) -> int:
+    """The saved piece's number of outputs (loading); NotSaved if it has none."""
     try:
       return int(self._about(key)["num_outputs"])
-    except (OSError, ValueError, KeyError):
-      return None
+    except (OSError, ValueError, KeyError) as e:
+      raise NotSaved(f"piece {key[:12]}: {e}") from e
 
   def load(self, key: str):
-    """The saved piece as a jax.stages.Compiled, loaded onto the devices it was compiled for."""
-    by_id = {d.id: d for d in jax.devices()}
-    devices = [by_id[i] for i in self._about(key)["devices"]]
-    with open(self._path(key, "bin"), "rb") as f:
-      payload, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
-    compiled = serialize_executable.deserialize_and_load(
-      payload, in_tree, out_tree, execution_devices=devices
-    )
-    self.loaded.append(key)
+    """The saved piece as a jax.stages.Compiled, loaded onto the devices it was compiled for;
+    NotSaved if it does not load."""
+    try:
+      by_id = {d.id: d for d in jax.devices()}
+      devices = [by_id[i] for i in self._about(key)["devices"]]
+      with open(self._path(key, "bin"), "rb") as f:
+        payload, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
+      compiled = serialize_executable.deserialize_and_load(
+        payload, in_tree, out_tree, execution_devices=devices
+      )
+    except Exception as e:  # noqa: BLE001 - any unloadable file: the build is traced instead
+      raise NotSaved(f"piece {key[:12]}: {type(e).__name__}: {e}") from e
+    with self._lock:
+      self.loaded.append(key)
     return compiled
 
   def save(self, key: str, compiled, num_outputs: int, fresh: bool = True) -> None:
     """Keeps `compiled` under `key`, if XLA compiled it in this process (`fresh`, from
-    `compile_lowered`); a piece that cannot be serialized is left unsaved."""
+    `compile_lowered`). Never raises: a piece that cannot be serialized or written is left
+    unsaved (and the build unmarked)."""
     if not fresh:
-      self.from_cache.append(key)
+      with self._lock:
+        self.from_cache.append(key)
       return
     try:
       blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
-    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
-      log.debug("%s: not saved (%s)", key, e)
-      return
-    try:
       os.makedirs(self.directory, exist_ok=True)
       self._write(self._path(key, "bin"), blob)
       devices = [d.id for d in compiled.runtime_executable().local_devices()]
       about = {"num_outputs": num_outputs, "devices": devices}
       self._write(self._path(key, "json"), json.dumps(about).encode())
-      self.saved.append(key)
-    except OSError as e:  # a full or read-only disk costs the next start its trace, no more
+    except Exception as e:  # noqa: BLE001 - saving never fails a compile
       log.warning("could not save a compiled piece in %s: %s", self.directory, e)
+      return
+    with self._lock:
+      self.saved.append(key)
 
-  def forget(self, key: str) -> None:
-    """Removes the piece saved under `key` (one that did not load)."""
-    for kind in ("json", "bin"):  # the marker first: a reader never finds half a piece
+  def finish(self) -> None:
+    """After a traced build's compiles: marks it complete if every piece was saved."""
+    if not self.loading and self._count and len(self.saved) == self._count:
       with contextlib.suppress(OSError):
-        os.remove(self._path(key, kind))
+        self._write(self._path(self.build_key, "build"), b"")
+
+  def discard(self) -> "SavedExecutables":
+    """After a loading build failed (NotSaved): unmarks it; a fresh one to trace it with."""
+    with contextlib.suppress(OSError):
+      os.remove(self._path(self.build_key, "build"))
+    return SavedExecutables(self.directory, self.build_key)
 
   def _about(self, key: str) -> dict:
     with open(self._path(key, "json")) as f:
