@@ -96,8 +96,9 @@ class Harness:
     (default: a fresh manager for the cluster). The controller is a new `Controller(cluster,
     max_inflight=backend.max_inflight_steps, trace=trace, serialize_execution=...)` unless
     `controller` is given (then `trace` and `serialize_execution` must be left unset).
-    With `saved_dir`, the compiled pieces are kept there under what built them (`build_key`),
-    and a later build of the same key loads them without tracing (backend/saved.py).
+    With `saved_dir` (and a controller that `saves_pieces`), the compiled pieces are kept there
+    under what built them (`build_key`), and a later build of the same key loads them without
+    tracing (backend/saved.py).
     """
     if cluster is not None and devices is not None:
       raise ValueError("Harness.build: give `devices` or a `cluster`, not both")
@@ -125,7 +126,9 @@ class Harness:
         )
       tx, schedule = optim.build(config.optim, config.train.num_steps)
       start = time.perf_counter()
-      saved = SavedExecutables(saved_dir, build_key(config, plan)) if saved_dir else None
+      saved = None
+      if saved_dir and controller.saves_pieces:
+        saved = SavedExecutables(saved_dir, build_key(config, plan))
       try:
         step_program = _build_step(config, plan, controller, tx, schedule, saved)
       except NotSaved as e:  # a loading build missing a piece: traced whole instead
@@ -290,7 +293,6 @@ def build_key(config, plan: Plan) -> str:
   return digest(
     config.to_json_best_effort(sort_keys=True),
     devices,
-    jax.process_count(),
     _source_digest(),
     _versions(),
     settings,

@@ -153,11 +153,16 @@ class Controller:
       donate_argnums=donate_argnums if self.donate else (),
     )
 
+  @property
+  def saves_pieces(self) -> bool:
+    """Whether `saving` keeps compiled pieces: local islands of a single process (remote
+    workers and distributed mode trace every piece at every start)."""
+    return not self.cluster.remote and jax.process_count() == 1
+
   def saving(self, saved):
-    """A context within which compiled pieces are kept in, and loaded from, `saved` (a
-    backend.saved.SavedExecutables): a piece saved before is not traced again. Local islands
-    only; remote workers and distributed mode compile as ever."""
-    if jax.process_count() > 1:
+    """A context within which compiled pieces are loaded from, or saved in, `saved` (a
+    backend.saved.SavedExecutables), where the controller `saves_pieces`."""
+    if not self.saves_pieces:
       return contextlib.nullcontext()
     return self._dispatcher.saving(saved)
 

@@ -126,10 +126,6 @@ class LocalDispatcher:
       out_shardings=outline_lib.without_kept(out_shardings),
       donate_argnums=donate_argnums,
     )
-
-    def activate():
-      return sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
-
     compiles_here = self._here[island] or self._compile_everywhere or in_shardings is not None
     saved = self._saved.get(threading.get_ident()) if compiles_here else None
     key = None
@@ -141,7 +137,8 @@ class LocalDispatcher:
         num_outputs = saved.num_outputs(key)
         future = self._background(functools.partial(saved.load, key))
         return self._executable(name, island, future, num_outputs, donate_argnums)
-    with activate():
+    activate = sharding_lib.activate(mesh, rules) if mesh is not None else contextlib.nullcontext()
+    with activate:
       if compiles_here:
         lowered = jitted.lower(*args)
       else:

@@ -127,7 +127,7 @@ class SavedExecutables:
       self.loaded.append(key)
     return compiled
 
-  def save(self, key: str, compiled, num_outputs: int, fresh: bool = True) -> None:
+  def save(self, key: str, compiled, num_outputs: int, fresh: bool) -> None:
     """Keeps `compiled` under `key`, if XLA compiled it in this process (`fresh`, from
     `compile_lowered`). Never raises: a piece that cannot be serialized or written is left
     unsaved (and the build unmarked)."""

@@ -172,10 +172,6 @@ class RemoteDispatcher:
     remote = RemoteExecutable(worker, unique, tuple(outputs))
     return Executable(name, island, local, len(top), remote, tuple(donate_argnums))
 
-  def saving(self, saved):
-    """Workers compile as ever: a piece is exported (traced) here each start."""
-    return contextlib.nullcontext()
-
   def wait_compiles(self) -> None:
     """Nothing to wait for: `compile` returns once the worker has compiled."""
 
