@@ -91,7 +91,7 @@ def max_restarts(main_args: list[str]) -> int:
     return int(override)
   from pwtrain import config as config_lib
 
-  return int(config_lib.load(_flag(main_args, "config")).fault.max_restarts)
+  return int(config_lib.load(_flag(main_args, "config", "palm_tiny")).fault.max_restarts)
 
 
 def elastic(main_args: list[str]) -> float | None:
@@ -100,7 +100,7 @@ def elastic(main_args: list[str]) -> float | None:
   the run with); None without."""
   from pwtrain import config as config_lib
 
-  config = config_lib.load(_flag(main_args, "config"))
+  config = config_lib.load(_flag(main_args, "config", "palm_tiny"))
   override = _flag(main_args, "config.fault.elastic")
   if not (override.lower() in ("true", "1") if override else config.fault.elastic):
     return None

@@ -10,31 +10,17 @@ resolved config and exits.
 """
 
 import difflib
-import glob
 import logging as std_logging
 import math
 import os
 import sys
 import traceback
 
-# On a CPU-only machine, simulate 8 devices so that islands, meshes and pipelines have devices
-# to use (ignored by GPU/TPU backends). Must happen before JAX initialises; XLA_FLAGS set by the
-# user take precedence.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+from pwtrain import platforms
 
-# A host with no accelerator runs on the CPU: without this JAX would also try libtpu (installed
-# with the [tpu] extra for --dry_run --compile), which prints a page of errors on such a host.
-_ACCELERATORS = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
-if (
-  "JAX_PLATFORMS" not in os.environ
-  and "--compile" not in sys.argv
-  and not any(glob.glob(pattern) for pattern in _ACCELERATORS)
-):
-  os.environ["JAX_PLATFORMS"] = "cpu"
+platforms.prepare()  # before JAX starts: whatever it can initialise (pwtrain/platforms.py)
 
+import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -46,8 +32,9 @@ from pwtrain.errors import UserError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
-  None,
-  "A shipped config's name (palm_tiny, ...: pwtrain/configs/) or a config file's path.",
+  str(config_lib.shipped()["palm_tiny"]),
+  "A shipped config's name (pwtrain/configs/: palm_tiny, the default, ...) or a config file's "
+  "path.",
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
@@ -133,6 +120,8 @@ def main(argv):
         dryrun_compile.report(_CONFIG.value) if _COMPILE.value else dryrun.report(_CONFIG.value)
       )
       return
+    if jax.process_index() == 0:
+      std_logging.getLogger("pwtrain").info(platforms.describe())
     train.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
     if _CONFIG.value.backend.mode == "distributed" and _CONFIG.value.fault.elastic:
       from pwtrain.backend import distributed
@@ -197,5 +186,4 @@ def _explain(argv: list[str], error: Exception) -> str:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
   app.run(main, flags_parser=parse_flags)

@@ -197,8 +197,9 @@ class MetricsLogger:
     self._productive = self.goodput.productive_s(now)
 
   def _line(self, step: int, speed: dict) -> str:
-    """One plain progress line: step/total, loss, tokens/s, MFU, step time, ETA, memory."""
-    parts = [f"step {step}/{self.num_steps}"]
+    """One plain progress line: the local time (a log file's lines say when), step/total, loss,
+    tokens/s, MFU, step time, ETA, memory."""
+    parts = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} step {step}/{self.num_steps}"]
     if self.history and "loss" in self.history[-1]:
       parts.append(f"loss {self.history[-1]['loss']:.4f}")
     parts.append(f"{speed['tokens_per_s']:,.0f} tokens/s")

@@ -26,28 +26,32 @@ import dataclasses
 import os
 import sys
 
-import jax
-import ml_collections
-import numpy as np
-from absl import app, flags, logging
-from jax.sharding import Mesh
-from ml_collections import config_flags
+from pwtrain import platforms
 
-from pwtrain import config as config_lib
-from pwtrain import optim
-from pwtrain import step as step_lib
-from pwtrain import workdir as workdir_lib
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
-from pwtrain.data import build_tokenizer
-from pwtrain.data.tokenizer import sentencepiece_path
-from pwtrain.errors import ConfigError
-from pwtrain.models import scan
-from pwtrain.models.sampling import Sampling, generate
-from pwtrain.parallel import exchange as exchange_lib
-from pwtrain.parallel import plan as plan_lib
-from pwtrain.parallel import spmd, stages
-from pwtrain.parallel.pipeline.state import train_state
-from pwtrain.sharding import MESH_AXES
+platforms.prepare()  # before JAX starts: whatever it can initialise (pwtrain/platforms.py)
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from pwtrain import config as config_lib  # noqa: E402
+from pwtrain import optim  # noqa: E402
+from pwtrain import step as step_lib  # noqa: E402
+from pwtrain import workdir as workdir_lib  # noqa: E402
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint  # noqa: E402
+from pwtrain.data import build_tokenizer  # noqa: E402
+from pwtrain.data.tokenizer import sentencepiece_path  # noqa: E402
+from pwtrain.errors import ConfigError  # noqa: E402
+from pwtrain.models import scan  # noqa: E402
+from pwtrain.models.sampling import Sampling, generate  # noqa: E402
+from pwtrain.parallel import exchange as exchange_lib  # noqa: E402
+from pwtrain.parallel import plan as plan_lib  # noqa: E402
+from pwtrain.parallel import spmd, stages  # noqa: E402
+from pwtrain.parallel.pipeline.state import train_state  # noqa: E402
+from pwtrain.sharding import MESH_AXES  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -230,6 +234,7 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO.
+  print(platforms.describe(), file=sys.stderr)
   try:
     workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
     config = load_config(_CONFIG.value, workdir)

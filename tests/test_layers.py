@@ -17,11 +17,12 @@ FILE_LINES = 400
 # components of one layer do not import each other.
 LAYERS = (
   # What a distributed run's processes say to each other on the host; the errors a user fixes.
-  ("processes", "errors", "goodput"),
+  ("processes", "errors", "goodput", "platforms"),
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
     "defaults",
+    "conditions",
     "drills",
     "preemption",
     "workdir",

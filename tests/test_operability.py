@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO, TINY, small_config
@@ -43,6 +44,9 @@ def test_a_run_logged_to_a_file_prints_plain_lines(logged_run):
   _, out = logged_run
   assert "\r" not in out.stdout and "\r" not in out.stderr
   lines = out.stdout.splitlines()
+  stamps = [time.strptime(line[:19], "%Y-%m-%d %H:%M:%S") for line in lines]  # when, in a file
+  assert stamps == sorted(stamps)
+  lines = [line[20:] for line in lines]
   assert [line.split(" | ")[0] for line in lines] == [
     "step 2/8",
     "step 4/8",
@@ -61,6 +65,8 @@ def test_a_run_logged_to_a_file_prints_plain_lines(logged_run):
 def test_a_cpu_run_prints_no_libtpu_error(logged_run):
   _, out = logged_run
   assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "libtpu" not in out.stderr, out.stderr[:3000]
+  (first,) = [line for line in out.stderr.splitlines() if "platform: " in line]
+  assert first.split("] ", 1)[1].startswith("platform: cpu, 8 devices (simulated on the CPU")
 
 
 def test_metrics_rows_say_where_the_time_went(logged_run):

@@ -9,8 +9,6 @@ refuses to start unless `--insecure` accepts a token in cleartext (channel.py).
 
 import argparse
 import logging
-import os
-import re
 import signal
 import sys
 
@@ -31,12 +29,9 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if bool(args.tls_cert) != bool(args.tls_key):
     sys.exit("error: --tls_cert and --tls_key go together: give both PEM files, or neither")
-  if args.devices:
-    # Read when JAX first creates its CPU backend, which nothing has done yet.
-    flags = re.sub(
-      r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+  from pwtrain import platforms
+
+  platforms.prepare(args.devices or None)  # before JAX starts
   logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.island} %(message)s")
 
   from pwtrain.backend.remote import auth, channel, server
