@@ -6,7 +6,7 @@ import difflib
 import os
 import pathlib
 
-from pwtrain import optim
+from pwtrain import conditions, defaults, optim
 from pwtrain.backend import distributed
 from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
@@ -172,6 +172,7 @@ def validate(config) -> None:
       f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
     )
+  conditions.check(config, defaults.get_config())  # no key set where nothing reads it
 
 
 def validate_scan(config) -> None:

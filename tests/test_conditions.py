@@ -1,0 +1,114 @@
+"""No setting is silently ignored (pwtrain/conditions.py): every key that is read only under
+another setting is refused, naming both, when it is set while that setting says it is not read;
+and it is accepted where it is read."""
+
+import pytest
+from helpers import load_config, small_config
+
+from pwtrain import conditions, defaults, train
+from pwtrain import config as config_lib
+from pwtrain.errors import ConfigError
+
+AUTO = '("auto" is cosine for adamw, else rsqrt)'
+# Per rule (by its `needs`): overrides under which it does not hold, and under which it does.
+SETTINGS = {
+  "data.dataset='files'": ({}, {"data.dataset": "files"}),
+  "data.dataset='pystdlib'": ({"data.dataset": "files"}, {}),
+  "data.tokenizer='sentencepiece' or 'huggingface'": ({}, {"data.tokenizer": "huggingface"}),
+  "data.tokenizer='huggingface'": ({}, {"data.tokenizer": "huggingface"}),
+  "data.tokenizer='sentencepiece' and data.tokenizer_path=''": (
+    {"data.tokenizer": "huggingface"},
+    {"data.tokenizer": "sentencepiece"},
+  ),
+  "train.eval_every >= 1": ({"train.eval_every": 0}, {}),
+  "train.rollback_after >= 1": ({"train.rollback_after": 0}, {}),
+  "optim.name='adamw'": ({}, {"optim.name": "adamw"}),
+  "optim.name='adafactor'": ({"optim.name": "sgd"}, {}),
+  "optim.name='adafactor' or 'adamw'": ({"optim.name": "sgd"}, {}),
+  f"optim.schedule='rsqrt' {AUTO}": ({"optim.name": "adamw"}, {}),
+  f"optim.schedule='cosine' or 'linear' or 'wsd' {AUTO}": ({}, {"optim.name": "adamw"}),
+  f"optim.schedule='wsd' {AUTO}": ({}, {"optim.schedule": "wsd"}),
+  "parallel.stages >= 2": ({}, {"parallel.stages": 2}),
+  "(parallel.stages >= 2) or (parallel.pods >= 2 and exchange.mode='overlapped')": (
+    {"parallel.pods": 2},
+    {"parallel.pods": 2, "exchange.mode": "overlapped"},
+  ),
+  "parallel.pods >= 2": ({}, {"parallel.pods": 2}),
+  "exchange.mode='overlapped' and parallel.stages=1": (
+    {"parallel.pods": 2},
+    {"parallel.pods": 2, "exchange.mode": "overlapped"},
+  ),
+  "exchange.mode='diloco'": ({"parallel.pods": 2}, {"parallel.pods": 2, "exchange.mode": "diloco"}),
+  "moe.num_experts >= 1": ({}, {"moe.num_experts": 4}),
+  "moe.dropless=False": ({"moe.num_experts": 4, "moe.dropless": True}, {"moe.num_experts": 4}),
+  "backend.mode='remote'": ({}, {"backend.mode": "remote"}),
+  "backend.mode='distributed'": ({}, {"backend.mode": "distributed"}),
+  "backend.mode='remote' or 'distributed'": ({}, {"backend.mode": "remote"}),
+  "(backend.mode='remote') or (fault.elastic=True)": ({}, {"fault.elastic": True}),
+  "fault.elastic=True": ({}, {"fault.elastic": True}),
+  "metrics.wandb_project set": ({}, {"metrics.wandb_project": "p"}),
+}
+
+
+def _settings(rule):
+  assert rule.needs in SETTINGS, f"no settings for the rule {rule.needs!r}: add them to SETTINGS"
+  return SETTINGS[rule.needs]
+
+
+def _other(value):
+  """A value other than the default `value`, of its type."""
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, int | float):
+    return value + 1
+  if isinstance(value, str):
+    return "other"
+  return (0, 1, 2)  # parallel.stage_boundaries
+
+
+def _config(overrides):
+  config = load_config("palm_tiny")
+  config.unlock()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+
+
+@pytest.mark.parametrize("rule", conditions.RULES, ids=lambda r: ",".join(r.keys))
+def test_each_key_is_refused_where_it_is_not_read_and_taken_where_it_is(rule):
+  default = defaults.get_config()
+  off, on = _settings(rule)
+  assert not rule.holds(_config(off)) and rule.holds(_config(on)), rule.needs
+  for key in rule.keys:
+    section, name = key.split(".")
+    value = _other(default[section][name])
+    with pytest.raises(ConfigError) as refused:
+      conditions.check(_config({**off, key: value}), default, [rule])
+    message = str(refused.value)
+    assert message.startswith(f"{key}={value!r} has no effect: it is read only with {rule.needs}")
+    assert "\n" not in message
+    conditions.check(_config({**on, key: value}), default, [rule])
+
+
+def test_every_key_the_rules_name_exists_and_the_shipped_configs_set_none_in_vain():
+  default = defaults.get_config()
+  for rule in conditions.RULES:
+    for key in rule.keys:
+      section, name = key.split(".")
+      assert name in default[section], key
+  for name in config_lib.shipped():
+    config_lib.validate(load_config(name))
+
+
+def test_files_without_the_files_dataset_is_refused_before_anything_is_written(tmp_path):
+  """The case users met: data.files given, data.dataset left at the built-in corpus."""
+  workdir = tmp_path / "run"
+  config = small_config(**{"data.files": "my/*.txt"})
+  with pytest.raises(ConfigError) as refused:
+    train.run(config, str(workdir), show_progress=False)
+  assert str(refused.value) == (
+    "data.files='my/*.txt' has no effect: it is read only with data.dataset='files' (now "
+    "data.dataset='pystdlib'); set that, or leave data.files at its default ('')"
+  )
+  assert not workdir.exists()
