@@ -47,6 +47,16 @@ def _rule(keys, condition) -> Rule:
   return Rule(tuple(keys), needs, holds, now)
 
 
+def _is_not(key: str, value) -> tuple:
+  """The condition: `key` is not `value`."""
+  section, name = key.split(".")
+  return (
+    f"{key} other than {value!r}",
+    lambda c: c[section][name] != value,
+    lambda c: f"{key}={c[section][name]!r}",
+  )
+
+
 def _schedule(config) -> str:
   """optim.schedule as optim.schedule_for resolves "auto": cosine for AdamW, else rsqrt."""
   o = config.optim
@@ -107,6 +117,7 @@ RULES = (
   _rule(
     ("train.rollback_skip_batches", "train.max_rollbacks"), _at_least("train.rollback_after", 1)
   ),
+  _rule(("train.compile_cache_max_bytes",), _is_not("train.compile_cache_dir", "off")),
   # the optimizer and its schedule
   _rule(("optim.b2",), _is("optim.name", "adamw")),
   _rule(("optim.decay_rate",), _is("optim.name", "adafactor")),

@@ -163,7 +163,13 @@ def validate(config) -> None:
       f"train.eval_batches={config.train.eval_batches!r} must be >= 1 while train.eval_every="
       f"{config.train.eval_every} (set train.eval_every=0 to never evaluate)"
     )
-  for key in ("rollback_after", "rollback_skip_batches", "max_rollbacks", "eval_every"):
+  for key in (
+    "rollback_after",
+    "rollback_skip_batches",
+    "max_rollbacks",
+    "eval_every",
+    "compile_cache_max_bytes",
+  ):
     value = config.train[key]
     if not isinstance(value, int) or value < 0:
       raise ConfigError(f"train.{key}={value!r} must be a non-negative integer")

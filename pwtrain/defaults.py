@@ -92,6 +92,9 @@ def get_config():
   # programs instead of compiling them: "" is <workdir>/compile_cache (unless
   # $JAX_COMPILATION_CACHE_DIR names one), "off" turns it off.
   c.train.compile_cache_dir = ""
+  # Its cap in bytes, JAX's entries and the saved pieces together, least recently used evicted
+  # first (backend/saved.py); 0: no cap.
+  c.train.compile_cache_max_bytes = 0
   # Loss spikes (PaLM section 5.1): a step whose loss or gradient norm is NaN/Inf is skipped
   # (parameters and optimizer state unchanged, counted in the "skipped" metric); after
   # rollback_after consecutive skipped steps the trainer reloads the last checkpoint from before

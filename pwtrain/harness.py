@@ -275,16 +275,29 @@ def _build_step(config, plan, controller, tx, schedule, saved) -> StepProgram:
   """build_step_program, its pieces loaded from or saved in `saved` (if any), every compile
   ended (errors raised here, not at a step)."""
   with controller.saving(saved) if saved else contextlib.nullcontext():
-    step_program = build_step_program(config, plan, controller, tx, schedule)
+    try:
+      step_program = build_step_program(config, plan, controller, tx, schedule)
+    except BaseException:
+      # A piece that failed while building (a saved piece that did not load, met where the
+      # build reads a piece's outputs): the build's other compiles end here, so that a retry's
+      # wait_compiles meets only its own.
+      with contextlib.suppress(Exception):
+        controller.wait_compiles()
+      raise
   controller.wait_compiles()
   return step_program
 
 
 def build_key(config, plan: Plan) -> str:
-  """What decides the programs `Harness.build` traces for `config` on `plan`, as a digest: the
-  config, the islands' devices, pwtrain's source, the versions of the libraries that trace and
-  compile, JAX's settings (but where it logs, dumps and caches) and XLA_FLAGS."""
+  """What decides the programs `Harness.build` traces and compiles for `config` on `plan`, as a
+  digest: the config, the islands' devices, pwtrain's source, the versions of the libraries
+  and PJRT plugins that trace and compile (`_versions`), the backends' platform versions, JAX's
+  settings (but where it logs, dumps and caches), the environment XLA and the plugins read
+  (`_environment`) and this host's CPU (`_host_cpu`: XLA:CPU compiles for its features)."""
   devices = [(i.name, [(d.id, d.platform, d.device_kind) for d in i.devices]) for i in plan.islands]
+  platforms = sorted(
+    {(d.platform, d.client.platform_version) for i in plan.islands for d in i.devices}
+  )
   settings = sorted(
     (k, repr(v))
     for k, v in jax.config.values.items()
@@ -293,10 +306,12 @@ def build_key(config, plan: Plan) -> str:
   return digest(
     config.to_json_best_effort(sort_keys=True),
     devices,
+    platforms,
     _source_digest(),
     _versions(),
     settings,
-    os.environ.get("XLA_FLAGS", ""),
+    _environment(),
+    _host_cpu(),
   )
 
 
@@ -306,5 +321,57 @@ def _source_digest() -> str:
   return digest(*((str(p.relative_to(root)), p.read_bytes()) for p in sorted(root.rglob("*.py"))))
 
 
+@functools.cache
 def _versions() -> tuple:
-  return jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__, np.__version__
+  """jax, jaxlib, flax, optax and numpy, and every installed PJRT plugin or TPU runtime (the
+  jax-cuda*/jax-rocm* plugins, libtpu)."""
+  from importlib import metadata
+
+  plugins = sorted(
+    (d.metadata["Name"], d.version)
+    for d in metadata.distributions()
+    if (d.metadata["Name"] or "")
+    .lower()
+    .replace("_", "-")
+    .startswith(("jax-cuda", "jax-rocm", "libtpu"))
+  )
+  return (
+    jax.__version__,
+    jaxlib.__version__,
+    flax.__version__,
+    optax.__version__,
+    np.__version__,
+    plugins,
+  )
+
+
+# The environment that changes what XLA or a PJRT plugin compiles: XLA_FLAGS and the flags of
+# the TPU runtime and NCCL.
+_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_ENVIRONMENT_PREFIXES = ("NCCL_", "TPU_", "XLA_")
+
+
+def _environment() -> tuple:
+  return tuple(
+    sorted(
+      (k, v)
+      for k, v in os.environ.items()
+      if k in _ENVIRONMENT or k.startswith(_ENVIRONMENT_PREFIXES)
+    )
+  )
+
+
+@functools.cache
+def _host_cpu() -> tuple:
+  """This host's architecture and CPU features (/proc/cpuinfo's flags, or on Arm its Features):
+  an XLA:CPU executable uses the instructions of the CPU it was compiled on."""
+  import platform
+
+  features = ""
+  with contextlib.suppress(OSError):
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          features = line.split(":", 1)[1].strip()
+          break
+  return platform.machine(), features

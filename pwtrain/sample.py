@@ -34,24 +34,18 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import optim  # noqa: E402
+from pwtrain import restore  # noqa: E402
 from pwtrain import step as step_lib  # noqa: E402
 from pwtrain import workdir as workdir_lib  # noqa: E402
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint  # noqa: E402
 from pwtrain.data import build_tokenizer  # noqa: E402
 from pwtrain.data.tokenizer import sentencepiece_path  # noqa: E402
 from pwtrain.errors import ConfigError  # noqa: E402
 from pwtrain.models import scan  # noqa: E402
 from pwtrain.models.sampling import Sampling, generate  # noqa: E402
-from pwtrain.parallel import exchange as exchange_lib  # noqa: E402
-from pwtrain.parallel import plan as plan_lib  # noqa: E402
-from pwtrain.parallel import spmd, stages  # noqa: E402
-from pwtrain.parallel.pipeline.state import train_state  # noqa: E402
-from pwtrain.sharding import MESH_AXES  # noqa: E402
+from pwtrain.parallel import stages  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -96,61 +90,19 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
   return prompts
 
 
-def sampling_mesh(config, devices=None):
-  """A mesh over the first fsdp * expert * tensor local devices (data = 1)."""
-  devices = list(jax.devices() if devices is None else devices)
-  parallel = {axis: 1 if axis == "data" else int(config.parallel[axis]) for axis in MESH_AXES}
-  fill = -1 in parallel.values()  # -1: fill the devices, as training does
-  shape = plan_lib.resolve_mesh_shape(
-    parallel, len(devices) if fill else int(np.prod(list(parallel.values())))
-  )
-  needed = int(np.prod(list(shape.values())))
-  if not 1 <= needed <= len(devices):
-    raise ConfigError(
-      f"parallel.fsdp * parallel.expert * parallel.tensor = {needed} devices are needed to "
-      f"hold the model as it was sharded; this machine has {len(devices)} (with --config, "
-      "override them, e.g. --config.parallel.tensor=1)"
-    )
-  return Mesh(np.asarray(devices[:needed], dtype=object).reshape(tuple(shape.values())), MESH_AXES)
-
-
 def restore_params(config, workdir: str, mesh):
   """(step, the model's ModelFns, params) of the latest readable checkpoint in
-  <workdir>/checkpoints, the params sharded on `mesh` by their logical axes."""
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise ConfigError(f"{directory} does not exist: is --workdir={workdir!r} a training run's?")
-  fns = step_lib.model_fns(config.model, config.moe)
-  tx, _ = optim.build(config.optim, config.train.num_steps)
-  exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
-  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
-  shardings = spmd.state_shardings(fns, mesh, whole)
-  # Checkpoints hold the layers unrolled; a scanned model's are stacked after the restore.
-  abstract = stages.unstack_state(spmd.with_shardings(whole, shardings))
-  if exchange.per_pod_state:
-    abstract = {"pods": [abstract] * config.parallel.pods}
-  ckpt = Checkpointer(
-    directory, keep=config.train.keep_checkpoints, every=1, async_save=False, read_only=True
-  )
-  try:
-    found = ckpt.restore_latest(abstract)
-  except IncompatibleCheckpoint as e:
-    raise ConfigError(
-      f"the checkpoints in {directory} do not match this config's model/optimizer ({e}); "
-      "pass the config the run was trained with"
-    ) from e
-  finally:
-    ckpt.close()
-  if found is None:
-    raise ConfigError(f"{directory} holds no readable checkpoint")
-  step, state, _ = found
-  if exchange.per_pod_state:
+  <workdir>/checkpoints (pwtrain/restore.py), the params sharded on `mesh` by their logical
+  axes; runs whose pods differ (DiLoCo, error feedback) give pod 0's."""
+  step, state = restore.latest(config, workdir, mesh)
+  if "pods" in state:
     state = state["pods"][0]
   params = state["params"]
   if config.model.scan_layers:
+    _, shardings = restore.target(config, mesh)
     period = scan.period(config.moe)
     params = jax.device_put(stages.stack_state(params, period), shardings["params"])
-  return step, fns, params
+  return step, step_lib.model_fns(config.model, config.moe), params
 
 
 def run_tokenizer(config, workdir: str):
@@ -190,7 +142,7 @@ def sample(
       f"--max_new_tokens={max_new_tokens} and --num_samples={num_samples} must be >= 1"
     )
   tokenizer = run_tokenizer(config, workdir)
-  step, fns, params = restore_params(config, workdir, sampling_mesh(config, devices))
+  step, fns, params = restore_params(config, workdir, restore.reading_mesh(config, devices))
   # A prompt starts a document: it follows an EOS, as documents do in the packed training data.
   encoded = [np.concatenate([[tokenizer.eos_id], tokenizer.encode(p)]) for p in prompts]
   rows = [ids for ids in encoded for _ in range(num_samples)]

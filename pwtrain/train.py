@@ -11,10 +11,10 @@ from typing import Any
 import jax
 
 from pwtrain import config as config_lib
-from pwtrain import drills, guard, processes
+from pwtrain import drills, guard, processes, restore
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
-from pwtrain.backend import Trace, modes, run_mode
+from pwtrain.backend import Trace, modes, run_mode, saved
 from pwtrain.backend.faults import IslandLost
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import (
@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class RunResult:
   history: list[dict]  # one row per step run in this call: loss, ce_loss, grad_norm, lr, ...
-  state: dict  # final whole-model train state (device arrays), as checkpointed
+  # The final whole-model train state (device arrays), as checkpointed; for a run that had
+  # nothing left to train, its latest checkpoint read back (None in a run of several processes).
+  state: dict | None
   start_step: int
   final_step: int
   evals: list[dict] = dataclasses.field(default_factory=list)  # {"step", "eval_loss", ...}
@@ -78,9 +80,9 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it; the
   # workers it launches share the compilation cache.
-  _use_compile_cache(config.train.compile_cache_dir, os.path.abspath(workdir))
   sizes = plan_lib.island_sizes(config, jax.device_count())
-  return mode.supervise(config, run_once, sizes)
+  with _compile_cache(config.train, os.path.abspath(workdir)):
+    return mode.supervise(config, run_once, sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,10 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
   host_dir = workdir if primary else os.path.join(workdir, "processes", str(jax.process_index()))
   os.makedirs(host_dir, exist_ok=True)
   with workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext():
+    # What the checkpoints say decides before anything is built: a finished run compiles nothing.
+    finished = _finished(config, workdir)
+    if finished is not None:
+      return finished
     if not primary and not processes.rejoining():  # a process started again finds it built
       processes.barrier("data")
     tokenizer, source = open_train_source(config, workdir)
@@ -115,6 +121,9 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
         harness = Harness.build(
           config, cluster=cluster, plan=plan, trace=trace, saved_dir=_saved_dir()
         )
+        cap = config.train.compile_cache_max_bytes
+        if cap and _saved_dir() is not None:  # the cache within its cap, older builds first
+          saved.evict(_saved_dir(), jax.config.jax_compilation_cache_dir, cap)
       with harness:
         batches = _train_batches(config, tokenizer, source, harness)
         return _train(config, harness, context, batches, eval_set, workdir, host_dir)
@@ -144,7 +153,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   else:
     state, start, data_position = joined
     batches.set_state(data_position)
-  for change in workdir_lib.save_config(host_dir, config, start):  # what this start uses
+  for change in workdir_lib.config_changes(host_dir, config, start):
     log.warning("resuming at step %d with a changed setting: %s", start, change)
   num_steps = config.train.num_steps
   logger = MetricsLogger(
@@ -193,6 +202,8 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         out = steps.step(state, batch, step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
+        if step == start + 1:  # the record of what this start trains with, once it trains
+          workdir_lib.save_config(host_dir, config, start)
         profiler.after_step(step, out.metrics.result)
         first_bad = monitor.observe(logger.history)
         if first_bad is not None:
@@ -228,27 +239,41 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
       latest = ckpt.latest_step()
     finally:
       ckpt.close()
-  if start >= num_steps:
-    log.warning(
-      "nothing to train: %s holds step %d, and train.num_steps=%d; raise train.num_steps to go on",
-      ckpt.directory, start, num_steps,
-    )  # fmt: skip
-  else:
-    _summary(logger, start, step, ckpt.directory, latest, goodput)
+  _summary(logger, start, step, ckpt.directory, latest, goodput)
   return RunResult(logger.history, state, start, step, logger.evals)
 
 
-def _use_compile_cache(directory: str, workdir: str) -> None:
-  """JAX's persistent compilation cache in `directory` ("": <workdir>/compile_cache, unless one
-  is set already, e.g. by $JAX_COMPILATION_CACHE_DIR; "off": none). Every program is cached,
-  however quickly it compiled: a restart compiles nothing it compiled before."""
+@contextlib.contextmanager
+def _compile_cache(train_cfg, workdir: str):
+  """JAX's persistent compilation cache for the run: in train.compile_cache_dir ("":
+  <workdir>/compile_cache, unless the process has one already, e.g. from
+  $JAX_COMPILATION_CACHE_DIR; "off": none), with every program cached however quickly it
+  compiled (a restart compiles nothing it compiled before), within
+  train.compile_cache_max_bytes. JAX keeps one cache per process (its settings are global, and
+  it opens the cache once): the settings are the run's while it runs and are put back after it,
+  so that a second run in the process (tests, notebooks) uses its own workdir's cache."""
+  directory = train_cfg.compile_cache_dir
   if directory == "off" or (not directory and jax.config.jax_compilation_cache_dir):
+    yield
     return
-  jax.config.update(
-    "jax_compilation_cache_dir", directory or os.path.join(workdir, "compile_cache")
-  )
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  from jax.experimental.compilation_cache import compilation_cache
+
+  settings = {
+    "jax_compilation_cache_dir": directory or os.path.join(workdir, "compile_cache"),
+    "jax_persistent_cache_min_compile_time_secs": 0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+    "jax_compilation_cache_max_size": train_cfg.compile_cache_max_bytes or -1,
+  }
+  before = {key: getattr(jax.config, key) for key in settings}
+  for key, value in settings.items():
+    jax.config.update(key, value)
+  compilation_cache.reset_cache()  # opened again, in the run's directory
+  try:
+    yield
+  finally:
+    for key, value in before.items():
+      jax.config.update(key, value)
+    compilation_cache.reset_cache()
 
 
 def _saved_dir() -> str | None:
@@ -342,15 +367,43 @@ def _data_state(batches: TrainBatches) -> dict:
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 
-def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
-  latest = ckpt.latest_step()
+def _finished(config, workdir: str) -> RunResult | None:
+  """Before anything is built: a workdir whose latest checkpoint is at or past train.num_steps
+  has nothing to train, which is said in one line; its state is read back (pwtrain/restore.py,
+  onto this process's devices when it is the run's only process; else None). A workdir with
+  checkpoints and train.resume=False is refused. None: there is training to do."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory) or processes.rejoining():
+    return None
+  reader = Checkpointer(directory, keep=1, every=1, async_save=False, read_only=True)
+  try:
+    latest = reader.latest_step()
+  finally:
+    reader.close()
   if latest is None:
-    return step_program.init(), 0
+    return None
   if not config.train.resume:
     raise ConfigError(
-      f"train.resume=False but {ckpt.directory} already holds checkpoints (latest step "
-      f"{latest}); use a fresh --workdir, or train.resume=True to continue from it"
+      f"train.resume=False but {directory} already holds checkpoints (latest step {latest}); "
+      "use a fresh --workdir, or train.resume=True to continue from it"
     )
+  if latest < config.train.num_steps:
+    return None
+  state = None
+  if jax.process_count() == 1:
+    latest, state = restore.latest(config, workdir, restore.reading_mesh(config))
+  if latest < config.train.num_steps:  # the latest was damaged: set aside, and its steps rerun
+    return None
+  log.warning(
+    "nothing to train: %s holds step %d, and train.num_steps=%d; raise train.num_steps to go on",
+    directory, latest, config.train.num_steps,
+  )  # fmt: skip
+  return RunResult([], state, latest, latest)
+
+
+def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
+  if ckpt.latest_step() is None:
+    return step_program.init(), 0
   try:
     step, state, data_state = _latest_or_init(ckpt, step_program)
   except IncompatibleCheckpoint as e:

@@ -93,28 +93,47 @@ def saved_config(workdir: str) -> tuple[str, dict | None]:
     return path, json.load(f)
 
 
-def save_config(workdir: str, config, start_step: int = 0) -> list[str]:
-  """Writes the resolved config as `<workdir>/config.json`, what this start of the run uses
-  (for `pwtrain.sample` and the record), and keeps a copy as `config.<start step>.json`. When
-  the run resumes, the settings changed since the last start are returned, one line per key
-  ("optim.lr: 0.01 -> 0.02"), and logged by the caller."""
+# Keys that say where a run happens, not what it trains: a start elsewhere (other worker ports, a
+# relaunched process's address) is no change of setting.
+WHERE = ("backend.workers", "backend.coordinator", "backend.process_id")
+
+
+def config_changes(workdir: str, config, start_step: int) -> list[str]:
+  """The settings changed since the start whose record is `<workdir>/config.json`, one line per
+  key ("optim.lr: 0.01 -> 0.02"), for a start resuming at `start_step` (none at step 0); the
+  keys in WHERE do not count."""
   path = os.path.join(workdir, CONFIG_FILE)
-  now = json.loads(json.dumps(config.to_dict(), sort_keys=True, default=repr))
+  if not start_step or not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    before = flatten(json.load(f))
+  after = flatten(_resolved(config))
   changes = []
-  if start_step and os.path.isfile(path):
-    with open(path) as f:
-      before = flatten(json.load(f))
-    after = flatten(now)
-    for key in sorted(set(before) | set(after)):
-      if before.get(key, "(absent)") != after.get(key, "(absent)"):
-        changes.append(f"{key}: {before.get(key, '(absent)')!r} -> {after.get(key, '(absent)')!r}")
-  for target in (path, os.path.join(workdir, f"config.{start_step}.json")):
+  for key in sorted((set(before) | set(after)) - set(WHERE)):
+    if before.get(key, "(absent)") != after.get(key, "(absent)"):
+      changes.append(f"{key}: {before.get(key, '(absent)')!r} -> {after.get(key, '(absent)')!r}")
+  return changes
+
+
+def save_config(workdir: str, config, start_step: int = 0) -> None:
+  """Writes the resolved config as `<workdir>/config.json`, the record of what the run trains
+  with (for `pwtrain.sample` and the next start's `config_changes`), and a copy as
+  `config.<start step>.json`. The trainer writes it once the start's first step has trained, so
+  a start that trains nothing leaves the record as it was."""
+  now = _resolved(config)
+  for target in (
+    os.path.join(workdir, CONFIG_FILE),
+    os.path.join(workdir, f"config.{start_step}.json"),
+  ):
     tmp = f"{target}.tmp"
     with open(tmp, "w") as f:
       json.dump(now, f, indent=2, sort_keys=True)
       f.write("\n")
     os.replace(tmp, target)
-  return changes
+
+
+def _resolved(config) -> dict:
+  return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=repr))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -129,20 +148,33 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def snapshot(workdir: str) -> set[str] | None:
-  """The entries of `workdir` now (None: it does not exist), for `undo`."""
-  return set(os.listdir(workdir)) if os.path.isdir(workdir) else None
+  """Every path under `workdir` now, relative to it (None: it does not exist), for `undo`."""
+  if not os.path.isdir(workdir):
+    return None
+  return _tree(workdir)
 
 
 def undo(workdir: str, before: set[str] | None) -> None:
-  """Removes what a refused start wrote to `workdir` since `snapshot` gave `before`: the whole
-  directory if it did not exist, else the entries that were not there (nothing else is
-  touched, so a workdir holding a run keeps all of it)."""
+  """Removes what a refused start wrote under `workdir` since `snapshot` gave `before`: the
+  whole directory if it did not exist, else every file and directory that was not there, at any
+  depth (a new entry of the compilation cache as much as a new top-level directory); nothing
+  that was there is touched, so a workdir holding a run keeps all of it."""
   if before is None:
     shutil.rmtree(workdir, ignore_errors=True)
     return
-  for name in set(os.listdir(workdir)) - before if os.path.isdir(workdir) else ():
-    path = os.path.join(workdir, name)
-    if os.path.isdir(path) and not os.path.islink(path):
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      os.remove(path)
+  if not os.path.isdir(workdir):
+    return
+  for path in sorted(_tree(workdir) - before, reverse=True):  # a directory after its contents
+    full = os.path.join(workdir, path)
+    if os.path.isdir(full) and not os.path.islink(full):
+      shutil.rmtree(full, ignore_errors=True)
+    elif os.path.lexists(full):
+      os.remove(full)
+
+
+def _tree(workdir: str) -> set[str]:
+  paths = set()
+  for root, dirs, files in os.walk(workdir):
+    for name in dirs + files:
+      paths.add(os.path.relpath(os.path.join(root, name), workdir))
+  return paths

@@ -101,8 +101,11 @@ def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(
 ):
   """Harness.build(saved_dir=...) (backend/saved.py): a second build of the same config traces
   nothing and its steps equal the first's exactly; a changed config traces again; a build with a
-  piece that no longer loads, or is gone, is traced whole and runs alike. Two pipeline stages:
-  pieces on subsets of the devices, and B pieces that need their F traced first."""
+  piece changed since it was saved is refused unread, traced whole and runs alike. Two pipeline
+  stages: pieces on subsets of the devices, and B pieces that need their F traced first."""
+  import pickle
+  import zlib
+
   import numpy as np
   from helpers import random_batches
 
@@ -123,11 +126,47 @@ def test_a_build_loads_the_pieces_an_equal_build_saved_and_runs_them_alike(
   counts = _run_saved(changed, batches[:1], pieces_dir, caplog)[0]
   assert counts["loaded"] == 0 and counts["saved"] + counts["cached"] == pieces, caplog.text
 
-  files[-1].write_bytes(files[-1].read_bytes()[:100])
+  # A piece's bytes replaced by a pickle that would run code (a shared cache, tampered with):
+  # its MAC does not match, so it is refused unread, and the build is traced whole.
+  marker = tmp_path / "ran"
+  files[-1].write_bytes(zlib.compress(pickle.dumps(_Runs(str(marker)))))
   counts, after, _ = _run_saved(config, batches, pieces_dir, caplog)
-  assert "did not load" in caplog.text and counts["loaded"] == 0, caplog.text
-  assert counts["saved"] + counts["cached"] == pieces, caplog.text
+  assert "did not load" in caplog.text and "MAC does not match" in caplog.text, caplog.text
+  assert not marker.exists()
+  assert counts["loaded"] == 0 and counts["saved"] + counts["cached"] == pieces, caplog.text
   assert [m["loss"] for m in after] == [m["loss"] for m in metrics]
+
+
+class _Runs:
+  """Unpickled, it would create the file `path`."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (open, (self.path, "w"))
+
+
+def test_the_cache_is_kept_within_its_cap_least_recently_used_builds_first(tmp_path):
+  """backend/saved.evict: saved builds go, least recently built or loaded first (an unmarked one
+  before any), until JAX's entries and the pieces together fit the cap; JAX's are left to it."""
+  import os
+
+  from pwtrain.backend import saved
+
+  cache, pieces = tmp_path / "cache", tmp_path / "cache" / "pieces"
+  pieces.mkdir(parents=True)
+  (cache / "jit_step-abc-cache").write_bytes(b"x" * 400)  # one of JAX's entries
+  for build, when in (("old", 100), ("new", 300), ("unmarked", None)):
+    (pieces / f"{build}.p1.bin").write_bytes(b"x" * 200)
+    (pieces / f"{build}.p1.json").write_bytes(b"{}")
+    if when is not None:
+      (pieces / f"{build}.build").write_bytes(b"")
+      os.utime(pieces / f"{build}.build", (when, when))
+  assert saved.evict(str(pieces), str(cache), max_bytes=700) == ["unmarked", "old"]
+  assert sorted(p.name for p in pieces.iterdir()) == ["new.build", "new.p1.bin", "new.p1.json"]
+  assert (cache / "jit_step-abc-cache").exists()
+  assert saved.evict(str(pieces), str(cache), max_bytes=700) == []
 
 
 def test_a_build_missing_a_saved_piece_is_traced_whole(tmp_path, caplog, own_compile_cache):

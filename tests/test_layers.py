@@ -38,7 +38,7 @@ LAYERS = (
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
   ("configs",),  # the shipped configs: files that start from the defaults or from each other
-  ("harness",),  # config -> a ready step
+  ("harness", "restore"),  # config -> a ready step; a run's latest checkpoint read back
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
   # steps over the live pods: a lost pod dropped, a returning one rejoined.
   ("dryrun", "elastic"),

@@ -135,6 +135,9 @@ def test_the_workdir_is_required_and_the_config_can_be_printed(tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_names_every_changed_setting_and_keeps_each_starts_config(tmp_path, caplog):
+  """A resume names the settings changed since the last start that trained; a start with
+  nothing to train says so before compiling and leaves the record as it was; a start refused
+  after compiling leaves the workdir's whole tree, its compilation cache included, as it was."""
   base = {"train.num_steps": 2, "train.checkpoint_every": 2}
   train.run(small_config(**base), str(tmp_path), show_progress=False)
   changed = small_config(**{**base, "train.num_steps": 4, "optim.lr": 0.02})
@@ -147,14 +150,39 @@ def test_a_resume_names_every_changed_setting_and_keeps_each_starts_config(tmp_p
     "resuming at step 2 with a changed setting: train.num_steps: 2 -> 4",
   ]
   assert (tmp_path / "config.0.json").is_file() and (tmp_path / "config.2.json").is_file()
-  with caplog.at_level(logging.WARNING, logger="pwtrain"):
-    again = train.run(changed, str(tmp_path), show_progress=False)
-  assert again.start_step == again.final_step == 4
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    again = train.run(
+      small_config(**{**base, "train.num_steps": 4, "optim.lr": 0.05}),
+      str(tmp_path),
+      show_progress=False,
+    )
+  assert again.start_step == again.final_step == 4 and again.state is not None
   assert any("nothing to train" in r.getMessage() for r in caplog.records)
-  wider = small_config(**{**base, "train.num_steps": 6, "model.d_model": 128})
-  with pytest.raises(ValueError, match="does not match this config's model") as refused:
-    train.run(wider, str(tmp_path), show_progress=False)
+  assert not any("compiled pieces" in r.getMessage() for r in caplog.records), caplog.text
+  assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 0.02
+  assert not (tmp_path / "config.4.json").exists()  # it trained nothing with lr 0.05
+  # A start refused after compiling into the workdir's own compilation cache.
+  cache = tmp_path / "compile_cache"
+  (cache / "pieces").mkdir(parents=True)
+  (cache / "an-entry-cache").write_bytes(b"kept")
+  before = _tree(tmp_path)
+  wider = small_config(
+    **{**base, "train.num_steps": 6, "model.d_model": 128, "train.compile_cache_dir": str(cache)}
+  )
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    with pytest.raises(ValueError, match="does not match this config's model") as refused:
+      train.run(wider, str(tmp_path), show_progress=False)
   assert isinstance(refused.value.__cause__, IncompatibleCheckpoint)
+  (built,) = [r.getMessage() for r in caplog.records if "compiled pieces" in r.getMessage()]
+  assert f"from {cache / 'pieces'} " in built and " 0 traced and saved" not in built, built
+  assert _tree(tmp_path) == before
+
+
+def _tree(root):
+  """{path: contents} of every file under `root`, and every directory as None."""
+  return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in root.rglob("*")}
 
 
 def test_a_refused_run_leaves_the_workdir_as_it_was(tmp_path):

@@ -61,16 +61,28 @@ def test_a_second_run_on_the_workdir_is_refused_and_a_dead_holders_lock_is_taken
 
 def test_the_resolved_config_is_saved_per_start_with_what_changed(tmp_path):
   config = load_config("palm_tiny")
-  assert workdir_lib.save_config(str(tmp_path), config) == []
+  assert workdir_lib.config_changes(str(tmp_path), config, 0) == []
+  workdir_lib.save_config(str(tmp_path), config)
   with open(tmp_path / "config.json") as f:
     saved = json.load(f)
   assert saved["model"]["d_model"] == config.model.d_model
   assert saved["parallel"]["stages"] == config.parallel.stages
-  changed = load_config("palm_tiny", {"optim.lr": 0.02, "train.num_steps": 400})
-  assert workdir_lib.save_config(str(tmp_path), changed, start_step=60) == [
+  # Where the run happens (worker ports, a process's id, the coordinator) is no change.
+  changed = load_config(
+    "palm_tiny",
+    {
+      "optim.lr": 0.02,
+      "train.num_steps": 400,
+      "backend.workers": ("127.0.0.1:4001",),
+      "backend.coordinator": "127.0.0.1:9",
+      "backend.process_id": 3,
+    },
+  )
+  assert workdir_lib.config_changes(str(tmp_path), changed, 60) == [
     f"optim.lr: {config.optim.lr!r} -> 0.02",
     "train.num_steps: 300 -> 400",
   ]
+  workdir_lib.save_config(str(tmp_path), changed, start_step=60)
   assert sorted(p.name for p in tmp_path.iterdir()) == [
     "config.0.json",
     "config.60.json",

@@ -22,14 +22,32 @@ the copy fails at its first run), so that build stays unmarked and is traced at 
 until one compiles all of its pieces itself. A loading build that finds a piece missing or
 unloadable (`NotSaved`) is discarded by its caller and traced instead (Harness.build). Files are
 written whole (to a temporary name, then renamed), the build's mark last.
+
+Nothing read from the directory runs unless this user's pwtrain wrote it. A saved executable is
+native code, and JAX's serialized form of one is a pickle (jax.experimental.serialize_executable:
+"not safe to call with untrusted inputs"), while a workdir or cache may be shared. So each piece's
+files carry an HMAC-SHA256 of everything loaded from them (the executable's bytes, its argument
+and result trees, its devices, its output count), keyed by a secret that never lives in the
+directory (`key_file()`: one per user, made on first use, readable by its owner only); a piece
+whose MAC does not match is refused before any of it is unpickled or loaded, and the build is
+traced instead. (Storing the trees as data would not be enough: JAX's executable payload is a
+pickle itself, and its machine code runs when called. Trees with integer dict keys and optax's
+named tuples do not fit PyTreeDef's proto form either.)
+
+`evict` keeps the whole compilation cache (JAX's entries and these pieces) within a cap
+(train.compile_cache_max_bytes): JAX evicts its own entries least recently used first (its
+`jax_compilation_cache_max_size`), and the saved builds here, least recently built or loaded
+first, go before any of JAX's.
 """
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
 import pickle
+import secrets
 import tempfile
 import threading
 import zlib
@@ -112,15 +130,24 @@ class SavedExecutables:
 
   def load(self, key: str):
     """The saved piece as a jax.stages.Compiled, loaded onto the devices it was compiled for;
-    NotSaved if it does not load."""
+    NotSaved if it does not load, or if its MAC does not match (it is then never unpickled)."""
     try:
-      by_id = {d.id: d for d in jax.devices()}
-      devices = [by_id[i] for i in self._about(key)["devices"]]
+      about = self._about(key)
       with open(self._path(key, "bin"), "rb") as f:
-        payload, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
+        blob = f.read()
+      if not hmac.compare_digest(about["mac"], _mac(blob, about)):
+        raise NotSaved(
+          f"piece {key[:12]}: its MAC does not match (not written by this user's pwtrain, or "
+          f"changed since): refused unread (key {key_file()})"
+        )
+      by_id = {d.id: d for d in jax.devices()}
+      devices = [by_id[i] for i in about["devices"]]
+      payload, in_tree, out_tree = pickle.loads(zlib.decompress(blob))  # its MAC matched
       compiled = serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, execution_devices=devices
       )
+    except NotSaved:
+      raise
     except Exception as e:  # noqa: BLE001 - any unloadable file: the build is traced instead
       raise NotSaved(f"piece {key[:12]}: {type(e).__name__}: {e}") from e
     with self._lock:
@@ -137,10 +164,13 @@ class SavedExecutables:
       return
     try:
       blob = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
+      about = {
+        "num_outputs": num_outputs,
+        "devices": [d.id for d in compiled.runtime_executable().local_devices()],
+      }
+      about["mac"] = _mac(blob, about)
       os.makedirs(self.directory, exist_ok=True)
       self._write(self._path(key, "bin"), blob)
-      devices = [d.id for d in compiled.runtime_executable().local_devices()]
-      about = {"num_outputs": num_outputs, "devices": devices}
       self._write(self._path(key, "json"), json.dumps(about).encode())
     except Exception as e:  # noqa: BLE001 - saving never fails a compile
       log.warning("could not save a compiled piece in %s: %s", self.directory, e)
@@ -149,10 +179,14 @@ class SavedExecutables:
       self.saved.append(key)
 
   def finish(self) -> None:
-    """After a traced build's compiles: marks it complete if every piece was saved."""
-    if not self.loading and self._count and len(self.saved) == self._count:
-      with contextlib.suppress(OSError):
-        self._write(self._path(self.build_key, "build"), b"")
+    """After a build's compiles: a traced build is marked complete if every piece was saved; a
+    loaded one's mark is touched (it was used: `evict` keeps it longest)."""
+    mark = self._path(self.build_key, "build")
+    with contextlib.suppress(OSError):
+      if self.loading:
+        os.utime(mark)
+      elif self._count and len(self.saved) == self._count:
+        self._write(mark, b"")
 
   def discard(self) -> "SavedExecutables":
     """After a loading build failed (NotSaved): unmarks it; a fresh one to trace it with."""
@@ -165,7 +199,9 @@ class SavedExecutables:
       return json.load(f)
 
   def _path(self, key: str, kind: str) -> str:
-    return os.path.join(self.directory, f"{key}.{kind}")
+    """A piece's files are named by their build's key, so `evict` removes a build whole."""
+    name = f"{key}.{kind}" if key == self.build_key else f"{self.build_key}.{key}.{kind}"
+    return os.path.join(self.directory, name)
 
   def _write(self, path: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
@@ -177,3 +213,73 @@ class SavedExecutables:
       if os.path.exists(tmp):
         os.remove(tmp)
       raise
+
+
+def key_file() -> str:
+  """The file of this user's key for the pieces' MACs: $PWTRAIN_PIECES_KEY, else
+  pwtrain/pieces.key under $XDG_CACHE_HOME (~/.cache): outside any workdir or shared cache."""
+  if os.environ.get("PWTRAIN_PIECES_KEY"):
+    return os.environ["PWTRAIN_PIECES_KEY"]
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache, "pwtrain", "pieces.key")
+
+
+_key_lock = threading.Lock()
+
+
+def _key() -> bytes:
+  """This user's key (`key_file`), made on first use: 32 random bytes, mode 0600."""
+  path = key_file()
+  with _key_lock:
+    if not os.path.exists(path):
+      os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+      fd = os.open(f"{path}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+      with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+      with contextlib.suppress(FileExistsError):  # another process made it first: theirs
+        os.link(f"{path}.{os.getpid()}", path)
+      os.remove(f"{path}.{os.getpid()}")
+    with open(path, "rb") as f:
+      return f.read()
+
+
+def _mac(blob: bytes, about: dict) -> str:
+  """HMAC-SHA256, under this user's key, of a piece's bytes and of what its json says."""
+  fields = {k: v for k, v in about.items() if k != "mac"}
+  message = hashlib.sha256(blob).digest() + json.dumps(fields, sort_keys=True).encode()
+  return hmac.new(_key(), message, hashlib.sha256).hexdigest()
+
+
+def evict(directory: str, cache_dir: str, max_bytes: int) -> list[str]:
+  """Removes the saved builds in `directory` (pieces) least recently built or loaded first
+  (their marks' modification time; an unmarked build counts as oldest) until everything under
+  `cache_dir` (JAX's entries and the pieces) takes at most `max_bytes`; the build keys removed.
+  JAX's own entries are left to JAX's eviction (module doc)."""
+  if not os.path.isdir(directory):
+    return []
+  total = sum(
+    os.path.getsize(os.path.join(root, name))
+    for root, _, names in os.walk(cache_dir)
+    for name in names
+  )
+  builds: dict[str, list[str]] = {}
+  for name in os.listdir(directory):
+    if name.startswith("."):  # a file being written
+      continue
+    builds.setdefault(name.split(".")[0], []).append(os.path.join(directory, name))
+
+  def last_used(build: str) -> float:
+    mark = os.path.join(directory, f"{build}.build")
+    return os.path.getmtime(mark) if os.path.exists(mark) else 0.0
+
+  removed = []
+  for build in sorted(builds, key=last_used):
+    if total <= max_bytes:
+      break
+    for path in sorted(builds[build], key=lambda p: p.endswith(".build"), reverse=True):
+      with contextlib.suppress(OSError):  # the mark first: a half-removed build never loads
+        size = os.path.getsize(path)
+        os.remove(path)
+        total -= size
+    removed.append(build)
+  return removed

@@ -1,0 +1,85 @@
+"""A run's latest checkpoint read back onto one mesh, whatever layout trained it, without
+building or compiling its step.
+
+Checkpoints hold the whole-model train state with its layers unrolled (docs/architecture.md),
+so one abstract target serves every layout: the state `config` initialises (model parameters,
+optimizer state, the exchange's state: with per-pod state, one copy per pod), sharded on `mesh`
+by the parameters' logical axes. `pwtrain.sample` decodes from it; `train.run` returns it for a
+run that has nothing left to train.
+"""
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from pwtrain import optim
+from pwtrain import step as step_lib
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
+from pwtrain.errors import ConfigError
+from pwtrain.parallel import exchange as exchange_lib
+from pwtrain.parallel import plan as plan_lib
+from pwtrain.parallel import spmd, stages
+from pwtrain.parallel.pipeline.state import train_state
+from pwtrain.sharding import MESH_AXES
+
+
+def reading_mesh(config, devices=None):
+  """A mesh over the first parallel.fsdp * parallel.expert * parallel.tensor local devices (data
+  = 1: a few prompts, or one state read back, gain nothing from data parallelism), on which the
+  parameters are sharded as in training."""
+  devices = list(jax.devices() if devices is None else devices)
+  parallel = {axis: 1 if axis == "data" else int(config.parallel[axis]) for axis in MESH_AXES}
+  fill = -1 in parallel.values()  # -1: fill the devices, as training does
+  shape = plan_lib.resolve_mesh_shape(
+    parallel, len(devices) if fill else int(np.prod(list(parallel.values())))
+  )
+  needed = int(np.prod(list(shape.values())))
+  if not 1 <= needed <= len(devices):
+    raise ConfigError(
+      f"parallel.fsdp * parallel.expert * parallel.tensor = {needed} devices are needed to "
+      f"hold the model as it was sharded; this machine has {len(devices)} (with --config, "
+      "override them, e.g. --config.parallel.tensor=1)"
+    )
+  return Mesh(np.asarray(devices[:needed], dtype=object).reshape(tuple(shape.values())), MESH_AXES)
+
+
+def target(config, mesh):
+  """(the unrolled whole-model state's abstract arrays on `mesh`, as checkpoints hold it; the
+  shardings of the state as the model holds it, stacked when model.scan_layers)."""
+  fns = step_lib.model_fns(config.model, config.moe)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
+  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
+  shardings = spmd.state_shardings(fns, mesh, whole)
+  abstract = stages.unstack_state(spmd.with_shardings(whole, shardings))
+  if exchange.per_pod_state:
+    abstract = {"pods": [abstract] * config.parallel.pods}
+  return abstract, shardings
+
+
+def latest(config, workdir: str, mesh):
+  """(step, whole-model state) of the latest readable checkpoint in <workdir>/checkpoints, read
+  onto `mesh` (`target`; with per-pod state, {"pods": [each pod's state]}); a ConfigError
+  naming the fix when there is none, or when it was written for another model."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise ConfigError(f"{directory} does not exist: is --workdir={workdir!r} a training run's?")
+  abstract, _ = target(config, mesh)
+  ckpt = Checkpointer(
+    directory, keep=config.train.keep_checkpoints, every=1, async_save=False, read_only=True
+  )
+  try:
+    found = ckpt.restore_latest(abstract)
+  except IncompatibleCheckpoint as e:
+    raise ConfigError(
+      f"a checkpoint in {directory} does not match this config's model/optimizer ({e}); "
+      "pass the config the run was trained with"
+    ) from e
+  finally:
+    ckpt.close()
+  if found is None:
+    raise ConfigError(f"{directory} holds no readable checkpoint")
+  step, state, _ = found
+  return step, state
