@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 
+from pwtrain import console
 from pwtrain.processes import REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
@@ -193,7 +194,7 @@ class Attempt:
     notices unless pwtrain.main's flags set --verbosity (every line is in the process logs)."""
     if process != 0 and _INFO_LINE.match(line):
       return False
-    return self.verbose or not _GLOO_LINE.search(line)
+    return self.verbose or not console.NOTICE.search(line)  # Gloo's: in the process logs
 
   def signal_all(self, sig) -> None:
     for proc in self.procs:
@@ -220,10 +221,6 @@ class Attempt:
 
 # An absl INFO line ("I1125 21:24:23.123456 ..."): the other processes' go to their logs only.
 _INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
-# Gloo's notice once a process's collectives are connected ("[Gloo] Rank 0 is connected to 1 peer
-# ranks. Expected number of connected peer ranks is : 1"), written to stdout by C++ from threads
-# that may share a line: in the process logs only, unless --verbosity is set.
-_GLOO_LINE = re.compile(r"\[Gloo\]|connected peer ranks")
 
 
 # How often a dead process is started again while the others go on (fault.elastic).

@@ -25,7 +25,11 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import dryrun, train  # noqa: E402
+from pwtrain import (  # noqa: E402
+  console,  # noqa: E402
+  dryrun,
+  train,
+)
 from pwtrain import workdir as workdir_lib  # noqa: E402
 from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 from pwtrain.errors import UserError  # noqa: E402
@@ -88,6 +92,8 @@ def _join_distributed(config) -> None:
   from pwtrain.backend import distributed
 
   distributed.die_with_launcher()
+  if "PWTRAIN_LAUNCHER_PID" not in os.environ and not flags.FLAGS["verbosity"].present:
+    console.drop_native_notices()  # this process's console is its own: no Gloo notices on it
   # Elastic pods: a process silent for 3 heartbeats is lost, and the others go on without it.
   heartbeat = math.ceil(3 * config.fault.heartbeat_s) if config.fault.elastic else None
   try:
@@ -143,7 +149,7 @@ def main(argv):
       traceback.print_exc()
     elif not isinstance(e.code, int):
       print(e.code, file=sys.stderr)
-    sys.stdout.flush()
+    console.flush()
     sys.stderr.flush()
     os._exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
 

@@ -113,7 +113,9 @@ def told(key: str):
   """The value `tell`-ed under `key` now, without waiting; None if there is none."""
   try:
     return json.loads(_client().key_value_try_get(f"pwtrain/{key}"))
-  except Exception:  # noqa: BLE001 - not found
+  except jax.errors.JaxRuntimeError as e:
+    if _status(e) != "NOT_FOUND":
+      raise
     return None
 
 
@@ -187,12 +189,15 @@ class StopAgreement:
       self.proposed = True
       try:
         client.key_value_set(self.KEY, str(step + self.margin))
-      except Exception:  # noqa: BLE001 - another process proposed first: its step stands
-        pass
+      except jax.errors.JaxRuntimeError as e:  # another process proposed first: its step stands
+        if _status(e) != "ALREADY_EXISTS":
+          raise
     if self.stop_at is None:  # another process may have proposed: one local RPC per step
       try:
         self.stop_at = int(client.key_value_try_get(self.KEY))
-      except Exception:  # noqa: BLE001 - not found: nobody asked to stop yet
+      except jax.errors.JaxRuntimeError as e:  # not found: nobody asked to stop yet
+        if _status(e) != "NOT_FOUND":
+          raise
         self.stop_at = None
     if self.stop_at is not None and step > self.stop_at:
       raise RuntimeError(
@@ -260,3 +265,9 @@ def describe_exit(code: int) -> str:
   if code < 0:
     return f"was killed by {signal.Signals(-code).name}"
   return f"exited with status {code}"
+
+
+def _status(error: Exception) -> str:
+  """The status code a coordination-service call failed with ("NOT_FOUND", "ALREADY_EXISTS",
+  ...): the start of JAX's message."""
+  return str(error).split(":", 1)[0].strip()

@@ -1,20 +1,21 @@
 """A run's latest checkpoint read back onto one mesh, whatever layout trained it, without
-building or compiling its step.
+building or compiling its step; and whether a run has anything left to train.
 
 Checkpoints hold the whole-model train state with its layers unrolled (docs/architecture.md),
 so one abstract target serves every layout: the state `config` initialises (model parameters,
 optimizer state, the exchange's state: with per-pod state, one copy per pod), sharded on `mesh`
 by the parameters' logical axes. `pwtrain.sample` decodes from it; `train.run` returns it for a
-run that has nothing left to train.
+run that has nothing left to train (`finished`).
 """
 
+import logging
 import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pwtrain import optim
+from pwtrain import optim, processes
 from pwtrain import step as step_lib
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.errors import ConfigError
@@ -23,6 +24,8 @@ from pwtrain.parallel import plan as plan_lib
 from pwtrain.parallel import spmd, stages
 from pwtrain.parallel.pipeline.state import train_state
 from pwtrain.sharding import MESH_AXES
+
+log = logging.getLogger(__name__)
 
 
 def reading_mesh(config, devices=None):
@@ -82,4 +85,38 @@ def latest(config, workdir: str, mesh):
   if found is None:
     raise ConfigError(f"{directory} holds no readable checkpoint")
   step, state, _ = found
+  return step, state
+
+
+def finished(config, workdir: str):
+  """Before anything is built: (step, state) for a workdir whose latest checkpoint is at or past
+  train.num_steps, which has nothing to train (said in one line; its state read back with
+  `latest` where this process is the run's only one, else None); None when there is training
+  to do. A workdir with checkpoints and train.resume=False is refused."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory) or processes.rejoining():
+    return None
+  reader = Checkpointer(directory, keep=1, every=1, async_save=False, read_only=True)
+  try:
+    step = reader.latest_step()
+  finally:
+    reader.close()
+  if step is None:
+    return None
+  if not config.train.resume:
+    raise ConfigError(
+      f"train.resume=False but {directory} already holds checkpoints (latest step {step}); "
+      "use a fresh --workdir, or train.resume=True to continue from it"
+    )
+  if step < config.train.num_steps:
+    return None
+  state = None
+  if jax.process_count() == 1:
+    step, state = latest(config, workdir, reading_mesh(config))
+  if step < config.train.num_steps:  # the latest was damaged: set aside, and its steps rerun
+    return None
+  log.warning(
+    "nothing to train: %s holds step %d, and train.num_steps=%d; raise train.num_steps to go on",
+    directory, step, config.train.num_steps,
+  )  # fmt: skip
   return step, state

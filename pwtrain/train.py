@@ -10,11 +10,11 @@ from typing import Any
 
 import jax
 
+from pwtrain import compile_cache, drills, guard, processes, restore
 from pwtrain import config as config_lib
-from pwtrain import drills, guard, processes, restore
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
-from pwtrain.backend import Trace, modes, run_mode, saved
+from pwtrain.backend import Trace, modes, run_mode
 from pwtrain.backend.faults import IslandLost
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.data import (
@@ -81,8 +81,8 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
   # Remote mode launches (and after a lost worker restarts) the island workers around it; the
   # workers it launches share the compilation cache.
   sizes = plan_lib.island_sizes(config, jax.device_count())
-  with _compile_cache(config.train, os.path.abspath(workdir)):
-    return mode.supervise(config, run_once, sizes)
+  with compile_cache.of_run(config.train, os.path.abspath(workdir)):
+    return mode.supervise(config, run_once, sizes, os.path.abspath(workdir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +105,10 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
   os.makedirs(host_dir, exist_ok=True)
   with workdir_lib.WorkdirLock(workdir) if primary else contextlib.nullcontext():
     # What the checkpoints say decides before anything is built: a finished run compiles nothing.
-    finished = _finished(config, workdir)
+    finished = restore.finished(config, workdir)
     if finished is not None:
-      return finished
+      step, state = finished
+      return RunResult([], state, step, step)
     if not primary and not processes.rejoining():  # a process started again finds it built
       processes.barrier("data")
     tokenizer, source = open_train_source(config, workdir)
@@ -119,11 +120,9 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
       # Closed last: waits for every step.
       with context.goodput.bad("compile"):
         harness = Harness.build(
-          config, cluster=cluster, plan=plan, trace=trace, saved_dir=_saved_dir()
+          config, cluster=cluster, plan=plan, trace=trace, saved_dir=compile_cache.pieces()
         )
-        cap = config.train.compile_cache_max_bytes
-        if cap and _saved_dir() is not None:  # the cache within its cap, older builds first
-          saved.evict(_saved_dir(), jax.config.jax_compilation_cache_dir, cap)
+        compile_cache.within_cap(config.train)
       with harness:
         batches = _train_batches(config, tokenizer, source, harness)
         return _train(config, harness, context, batches, eval_set, workdir, host_dir)
@@ -243,47 +242,6 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   return RunResult(logger.history, state, start, step, logger.evals)
 
 
-@contextlib.contextmanager
-def _compile_cache(train_cfg, workdir: str):
-  """JAX's persistent compilation cache for the run: in train.compile_cache_dir ("":
-  <workdir>/compile_cache, unless the process has one already, e.g. from
-  $JAX_COMPILATION_CACHE_DIR; "off": none), with every program cached however quickly it
-  compiled (a restart compiles nothing it compiled before), within
-  train.compile_cache_max_bytes. JAX keeps one cache per process (its settings are global, and
-  it opens the cache once): the settings are the run's while it runs and are put back after it,
-  so that a second run in the process (tests, notebooks) uses its own workdir's cache."""
-  directory = train_cfg.compile_cache_dir
-  if directory == "off" or (not directory and jax.config.jax_compilation_cache_dir):
-    yield
-    return
-  from jax.experimental.compilation_cache import compilation_cache
-
-  settings = {
-    "jax_compilation_cache_dir": directory or os.path.join(workdir, "compile_cache"),
-    "jax_persistent_cache_min_compile_time_secs": 0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-    "jax_compilation_cache_max_size": train_cfg.compile_cache_max_bytes or -1,
-  }
-  before = {key: getattr(jax.config, key) for key in settings}
-  for key, value in settings.items():
-    jax.config.update(key, value)
-  compilation_cache.reset_cache()  # opened again, in the run's directory
-  try:
-    yield
-  finally:
-    for key, value in before.items():
-      jax.config.update(key, value)
-    compilation_cache.reset_cache()
-
-
-def _saved_dir() -> str | None:
-  """Where the compiled pieces are kept, so that a start with the same config and code loads
-  them without tracing (backend/saved.py): beside the compilation cache's entries, if there is
-  one."""
-  cache = jax.config.jax_compilation_cache_dir
-  return os.path.join(cache, "pieces") if cache else None
-
-
 def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:
   values = metrics_lib.eval_metrics(steps.evaluate(state, eval_set.batches), eval_set.num_bytes)
   logger.record_eval(step, values)
@@ -365,40 +323,6 @@ def _data_state(batches: TrainBatches) -> dict:
   fault.keep_global_batch=False skip them), so the position saved while degraded is the
   uninterrupted run's, and a resume reads the batches that run reads."""
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
-
-
-def _finished(config, workdir: str) -> RunResult | None:
-  """Before anything is built: a workdir whose latest checkpoint is at or past train.num_steps
-  has nothing to train, which is said in one line; its state is read back (pwtrain/restore.py,
-  onto this process's devices when it is the run's only process; else None). A workdir with
-  checkpoints and train.resume=False is refused. None: there is training to do."""
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory) or processes.rejoining():
-    return None
-  reader = Checkpointer(directory, keep=1, every=1, async_save=False, read_only=True)
-  try:
-    latest = reader.latest_step()
-  finally:
-    reader.close()
-  if latest is None:
-    return None
-  if not config.train.resume:
-    raise ConfigError(
-      f"train.resume=False but {directory} already holds checkpoints (latest step {latest}); "
-      "use a fresh --workdir, or train.resume=True to continue from it"
-    )
-  if latest < config.train.num_steps:
-    return None
-  state = None
-  if jax.process_count() == 1:
-    latest, state = restore.latest(config, workdir, restore.reading_mesh(config))
-  if latest < config.train.num_steps:  # the latest was damaged: set aside, and its steps rerun
-    return None
-  log.warning(
-    "nothing to train: %s holds step %d, and train.num_steps=%d; raise train.num_steps to go on",
-    directory, latest, config.train.num_steps,
-  )  # fmt: skip
-  return RunResult([], state, latest, latest)
 
 
 def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):

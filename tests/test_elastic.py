@@ -210,7 +210,7 @@ def test_below_min_pods_the_loss_stops_the_run_with_one_line(tmp_path, caplog):
 @pytest.mark.parametrize(
   "overrides,message",
   [
-    ({"fault.inject": "kill:pod1@step4"}, "is a drill of fault.elastic=True"),
+    ({"fault.inject": "kill:pod1@step4"}, "has no effect: it is read only with fault.elastic"),
     ({"fault.elastic": True, "fault.inject": "kill:pod7@step4"}, "a pod below parallel.pods=3"),
     ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@step<N>'"),
     ({"fault.elastic": True, "train.global_batch": 6}, "with 2 live pods"),

@@ -17,7 +17,7 @@ FILE_LINES = 400
 # components of one layer do not import each other.
 LAYERS = (
   # What a distributed run's processes say to each other on the host; the errors a user fixes.
-  ("processes", "errors", "goodput", "platforms"),
+  ("processes", "errors", "goodput", "platforms", "console"),
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
@@ -38,7 +38,8 @@ LAYERS = (
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
   ("configs",),  # the shipped configs: files that start from the defaults or from each other
-  ("harness", "restore"),  # config -> a ready step; a run's latest checkpoint read back
+  # config -> a ready step; a run's latest checkpoint read back; the run's compilation cache
+  ("harness", "restore", "compile_cache"),
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
   # steps over the live pods: a lost pod dropped, a returning one rejoined.
   ("dryrun", "elastic"),

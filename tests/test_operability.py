@@ -199,3 +199,24 @@ def test_a_refused_run_leaves_the_workdir_as_it_was(tmp_path):
   with pytest.raises(ValueError, match="model.vocab_size=200 is smaller"):
     train.run(too_small, str(kept), show_progress=False)
   assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.processes
+def test_native_notices_stay_off_a_processs_own_console():
+  """pwtrain/console.py: Gloo's notices, written by native code straight to file descriptor 1
+  (two may share a line), are dropped; Python's lines and any other native line pass, in order,
+  also when the process leaves by os._exit after flushing."""
+  script = """
+import os, sys
+from pwtrain import console
+console.drop_native_notices()
+print("first", flush=True)
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ")
+os.write(1, b"ranks is : 1[Gloo] Rank 1 is connected to 1 peer ranks. Expected ... : 1\\n")
+os.write(1, b"a native line\\n")
+print("last")
+console.flush()
+os._exit(3)
+"""
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 3 and out.stdout == "first\na native line\nlast\n", out

@@ -326,9 +326,10 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
+def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path, caplog):
   """launch_workers: 8 steps, then resume to 10 from the step-8 checkpoint the workers wrote,
-  then embedded mode resumes that run's step-10 checkpoint to 12; same as embedded throughout."""
+  then embedded mode resumes that run's step-10 checkpoint to 12; same as embedded throughout.
+  The workers' logs are in the workdir, and their new ports are no changed setting."""
   config = small_config(**{"backend.mode": "remote", "backend.launch_workers": True})
   config.train.num_steps = 8
   before = launcher.live()  # the module's own workers, if started
@@ -337,8 +338,12 @@ def test_train_run_launches_workers_and_resumes(uninterrupted, tmp_path):
   assert all(g in before for g in launcher.live()), "the run left its workers running"
   assert os.path.isdir(tmp_path / "checkpoints" / "8" / "parts" / "island1")  # not the controller
   config.train.num_steps = 10
-  second = train.run(config, str(tmp_path), show_progress=False)
+  with caplog.at_level("WARNING", logger="pwtrain"):
+    second = train.run(config, str(tmp_path), show_progress=False)
   assert second.start_step == 8 and second.final_step == 10
+  changes = [r.getMessage() for r in caplog.records if "changed setting" in r.getMessage()]
+  assert changes == ["resuming at step 8 with a changed setting: train.num_steps: 8 -> 10"]
+  assert sorted(os.listdir(tmp_path / "workers")) == ["island0.log", "island1.log"]
   third = train.run(small_config(), str(tmp_path), show_progress=False)  # embedded
   assert third.start_step == 10 and third.final_step == 12
   want = {r["step"]: r["loss"] for r in uninterrupted.history}

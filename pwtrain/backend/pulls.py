@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from pwtrain import processes
+from pwtrain import console, processes
 from pwtrain.backend.program import Node, Program, Transfer
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class _Watchdog:
 def _stop_process(message: str) -> None:
   log.error("%s; stopping this process so that the run restarts", message)
   logging.shutdown()
+  console.flush()
   os._exit(1)
 
 

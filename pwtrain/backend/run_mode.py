@@ -10,8 +10,10 @@ class RunMode:
 
   name = "embedded"
 
-  def supervise(self, config, run_once: Callable, island_sizes: Sequence[int]):
-    del island_sizes  # the islands are this process's devices
+  def supervise(self, config, run_once: Callable, island_sizes: Sequence[int], workdir: str):
+    """`run_once(config)`, started (and restarted) as the mode does it; `island_sizes` are the
+    plan's, for workers a mode launches, whose logs go under the run's `workdir`."""
+    del island_sizes, workdir  # the islands are this process's devices
     return run_once(config)
 
   def part_writer(self, islands: Sequence) -> PartWriter | None:

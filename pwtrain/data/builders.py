@@ -7,7 +7,6 @@ pwtrain/data/corpus.py builds and opens them.
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -18,6 +17,8 @@ from typing import Any
 import tensorflow_datasets as tfds
 
 from pwtrain.errors import DataError
+
+log = logging.getLogger(__name__)
 
 BUILTIN = "pystdlib"
 FILES = "files"  # your own text files: data.files
@@ -87,6 +88,15 @@ class PyStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   # No code directory with checksums or metadata files to look up. The lookup also breaks for
   # any builder inside a package unless the `importlib_resources` backport is installed.
   code_path = None
+
+  # TFDS prints "Downloading and preparing dataset ..." and "... downloaded and prepared to"
+  # through these two hooks (termcolor, to stdout); nothing is downloaded for a local build, so
+  # they go to the DEBUG log. (Should TFDS rename the hooks, its two lines are printed again.)
+  def _log_download_bytes(self) -> None:
+    log.debug("building %s in %s", self.name, self.data_dir)
+
+  def _log_download_done(self) -> None:
+    log.debug("built %s in %s", self.name, self.data_dir)
 
   def _info(self) -> tfds.core.DatasetInfo:
     # Not `dataset_info_from_configs`: that reads README/CITATIONS files next to this module.
@@ -238,15 +248,14 @@ def _unit_hash(key: str) -> float:
 
 @contextlib.contextmanager
 def quiet_tfds():
-  """A local dataset is built without TFDS's chatter: its "Downloading and preparing" and
-  "prepared" lines on stdout (nothing is downloaded), its progress bars, and its warnings of
-  a custom configuration and of a first build. Its errors still show."""
+  """A local dataset is built without TFDS's chatter: its progress bars, and its warnings of a
+  custom configuration and of a first build (absl's log, raised to ERROR while it builds). Its
+  "preparing" lines are the builders' own (`PyStdlib._log_download_bytes`); its errors show."""
   tfds.disable_progress_bar()
   absl_logger = logging.getLogger("absl")
   level = absl_logger.level
   absl_logger.setLevel(logging.ERROR)
   try:
-    with contextlib.redirect_stdout(io.StringIO()):
-      yield
+    yield
   finally:
     absl_logger.setLevel(level)

@@ -52,7 +52,7 @@ import time
 
 import jax
 
-from pwtrain import processes
+from pwtrain import console, processes
 from pwtrain.backend import distributed
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.scheduler import here_only
@@ -165,6 +165,7 @@ class Agreement:
       log.warning("the run ended before this process could rejoin it")
       distributed.leave()
       logging.shutdown()
+      console.flush()
       os._exit(0)
     processes.adopt(handover["membership"])
     self.controller.program_number = handover["program"]

@@ -10,6 +10,7 @@ log file.
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,16 @@ class Workers:
   def __init__(
     self, sizes, *, token=None, names=None, log_dir=None, start_timeout_s=120.0, env=None
   ):
-    """`env`: more environment variables for the workers (e.g. the compilation cache's)."""
+    """`env`: more environment variables for the workers (e.g. the compilation cache's).
+    `log_dir`: where each worker's log goes (<name>.log; a training run's is <workdir>/workers);
+    without one, a temporary directory that `stop` removes."""
     self.sizes = list(sizes)
     self.env = dict(env or {})
     self.names = list(names or [f"island{i}" for i in range(len(self.sizes))])
     self.token = token or secrets.token_hex(16)
+    self._temporary_logs = log_dir is None
     self.log_dir = log_dir or tempfile.mkdtemp(prefix="pwtrain_workers_")
+    os.makedirs(self.log_dir, exist_ok=True)
     self.start_timeout_s = start_timeout_s
     self.procs: list = [None] * len(self.sizes)
     self.ports: list = [0] * len(self.sizes)
@@ -111,6 +116,8 @@ class Workers:
         self.kill(i)
       if proc.stdout and not proc.stdout.closed:
         proc.stdout.close()
+    if self._temporary_logs:
+      shutil.rmtree(self.log_dir, ignore_errors=True)
 
   def __enter__(self):
     return self

@@ -12,8 +12,8 @@ from pwtrain.backend.run_mode import RunMode, results
 class Remote(RunMode):
   name = "remote"
 
-  def supervise(self, config, run_once: Callable, island_sizes: Sequence[int]):
-    return supervisor.run_remote(config, run_once, island_sizes=list(island_sizes))
+  def supervise(self, config, run_once: Callable, island_sizes: Sequence[int], workdir: str):
+    return supervisor.run_remote(config, run_once, list(island_sizes), workdir)
 
   def part_writer(self, islands: Sequence):
     del islands

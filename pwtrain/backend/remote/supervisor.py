@@ -22,14 +22,20 @@ from pwtrain.backend.remote.client import WorkerLost
 log = logging.getLogger(__name__)
 
 
-def run_remote(config, run_once, island_sizes: list[int]):
+def run_remote(config, run_once, island_sizes: list[int], workdir: str):
   """`run_once(config)` with workers launched/restarted as the config says;
-  `island_sizes` are the devices of each island (the plan's), for workers it launches."""
+  `island_sizes` are the devices of each island (the plan's), for workers it launches, whose
+  logs go to <workdir>/workers."""
   config = copy.deepcopy(config)  # backend.workers is filled in for launched workers
   workers = None
   if config.backend.launch_workers:
     token = os.environ.get(config.backend.token_env) or None
-    workers = launcher.launch(list(island_sizes), token=token, env=_compile_cache_env())
+    workers = launcher.launch(
+      list(island_sizes),
+      token=token,
+      env=_compile_cache_env(),
+      log_dir=os.path.join(workdir, "workers"),
+    )
     os.environ[config.backend.token_env] = workers.token  # where make_cluster reads it
     config.backend.token_file = ""
     config.backend.workers = tuple(workers.addresses)
