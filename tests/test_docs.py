@@ -320,7 +320,7 @@ def check_command(words: list[str], where: str) -> list[str]:
     elif name not in flags:
       problems.append(f"{where}: {module} has no flag --{name}")
   if module == "pwtrain.main" and config_spec is None:
-    problems.append(f"{where}: pwtrain.main needs --config=<file>")
+    config_spec = "palm_tiny"  # its default
   if config_spec is not None:
     from pwtrain import config as config_lib
 
