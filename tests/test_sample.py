@@ -170,9 +170,9 @@ def trained(tmp_path_factory):
   return config, workdir, jax.device_get(result.state)
 
 
-def _sample_command(workdir, *args):
+def _sample_command(workdir, *args, env=None):
   command = [sys.executable, "-m", "pwtrain.sample", f"--workdir={workdir}", *args]
-  return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _printed(stdout):
@@ -201,8 +201,14 @@ def test_command_greedy_continues_the_prompt_as_the_trained_model_does(trained):
     f"--prompt={prompt}",
     "--max_new_tokens=8",
     "--temperature=0",
+    env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},  # as a user runs it
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # Its one line on stderr names the platform: no libtpu errors, no Orbax notices.
+  assert proc.stderr.splitlines() == [
+    "platform: cpu, 8 devices (simulated on the CPU: no accelerator was found; JAX_PLATFORMS=gpu "
+    "or tpu insists on one)"
+  ], proc.stderr
   printed = _printed(proc.stdout)
   assert list(printed) == [(0, 0)], proc.stdout
   header, text = printed[0, 0]

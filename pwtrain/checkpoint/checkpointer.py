@@ -14,6 +14,7 @@ for another model (its saved shapes differ from this config's) is an error inste
 falling back past it would silently train something else.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -119,6 +120,10 @@ class Checkpointer:
     then (elastic pods in distributed mode) process 0 primary, barrier keys prefixed by the
     generation, so that none waits for a dead process nor meets a key of another generation."""
     first = generation == 0
+    with _quiet_read_only() if self.read_only else contextlib.nullcontext():
+      return self._manager_for(first, generation, live)
+
+  def _manager_for(self, first: bool, generation: int, live: tuple[int, ...]):
     return ocp.CheckpointManager(
       self.directory,
       # Named handlers let a fresh manager read metadata before anything was saved in it.
@@ -129,8 +134,9 @@ class Checkpointer:
         "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
       },
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=self._keep,
-        save_interval_steps=1,  # the trainer decides when; see should_save
+        # A reader keeps and saves nothing (Orbax would say it set these itself).
+        max_to_keep=None if self.read_only else self._keep,
+        save_interval_steps=0 if self.read_only else 1,  # the trainer decides when: should_save
         enable_async_checkpointing=self._async_save,
         # Orbax creates the directory only with every process; a later generation finds it.
         create=not self.read_only and first,
@@ -381,3 +387,21 @@ class Checkpointer:
   def close(self) -> None:
     if self._manager is not None:
       self._manager.close()
+
+
+class _NotReadOnlyNotice(logging.Filter):
+  def filter(self, record) -> bool:
+    return not record.getMessage().startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only():
+  """While a reader's manager is made: Orbax's warning that its directory is read only (every
+  reader's, by design: sampling, a finished run's state) stays off the console."""
+  notice = _NotReadOnlyNotice()
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addFilter(notice)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(notice)
