@@ -512,6 +512,7 @@ def test_a_one_document_corpus_names_the_missing_validation_split(tmp_path):
   (tmp_path / "only.txt").write_text("all the text there is " * 20)
   config = make_config(**{"data.dataset": "files", "data.files": str(tmp_path / "only.txt")})
   build_train_batches(config, str(tmp_path / "work"))
+  assert corpus.held_out_keys(["whatever it hashes to"], fraction=1.0) == set()  # never held out
   with pytest.raises(ValueError, match=r"one document holds none out: add files, or set train"):
     corpus.open_source(config.data, str(tmp_path / "work"), split="validation")
 

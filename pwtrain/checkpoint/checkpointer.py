@@ -120,7 +120,7 @@ class Checkpointer:
     then (elastic pods in distributed mode) process 0 primary, barrier keys prefixed by the
     generation, so that none waits for a dead process nor meets a key of another generation."""
     first = generation == 0
-    with _quiet_read_only() if self.read_only else contextlib.nullcontext():
+    with quiet.read_only_notice_dropped() if self.read_only else contextlib.nullcontext():
       return self._manager_for(first, generation, live)
 
   def _manager_for(self, first: bool, generation: int, live: tuple[int, ...]):
@@ -387,21 +387,3 @@ class Checkpointer:
   def close(self) -> None:
     if self._manager is not None:
       self._manager.close()
-
-
-class _NotReadOnlyNotice(logging.Filter):
-  def filter(self, record) -> bool:
-    return not record.getMessage().startswith("Given directory is read only")
-
-
-@contextlib.contextmanager
-def _quiet_read_only():
-  """While a reader's manager is made: Orbax's warning that its directory is read only (every
-  reader's, by design: sampling, a finished run's state) stays off the console."""
-  notice = _NotReadOnlyNotice()
-  absl_logger = logging.getLogger("absl")
-  absl_logger.addFilter(notice)
-  try:
-    yield
-  finally:
-    absl_logger.removeFilter(notice)

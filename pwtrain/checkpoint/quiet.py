@@ -83,3 +83,22 @@ def abandoned_reads_dropped():
   finally:
     gc.collect()
     sys.unraisablehook = previous
+
+
+class _ReadOnlyNotice(logging.Filter):
+  def filter(self, record) -> bool:
+    return not record.getMessage().startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def read_only_notice_dropped():
+  """While a reader's Orbax manager is made: Orbax's warning that its directory is read only
+  (every reader's, by design: sampling, a finished run's state read back) stays off the
+  console."""
+  notice = _ReadOnlyNotice()
+  absl_logger = logging.getLogger("absl")
+  absl_logger.addFilter(notice)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(notice)

@@ -230,14 +230,16 @@ def held_out_keys(keys: list[str], fraction: float) -> set[str]:
   """The keys whose stable hash falls in the lowest `fraction` of the range: the documents
   kept out of training. Decided by each key alone (not by position or count), so a document
   stays on its side whatever else the corpus holds. With >= 2 keys both sides are non-empty:
-  if the hash holds out none (or all), the lowest- (or highest-) hashing key moves over."""
+  if the hash holds out none (or all), the lowest- (or highest-) hashing key moves over. A
+  lone key is never held out: training needs it."""
+  if len(keys) < 2:
+    return set()
   scored = sorted(keys, key=_unit_hash)
   held = [k for k in scored if _unit_hash(k) < fraction]
-  if len(keys) >= 2:
-    if not held:
-      held = scored[:1]
-    elif len(held) == len(keys):
-      held = scored[:-1]
+  if not held:
+    held = scored[:1]
+  elif len(held) == len(keys):
+    held = scored[:-1]
   return set(held)
 
 
