@@ -20,8 +20,7 @@ from test_distributed import final_state, launch, process_logs
 from pwtrain import train
 from pwtrain.errors import ConfigError
 
-# 3 pods as 3 processes of 1 device each, a data stream each; a short heartbeat (a dead process
-# is found after 3 s); checkpoints at steps 4 and 8.
+# 3 pods as 3 processes of 1 device each, a data stream each; checkpoints at steps 4 and 8.
 PODS = {
   **SGD,
   "parallel.islands": 3,
@@ -33,8 +32,9 @@ PODS = {
   "train.num_steps": 8,
   "train.checkpoint_every": 4,
   "train.eval_every": 0,
-  "fault.heartbeat_s": 1.0,
 }
+# Elastic pods with a short heartbeat: a dead process is found after 3 s.
+ELASTIC = {"fault.elastic": True, "fault.heartbeat_s": 1.0}
 
 
 @pytest.mark.slow
@@ -50,7 +50,7 @@ def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupte
   state at its step, and the one written degraded also on a full restart of the processes."""
   straight = train.run(small_config(**PODS), str(tmp_path / "a"), show_progress=False)
   workdir = tmp_path / "b"
-  drill = {"fault.elastic": True, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
+  drill = {**ELASTIC, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
   done = launch(workdir, 3, {**PODS, **drill}, devices=1, timeout=240)
   logs = process_logs(workdir)
   assert done.returncode == 0, done.stdout[-3000:] + logs[-3000:]
@@ -86,7 +86,7 @@ def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupte
   restored = final_state(small_config(**four), workdir)
   assert restored.start_step == 4
   assert_trees_close(restored.state, want, "state at step 4")
-  again = launch(workdir, 3, {**four, "fault.elastic": True}, devices=1, timeout=120)
+  again = launch(workdir, 3, {**four, **ELASTIC}, devices=1, timeout=120)
   assert again.returncode == 0, again.stdout[-3000:]
   assert "nothing to train" in again.stdout and "holds step 4" in again.stdout
 
@@ -101,7 +101,7 @@ def test_the_survivors_own_program_when_lost_pods_are_not_hosted(tmp_path):
   straight = train.run(small_config(**six), str(tmp_path / "a"), show_progress=False)
   drill = {"fault.inject": "kill:pod1@step3,rejoin:pod1@step5", "fault.host_lost_pods": False}
   workdir = tmp_path / "b"
-  done = launch(workdir, 3, {**six, "fault.elastic": True, **drill}, devices=1, timeout=240)
+  done = launch(workdir, 3, {**six, **ELASTIC, **drill}, devices=1, timeout=240)
   assert done.returncode == 0, done.stdout[-3000:] + process_logs(workdir)[-3000:]
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   rows = [row for row in rows if "loss" in row]
@@ -131,8 +131,6 @@ def test_what_elastic_pods_cannot_do_in_distributed_mode_is_one_clear_error(
 ):
   """In this one process every pod's island is on process 0, which the first case refuses; the
   others are refused before that is looked at."""
-  config = small_config(
-    **{**PODS, "fault.elastic": True, "backend.mode": "distributed", **overrides}
-  )
+  config = small_config(**{**PODS, **ELASTIC, "backend.mode": "distributed", **overrides})
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     train.run(config, str(tmp_path / "run"), show_progress=False)
