@@ -164,6 +164,31 @@ RULES = (
     _at_least("moe.num_experts", 1),
   ),
   _rule(("moe.capacity_factor", "moe.eval_capacity_factor"), _is("moe.dropless", False)),
+  # model families (models/family.py)
+  _rule(
+    ("model.tie_embeddings", "model.qkv_bias", "model.qk_norm", "model.rope_scaling"),
+    _is("model.family", "llama"),
+  ),
+  _rule(
+    (
+      "model.rope_factor",
+      "model.rope_low_freq_factor",
+      "model.rope_high_freq_factor",
+      "model.rope_original_max_len",
+    ),
+    _is("model.rope_scaling", "llama3"),
+  ),
+  _rule(("model.sliding_window",), _is("model.family", "llama", "gemma")),
+  _rule(("model.sliding_window_pattern",), _at_least("model.sliding_window", 1)),
+  _rule(
+    (
+      "model.query_pre_attn_scalar",
+      "model.attn_softcap",
+      "model.final_softcap",
+      "model.post_norms",
+    ),
+    _is("model.family", "gemma"),
+  ),
   # run modes
   _rule(
     ("backend.token_file", "backend.token_env", "backend.tls_ca", "backend.rpc_timeout_s"),

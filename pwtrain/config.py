@@ -11,7 +11,8 @@ from pwtrain.backend import distributed
 from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
 from pwtrain.errors import ConfigError
-from pwtrain.models import layers, remat
+from pwtrain.models import family, layers, remat
+from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import exchange
 from pwtrain.parallel.pipeline.pieces import STAGE_REMAT
 from pwtrain.parallel.pipeline.schedule import SCHEDULES
@@ -100,6 +101,7 @@ def validate(config) -> None:
     "train.keep_checkpoints",
   )
   validate_moe(config)
+  family.validate(config.model, config.moe)
   m = config.model
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(
@@ -194,6 +196,14 @@ def validate_scan(config) -> None:
     raise ConfigError(
       f"model.scan_layers=True with MoE scans periods of moe.every={moe.every} layers: "
       f"model.num_layers={config.model.num_layers} must be a multiple of {moe.every} (or set "
+      "model.scan_layers=False)"
+    )
+  n = scan_lib.period(config.model, moe)
+  if config.model.num_layers % n:
+    raise ConfigError(
+      f"model.scan_layers=True scans periods of {n} layers (local and global layers: "
+      f"model.sliding_window_pattern={config.model.sliding_window_pattern}): "
+      f"model.num_layers={config.model.num_layers} must be a multiple of {n} (or set "
       "model.scan_layers=False)"
     )
   if config.backend.mode == "remote":

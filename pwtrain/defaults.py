@@ -36,6 +36,28 @@ def get_config():
   # Attention implementation: "einsum" (written out, float32 softmax), or
   # jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
   c.model.attention = "einsum"
+  # Model families (models/family.py, docs/models.md): "palm" (parallel block, LayerNorm, tied
+  # output layer scaled by 1/sqrt(d_model)), "llama" (sequential block, RMSNorm, SwiGLU, untied
+  # output layer) or "gemma" (sequential, RMSNorm (1 + w), GeGLU, embeddings x sqrt(d_model),
+  # tied output layer). model.rope_base is rope's theta for every family.
+  c.model.family = "palm"
+  c.model.norm_eps = 1e-6  # every norm's epsilon
+  c.model.tie_embeddings = False  # llama: the output layer is the embedding (Llama 3.2 1B)
+  c.model.qkv_bias = False  # llama: biases on the q, k and v projections (Qwen2)
+  c.model.qk_norm = False  # llama: RMSNorm of each query and key head before rope (Qwen3)
+  c.model.rope_scaling = "none"  # llama: "llama3", Llama 3.1's long-context frequencies
+  c.model.rope_factor = 8.0  # rope_scaling="llama3": its factor, low/high_freq_factor and
+  c.model.rope_low_freq_factor = 1.0  # original_max_position_embeddings
+  c.model.rope_high_freq_factor = 4.0
+  c.model.rope_original_max_len = 8192
+  # llama, gemma: a local layer's query sees the last sliding_window keys (0: all layers global);
+  # pattern 0: every layer local (Mistral), n: layer i global when (i + 1) % n == 0 (Gemma 2: 2).
+  c.model.sliding_window = 0
+  c.model.sliding_window_pattern = 0
+  c.model.query_pre_attn_scalar = 0  # gemma: queries scaled by its ^-1/2 (0: head_dim's)
+  c.model.attn_softcap = 0.0  # gemma: attention logits -> cap * tanh(logits / cap); 0: none
+  c.model.final_softcap = 0.0  # gemma: output logits likewise
+  c.model.post_norms = False  # gemma: a norm after attention and after the MLP (Gemma 2)
 
   # Sparse Mixture-of-Experts FFNs (pwtrain/models/moe.py). num_experts=0: dense (PaLM).
   c.moe = ml_collections.ConfigDict()

@@ -100,7 +100,7 @@ def restore_params(config, workdir: str, mesh):
   params = state["params"]
   if config.model.scan_layers:
     _, shardings = restore.target(config, mesh)
-    period = scan.period(config.moe)
+    period = scan.period(config.model, config.moe)
     params = jax.device_put(stages.stack_state(params, period), shardings["params"])
   return step, step_lib.model_fns(config.model, config.moe), params
 

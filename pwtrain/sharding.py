@@ -8,6 +8,7 @@ over fsdp while activations, whose batch already uses fsdp, keep "embed" whole.
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Sequence
 
 import jax
@@ -26,7 +27,9 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
   ("vocab", ("tensor",)),
   ("heads", ("tensor",)),
   ("mlp", ("tensor",)),
-  ("kv_heads", ()),  # MQA: the single K/V head is replicated over tensor, as in PaLM.
+  # Grouped-query attention's K/V heads are split over tensor like the query heads where it
+  # divides them; MQA's single K/V head (PaLM), or too few heads, replicated (DIVIDING_ONLY).
+  ("kv_heads", ("tensor",)),
   ("head_dim", ()),
   ("length", ()),
   ("norm", ()),
@@ -34,25 +37,39 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> PartitionSpec:
-  """Maps a tuple of logical dim names to a PartitionSpec, using each mesh axis at most once."""
+# Logical dims split only where the mesh axes divide them, else replicated: they need the shape
+# (`shape=`; without one they are replicated).
+DIVIDING_ONLY = ("kv_heads",)
+
+
+def logical_to_spec(
+  logical_axes: Sequence[str | None], rules=DEFAULT_RULES, shape=None, mesh_shape=None
+) -> PartitionSpec:
+  """Maps a tuple of logical dim names to a PartitionSpec, using each mesh axis at most once; a
+  DIVIDING_ONLY dim is split only when `shape` and `mesh_shape` ({axis: size}) say its axes
+  divide it."""
   table = dict(rules)
   used: set[str] = set()
   spec = []
-  for name in logical_axes:
+  for dim, name in enumerate(logical_axes):
     if name is None:
       spec.append(None)
       continue
     if name not in table:
       raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
     axes = tuple(a for a in table[name] if a not in used)
+    if name in DIVIDING_ONLY and (
+      shape is None or shape[dim] % math.prod(mesh_shape[a] for a in axes)
+    ):
+      axes = ()
     used.update(axes)
     spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
   return PartitionSpec(*spec)
 
 
-def named_sharding(mesh: Mesh, logical_axes, rules=DEFAULT_RULES) -> NamedSharding:
-  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+def named_sharding(mesh: Mesh, logical_axes, rules=DEFAULT_RULES, shape=None) -> NamedSharding:
+  """`logical_axes` on `mesh`; `shape`, the array's, lets DIVIDING_ONLY dims be split."""
+  return NamedSharding(mesh, logical_to_spec(logical_axes, rules, shape, dict(mesh.shape)))
 
 
 def tree_shardings(mesh: Mesh, logical_tree, rules=DEFAULT_RULES):
@@ -83,7 +100,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   if active is None:
     return x
   mesh, rules = active
-  return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))
+  return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, x.shape))
 
 
 # -- arrays over several processes (distributed mode) ---------------------------------------

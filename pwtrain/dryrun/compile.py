@@ -163,7 +163,7 @@ def _compiled_flops(config, devices) -> dict | None:
   docstring), for a step with loops on islands that hold whole models; None otherwise."""
   if not _has_loops(config) or config.parallel.stages > 1:
     return None
-  period, micro = scan_lib.period(config.moe), config.train.num_microbatches
+  period, micro = scan_lib.period(config.model, config.moe), config.train.num_microbatches
   batch = config.train.global_batch // micro  # one microbatch's sequences
 
   def count(periods: int, microbatches: int) -> dict:

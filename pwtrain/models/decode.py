@@ -1,13 +1,14 @@
-"""The PaLM decoder's forward pass with a key/value cache, for autoregressive decoding.
+"""The decoder's forward pass with a key/value cache, for autoregressive decoding.
 
-`forward` runs a PaLM module's own parameters (embedding, each block's norm, attention
-projections and MLP or MoE FFN, the final norm and the shared-embedding head) on new tokens at
-given positions, writing their keys and values into a `KVCache` and attending to every cached
-position up to the query's own. Its arithmetic is the training forward's (layers.Attention's
-`project` and `output`, layers.attend), except that softmax runs over the cache's `max_len`
-keys (the masked ones with weight exactly 0) instead of the sequence's, so its logits equal
-`PaLM.__call__`'s up to float rounding; it is the written-out (einsum) attention whatever
-`model.attention` says. The training path is untouched by this module.
+`forward` runs a PaLM module's own blocks (models/blocks.py, of whichever family) and its
+embedding and head on new tokens at given positions, each block's attention writing its keys
+and values into a `KVCache` and attending to every cached position up to the query's own (and
+within the layer's sliding window). Its arithmetic is the training forward's (the block's
+`with_stats` with layers.Attention's `project` and `output`, layers.attend), except that softmax
+runs over the cache's `max_len` keys (the masked ones with weight exactly 0) instead of the
+sequence's, so its logits equal `PaLM.__call__`'s up to float rounding; it is the written-out
+(einsum) attention whatever `model.attention` says. The training path is untouched by this
+module.
 
 The cache is MQA-sized: per layer, keys and values of shape [batch, max_len, num_kv_heads,
 head_dim], one K/V head (PaLM's multi-query attention) or `num_kv_heads` of them (grouped-query).
@@ -32,7 +33,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pwtrain.models import scan as scan_lib
-from pwtrain.models.layers import attend
 from pwtrain.models.palm import PaLM
 
 
@@ -68,16 +68,13 @@ def forward(model: PaLM, cache: KVCache, tokens, positions, *, logits_at=None):
   those of token logits_at[b] of each row, [b, vocab]. `model` must be the whole model (embed,
   all blocks, head). See the module docstring for what the cache must hold.
   """
-  key_positions = jnp.arange(cache.max_len)
-  # [b, 1, 1, l, max_len]: broadcast over K/V heads and the query heads sharing each.
-  mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None, None]
   x = model.embed(tokens)
   if model.scan:
-    x, new_k, new_v = _scanned(model.layers, x, positions, cache, mask)
+    x, new_k, new_v = _scanned(model.layers, x, positions, cache)
   else:
     new_k, new_v = [], []
     for block, k_cache, v_cache in zip(model.blocks, cache.k, cache.v, strict=True):
-      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
+      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache)
       new_k.append(k_cache)
       new_v.append(v_cache)
   if logits_at is not None:
@@ -88,7 +85,7 @@ def forward(model: PaLM, cache: KVCache, tokens, positions, *, logits_at=None):
   return logits, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def _scanned(layers, x, positions, cache: KVCache, mask):
+def _scanned(layers, x, positions, cache: KVCache):
   """The stacked blocks over the periods (jax.lax.scan), each period's caches in and out."""
   splits = [nnx.split(block) for block in layers]
 
@@ -99,7 +96,7 @@ def _scanned(layers, x, positions, cache: KVCache, mask):
       splits, states, k_caches, v_caches, strict=True
     ):
       block = nnx.merge(graphdef, state)
-      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache, mask)
+      x, k_cache, v_cache = _block(block, x, positions, k_cache, v_cache)
       new_k.append(k_cache)
       new_v.append(v_cache)
     return x, (tuple(new_k), tuple(new_v))
@@ -109,15 +106,17 @@ def _scanned(layers, x, positions, cache: KVCache, mask):
   return x, new_k, new_v
 
 
-def _block(block, x, positions, k_cache, v_cache, mask):
-  """layers.ParallelBlock with cached attention: x + Attention(LN(x)) + FFN(LN(x))."""
-  h = block.norm(x)
-  q, k, v = block.attn.project(h, positions)
-  k_cache = _write(k_cache, k, positions)
-  v_cache = _write(v_cache, v, positions)
-  attn = block.attn.output(attend(q, k_cache, v_cache, mask))
-  ffn = block.moe(h, train=False)[0] if block.is_moe else block.mlp(h)
-  return x + attn + ffn, k_cache, v_cache
+def _block(block, x, positions, k_cache, v_cache):
+  """The block (models/blocks.py) with cached attention: its keys and values written into the
+  caches at `positions`, its queries attending over them. -> (y, new k cache, new v cache)."""
+  written = {}
+
+  def core(attn, q, k, v):
+    written["k"], written["v"] = _write(k_cache, k, positions), _write(v_cache, v, positions)
+    return attn.attend_cached(q, written["k"], written["v"], positions)
+
+  y, _ = block.with_stats(x, positions, train=False, core=core)
+  return y, written["k"], written["v"]
 
 
 def _write(cache, new, positions):

@@ -1,5 +1,6 @@
-"""Building blocks of the PaLM decoder: bias-free LayerNorm, RoPE, MQA attention, SwiGLU (or a
-sparse MoE FFN, pwtrain.models.moe).
+"""Building blocks of the decoder: norms, RoPE, attention (multi-query or grouped-query), the
+gated MLP. What each family takes of them is models/family.py's record; the blocks that put
+them together are models/blocks.py.
 
 Parameters carry logical axis names in their `axes` metadata; nothing here knows about meshes.
 """
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from pwtrain.models.moe import MoE
+from pwtrain.models import family as family_lib
 from pwtrain.sharding import constrain
 
 
@@ -36,11 +37,42 @@ class LayerNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+class RMSNorm(nnx.Module):
+  """x / rms(x) (in float32) times a scale: Llama's, `scale * y.astype(x.dtype)`; with
+  `plus_one` Gemma's, `(y * (1 + scale)).astype(x.dtype)`, its scale starting at 0."""
+
+  def __init__(self, dim: int, *, param_dtype, eps: float, plus_one: bool = False):
+    self.eps, self.plus_one = eps, plus_one
+    init = jnp.zeros if plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), param_dtype), axes=("norm",))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    if self.plus_one:
+      return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def make_norm(family: family_lib.Family, dim: int, *, param_dtype):
+  """The family's norm over the last `dim` entries."""
+  if family.norm == "layernorm":
+    return LayerNorm(dim, param_dtype=param_dtype, eps=family.norm_eps)
+  plus_one = family.norm == "rmsnorm_plus_one"
+  return RMSNorm(dim, param_dtype=param_dtype, eps=family.norm_eps, plus_one=plus_one)
+
+
 def rope(x, positions, base: float):
-  """Rotary position embedding over the last dim of x [batch, length, heads, head_dim]."""
+  """PaLM's rotary position embedding over the last dim of x [batch, length, heads, head_dim]:
+  frequencies base^(-i / (head_dim / 2))."""
   half = x.shape[-1] // 2
-  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [b, l, 1, half]
+  return rotate(x, positions, base ** (-jnp.arange(half, dtype=jnp.float32) / half))
+
+
+def rotate(x, positions, inv_freq):
+  """Rotates the pairs (x[i], x[i + head_dim/2]) of each head by positions * inv_freq[i]
+  (float32 [head_dim / 2]); Hugging Face's `rotate_half` layout."""
+  angle = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # [b, l, 1, half]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -50,29 +82,48 @@ def rope(x, positions, base: float):
 ATTENTION = ("einsum", "xla", "cudnn")
 
 
-def causal_attention(q, k, v, implementation: str):
-  """Causal softmax(q k^T / sqrt(head_dim)) v; q [b, l, h, d], k and v [b, l, g, d] with g
-  dividing h (query heads share K/V heads in groups: MQA for g = 1, GQA otherwise).
+def causal_attention(q, k, v, implementation: str, *, scale=None, softcap=0.0, window=0):
+  """Causal softmax(q k^T scale) v; q [b, l, h, d], k and v [b, l, g, d] with g dividing h
+  (query heads share K/V heads in groups: MQA for g = 1, GQA otherwise); `scale` None is
+  d^-1/2; `softcap` > 0 caps the logits at +-softcap (tanh); `window` > 0 lets query i see keys
+  i - window < j <= i only.
 
   "einsum": `attend`, logits and softmax in float32; "xla" and "cudnn":
   `jax.nn.dot_product_attention` with that implementation (cudnn: fused attention on NVIDIA
-  GPUs, bf16/fp16 only).
+  GPUs, bf16/fp16 only; no soft cap).
   """
   if implementation != "einsum":
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-  return attend(q, k, v)
+    local = (window - 1, 0) if window else None
+    return jax.nn.dot_product_attention(
+      q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=implementation
+    )
+  mask = None if not window else window_mask(jnp.arange(q.shape[1])[None], q.shape[1], window)
+  return attend(q, k, v, mask, scale=scale, softcap=softcap)
 
 
-def attend(q, k, v, mask=None):
-  """softmax(q k^T / sqrt(head_dim)) v over the keys `mask` allows; q [b, l, h, d], k and v
-  [b, m, g, d] with g dividing h. `mask` (True: attend) broadcasts to [b, g, h/g, l, m], e.g.
-  [b, 1, 1, l, m]; None is causal (l == m, query i sees keys 0..i). Logits and softmax in
-  float32; masked keys get weight exactly 0."""
+def window_mask(positions, num_keys: int, window: int = 0):
+  """[b, 1, 1, l, num_keys] (broadcast over K/V heads and the query heads of each): the query at
+  positions [b, l] sees keys 0..position, and with `window` only the last `window` of them."""
+  keys = jnp.arange(num_keys)[None, None, :]
+  mask = keys <= positions[:, :, None]
+  if window:
+    mask &= keys > positions[:, :, None] - window
+  return mask[:, None, None]
+
+
+def attend(q, k, v, mask=None, *, scale=None, softcap=0.0):
+  """softmax(q k^T scale) v over the keys `mask` allows; q [b, l, h, d], k and v [b, m, g, d]
+  with g dividing h. `scale` None is d^-1/2; `softcap` > 0 maps the logits to softcap *
+  tanh(logits / softcap) before the mask. `mask` (True: attend) broadcasts to
+  [b, g, h/g, l, m], e.g. [b, 1, 1, l, m]; None is causal (l == m, query i sees keys 0..i).
+  Logits and softmax in float32; masked keys get weight exactly 0."""
   b, length, h, d = q.shape
   g = k.shape[2]
   # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, d].
-  q = q.reshape(b, length, g, h // g, d) * (d**-0.5)
+  q = q.reshape(b, length, g, h // g, d) * (d**-0.5 if scale is None else scale)
   logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(jnp.float32)
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
   if mask is None:
     mask = jnp.tril(jnp.ones((length, length), dtype=bool))
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -81,13 +132,22 @@ def attend(q, k, v, mask=None):
 
 
 class Attention(nnx.Module):
-  """Causal multi-query (num_kv_heads=1) or grouped-query attention with RoPE."""
+  """Causal multi-query (num_kv_heads=1) or grouped-query attention with RoPE, and the family's
+  options: q/k/v biases, per-head q/k RMSNorm, the query scale, a logit soft cap and this
+  layer's sliding `window` (0: global)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, window: int = 0):
     d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    family = family_lib.of(cfg)
     self.num_heads, self.num_kv_heads, self.head_dim = h, g, k
     self.rope_base = cfg.rope_base
+    # Hugging Face's frequencies as plain floats (a static attribute); None: PaLM's.
+    self.inv_freq = None
+    if family.hf_rope:
+      self.inv_freq = tuple(map(float, family_lib.inverse_frequencies(cfg)))
     self.implementation = cfg.get("attention", "einsum")
+    self.window, self.softcap = window, family.attn_softcap
+    self.scale = None if family.query_scale_dim == k else family.query_scale_dim**-0.5
 
     def param(shape, names, init):
       return nnx.Param(init(rngs.params(), shape, param_dtype), axes=names)
@@ -96,10 +156,26 @@ class Attention(nnx.Module):
     self.wk = param((d, g, k), ("embed", "kv_heads", "head_dim"), fan_in_init(0, (1, 2)))
     self.wv = param((d, g, k), ("embed", "kv_heads", "head_dim"), fan_in_init(0, (1, 2)))
     self.wo = param((h, k, d), ("heads", "head_dim", "embed"), fan_in_init((0, 1), 2))
+    self.has_bias, self.has_qk_norm = family.qkv_bias, family.qk_norm
+    if family.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = param((h, k), ("heads", "head_dim"), zeros)
+      self.bk = param((g, k), ("kv_heads", "head_dim"), zeros)
+      self.bv = param((g, k), ("kv_heads", "head_dim"), zeros)
+    if family.qk_norm:
+      self.q_norm = RMSNorm(k, param_dtype=param_dtype, eps=family.norm_eps)
+      self.k_norm = RMSNorm(k, param_dtype=param_dtype, eps=family.norm_eps)
 
-  def __call__(self, x, positions):
+  def __call__(self, x, positions, core=None):
+    """x [b, l, d] at `positions` [b, l] -> [b, l, d]. `core(self, q, k, v)`, when given,
+    attends in place of causal attention over the sequence (the KV-cache decoder's)."""
     q, kk, v = self.project(x, positions)
-    out = causal_attention(q, kk, v, self.implementation)
+    if core is None:
+      out = causal_attention(
+        q, kk, v, self.implementation, scale=self.scale, softcap=self.softcap, window=self.window
+      )
+    else:
+      out = core(self, q, kk, v)
     # Named for the remat policy that keeps only the attention and MLP outputs (models/remat.py).
     out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
     return self.output(out)
@@ -111,16 +187,35 @@ class Attention(nnx.Module):
     q = jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dtype))
     kk = jnp.einsum("bld,dgk->blgk", x, self.wk[...].astype(dtype))
     v = jnp.einsum("bld,dgk->blgk", x, self.wv[...].astype(dtype))
-    q = constrain(rope(q, positions, self.rope_base), ("batch", "length", "heads", "head_dim"))
-    return q, rope(kk, positions, self.rope_base), v
+    if self.has_bias:
+      q, kk, v = (a + b[...].astype(dtype) for a, b in ((q, self.bq), (kk, self.bk), (v, self.bv)))
+    if self.has_qk_norm:
+      q, kk = self.q_norm(q), self.k_norm(kk)
+    q = constrain(self.rope(q, positions), ("batch", "length", "heads", "head_dim"))
+    return q, self.rope(kk, positions), v
+
+  def rope(self, x, positions):
+    if self.inv_freq is None:
+      return rope(x, positions, self.rope_base)
+    return rotate(x, positions, jnp.asarray(self.inv_freq, jnp.float32))
+
+  def attend_cached(self, q, k_cache, v_cache, positions):
+    """q [b, l, h, k] at `positions` [b, l] over a cache's keys and values [b, max_len, g, k]:
+    each query sees the cache positions up to its own (and within this layer's window)."""
+    mask = window_mask(positions, k_cache.shape[1], self.window)
+    return attend(q, k_cache, v_cache, mask, scale=self.scale, softcap=self.softcap)
 
   def output(self, out):
     """The heads' outputs [b, l, h, k] -> [b, l, d]."""
     return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(out.dtype))
 
 
-class SwiGLU(nnx.Module):
-  """PaLM's MLP: (swish(x W_gate) * (x W_up)) W_down, no biases.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class GatedMLP(nnx.Module):
+  """The gated MLP: (act(x W_gate) * (x W_up)) W_down, no biases; act is silu (SwiGLU: PaLM,
+  Llama) or tanh-approximated gelu (GeGLU: Gemma).
 
   The matmuls run on the tokens flattened to rows, [b * l, d] @ [d, f] (the same products as
   on [b, l, d]), so that a weight's gradient is a matmul contracting one dimension. Contracting
@@ -130,8 +225,9 @@ class SwiGLU(nnx.Module):
   (models/scan.py).
   """
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, activation: str = "silu"):
     d, f = cfg.d_model, cfg.d_ff
+    self.activation = activation
 
     def param(shape, names):
       return nnx.Param(fan_in_init(0, 1)(rngs.params(), shape, param_dtype), axes=names)
@@ -145,37 +241,7 @@ class SwiGLU(nnx.Module):
     rows = x.reshape(-1, shape[-1])  # [b * l, d]
     gate = rows @ self.w_gate[...].astype(dtype)
     up = rows @ self.w_up[...].astype(dtype)
-    hidden = (jax.nn.silu(gate) * up).reshape(*shape[:-1], -1)
+    hidden = (ACTIVATIONS[self.activation](gate) * up).reshape(*shape[:-1], -1)
     hidden = checkpoint_name(constrain(hidden, ("batch", "length", "mlp")), "mlp")
     out = hidden.reshape(rows.shape[0], -1) @ self.w_down[...].astype(dtype)
     return out.reshape(shape)
-
-
-class ParallelBlock(nnx.Module):
-  """PaLM's parallel formulation: y = x + MLP(LN(x)) + Attention(LN(x)), one shared LN.
-
-  With `moe` (the moe config) the MLP is a sparse MoE FFN (attribute `moe` instead of `mlp`).
-  """
-
-  def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype, moe=None):
-    self.norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
-    self.attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype)
-    self.is_moe = moe is not None
-    if moe is None:
-      self.mlp = SwiGLU(cfg, rngs=rngs, param_dtype=param_dtype)
-    else:
-      self.moe = MoE(cfg, moe, rngs=rngs, param_dtype=param_dtype)
-
-  def __call__(self, x, positions):
-    return self.with_stats(x, positions, train=False)[0]
-
-  def with_stats(self, x, positions, *, train: bool, rngs=None):
-    """-> (y, MoE stats of this block: {} for a dense block). See PaLM.forward for the args."""
-    h = self.norm(x)
-    attn = self.attn(h, positions)  # traced first, as before MoE: the dense HLO is unchanged
-    if self.is_moe:
-      ffn, stats = self.moe(h, train=train, rngs=rngs)
-    else:
-      ffn, stats = self.mlp(h), {}
-    y = x + attn + ffn
-    return constrain(y, ("batch", "length", "embed")), stats

@@ -1,9 +1,13 @@
-"""The PaLM decoder (Chowdhery et al., 2022) as a Flax NNX module, sliceable into stages.
+"""The decoder as a Flax NNX module, sliceable into stages: PaLM's (Chowdhery et al., 2022),
+and every other family's (`model.family`, models/family.py), whose choices it reads.
 
 A pipeline stage is `embed` (first stage only) + `blocks[start:stop]` + `head` (last stage only);
-`__call__` is the whole model. The output layer shares the input embedding and scales logits by
-1/sqrt(d_model); the loss adds PaLM's z-loss, 1e-4 * log(Z)^2, to keep the softmax normaliser
-near 1. With a moe config, every `moe.every`-th layer (by global layer index, so a stage knows its
+`__call__` is the whole model. PaLM's output layer shares the input embedding and scales logits
+by 1/sqrt(d_model); Gemma's shares it unscaled (and scales the embeddings by sqrt(d_model));
+Llama's is its own matrix, `unembedding` [d_model, vocab], unless model.tie_embeddings. The loss
+adds PaLM's z-loss, model.z_loss * log(Z)^2, to keep the softmax normaliser near 1.
+
+With a moe config, every `moe.every`-th layer (by global layer index, so a stage knows its
 MoE layers from its `layer_offset`) has a sparse MoE FFN; `forward` returns its summed stats.
 With `model.scan_layers` the blocks are held stacked (`layers`) and run with a scan
 (models/scan.py): the same parameters, stacked, and the same function.
@@ -13,10 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pwtrain.models import family as family_lib
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import remat as remat_lib
 from pwtrain.models import scan as scan_lib
-from pwtrain.models.layers import LayerNorm, ParallelBlock
+from pwtrain.models.blocks import make_block
+from pwtrain.models.layers import fan_in_init, make_norm
 from pwtrain.sharding import constrain
 
 
@@ -25,9 +31,9 @@ class PaLM(nnx.Module):
 
   A stage has `num_layers` blocks (numbered from 0 within the stage), the embedding lookup if it
   is the first (`has_embed`) and the final norm plus output layer if it is the last
-  (`has_head`); both ends hold the shared embedding matrix. Its block k is the model's layer
-  `layer_offset + k`. Scanned (`cfg.scan_layers`), its blocks are `layers` instead of `blocks`:
-  one stacked ParallelBlock per position of the period (models/scan.py).
+  (`has_head`); with a tied output layer both ends hold the shared embedding matrix. Its block
+  k is the model's layer `layer_offset + k`. Scanned (`cfg.scan_layers`), its blocks are
+  `layers` instead of `blocks`: one stacked block per position of the period (models/scan.py).
   """
 
   def __init__(
@@ -46,9 +52,11 @@ class PaLM(nnx.Module):
     self.d_model = cfg.d_model
     self.has_embed, self.has_head = has_embed, has_head
     self.remat = cfg.get("remat", "none")
-    if has_embed or has_head:
+    self.family = family = family_lib.of(cfg)
+    if has_embed or (has_head and family.tied):
       # PaLM: E ~ N(0, 1); the embedding is not followed by a norm, so unit scale is kept.
-      init = nnx.initializers.normal(1.0)
+      # Gemma's is scaled by sqrt(d_model) in the forward: N(0, 1/d_model) has unit scale there.
+      init = nnx.initializers.normal(cfg.d_model**-0.5 if family.embed_scale else 1.0)
       self.embedding = nnx.Param(
         init(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype), axes=("vocab", "embed")
       )
@@ -68,20 +76,28 @@ class PaLM(nnx.Module):
     else:
       self.blocks = nnx.List(
         [
-          ParallelBlock(
+          make_block(
             cfg,
             rngs=rngs,
             param_dtype=param_dtype,
             moe=moe if moe_lib.is_moe_layer(moe, layer_offset + k) else None,
+            layer=layer_offset + k,
           )
           for k in range(num_layers)
         ]
       )
     if has_head:
-      self.final_norm = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+      self.final_norm = make_norm(family, cfg.d_model, param_dtype=param_dtype)
+    if has_head and not family.tied:
+      self.unembedding = nnx.Param(
+        fan_in_init(0, 1)(rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype),
+        axes=("embed", "vocab"),
+      )
 
   def embed(self, tokens):
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    if self.family.embed_scale:
+      x = x * jnp.asarray(self.d_model**0.5, self.dtype)
     return constrain(x, ("batch", "length", "embed"))
 
   def blocks_with_stats(self, x, start=0, stop=None, *, train: bool = False, rngs=None):
@@ -125,8 +141,16 @@ class PaLM(nnx.Module):
 
   def head(self, x):
     x = self.final_norm(x)
-    logits = jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(self.dtype))
-    logits = logits.astype(jnp.float32) * (self.d_model**-0.5)
+    if self.family.tied:
+      logits = jnp.einsum("bld,vd->blv", x, self.embedding[...].astype(self.dtype))
+    else:
+      logits = jnp.einsum("bld,dv->blv", x, self.unembedding[...].astype(self.dtype))
+    logits = logits.astype(jnp.float32)
+    if self.family.logit_scale:
+      logits = logits * (self.d_model**-0.5)
+    if self.family.final_softcap:
+      cap = self.family.final_softcap
+      logits = cap * jnp.tanh(logits / cap)
     return constrain(logits, ("batch", "length", "vocab"))
 
   def forward(self, x, *, train: bool, rngs=None):

@@ -1,9 +1,11 @@
 """Scanned layers (`model.scan_layers`): the decoder's blocks stacked and run with jax.lax.scan,
 so that the step's program holds one period of blocks however deep the model is.
 
-Period. Blocks repeat with the MoE schedule: with MoE a period is `moe.every` layers (every - 1
-dense blocks, then one MoE block), else one layer. A scanned model (or pipeline stage) of n
-layers holds, for each position j of the period, one ParallelBlock whose parameters have a
+Period. Blocks repeat with the MoE schedule and the sliding-window pattern (models/family.py):
+a period is the least common multiple of `moe.every` with MoE (every - 1 dense blocks, then one
+MoE block) and `model.sliding_window_pattern` with local layers (Gemma 2: a local and a global
+layer), else one layer. A scanned model (or pipeline stage) of n
+layers holds, for each position j of the period, one block whose parameters have a
 leading "layers" axis of n / period entries: entry p of position j is the stage's layer
 p * period + j. So a stage's num_layers and layer_offset must be multiples of the period
 (config.validate and parallel/stages.py say so in their errors). In the params:
@@ -30,27 +32,31 @@ then moves past them.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pwtrain.errors import ConfigError
+from pwtrain.models import family as family_lib
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import remat as remat_lib
-from pwtrain.models.layers import ParallelBlock
+from pwtrain.models.blocks import make_block
 
 STACKED = "layers"  # the params key of a scanned model's blocks (unrolled: "blocks")
 
 
-def period(moe) -> int:
-  """Layers per scanned period: moe.every with MoE, else 1."""
-  return moe.every if moe_lib.enabled(moe) else 1
+def period(model_cfg, moe) -> int:
+  """Layers per scanned period: the lcm of moe.every (with MoE) and the sliding-window pattern
+  (with local and global layers); 1 when every layer is alike."""
+  every = moe.every if moe_lib.enabled(moe) else 1
+  return math.lcm(every, family_lib.of(model_cfg).window_period)
 
 
 def unit(model_cfg, moe) -> int:
   """Layers that stage boundaries must group: the period when `model.scan_layers`, else 1."""
-  return period(moe) if model_cfg.scan_layers else 1
+  return period(model_cfg, moe) if model_cfg.scan_layers else 1
 
 
 class _DrawCounter:
@@ -94,21 +100,23 @@ def _from_draw(make_block, key):
 def stacked_blocks(
   cfg, *, rngs: nnx.Rngs, num_layers: int, moe, layer_offset: int, param_dtype
 ) -> nnx.List:
-  """One ParallelBlock per position of the period, its parameters stacked over the periods
-  (logical axis "layers" first), initialised as the unrolled blocks would be (module docstring).
+  """One block per position of the period, its parameters stacked over the periods (logical
+  axis "layers" first), initialised as the unrolled blocks would be (module docstring).
   Advances rngs.params past every layer's draws."""
-  n = period(moe)
+  n = period(cfg, moe)
   if num_layers % n or layer_offset % n:
     raise ConfigError(
-      f"model.scan_layers=True scans periods of moe.every={n} layers: a model or stage of "
-      f"{num_layers} layers from layer {layer_offset} is not made of whole periods"
+      f"model.scan_layers=True scans periods of {n} layers (moe.every, "
+      f"model.sliding_window_pattern): a model or stage of {num_layers} layers from layer "
+      f"{layer_offset} is not made of whole periods"
     )
   makes = [
     functools.partial(
-      ParallelBlock,
+      make_block,
       cfg,
       param_dtype=param_dtype,
       moe=moe if moe_lib.is_moe_layer(moe, layer_offset + j) else None,
+      layer=layer_offset + j,
     )
     for j in range(n)
   ]

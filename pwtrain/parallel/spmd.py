@@ -66,8 +66,9 @@ def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES)
   (counters, scalars, the RNG key) replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   params = jax.tree.map(
-    lambda axes: sharding_lib.named_sharding(mesh, axes, rules),
+    lambda axes, param: sharding_lib.named_sharding(mesh, axes, rules, param.shape),
     fns.logical_axes,
+    fns.abstract_params,
     is_leaf=lambda x: isinstance(x, tuple),
   )
 
@@ -168,7 +169,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
       outputs={"eval/0": ("eval_step", 0)},
     )
 
-  period = scan_lib.period(config.moe) if config.model.scan_layers else 0
+  period = scan_lib.period(config.model, config.moe) if config.model.scan_layers else 0
   return SpmdProgram(
     program, unstack_state(abstract_state), init, executables, build_eval, shardings, period
   )

@@ -1,9 +1,11 @@
 """Stage slicing: which layers each pipeline stage holds, and moving state between the whole-model
 layout (used by checkpoints) and per-stage layouts.
 
-A stage's parameters are a sub-dict of the model's: `blocks` renumbered from 0, plus the shared
-`embedding` on the first and last stage and `final_norm` on the last. Optimizer states contain
-param-shaped dicts at several places; they are sliced the same way wherever they occur.
+A stage's parameters are a sub-dict of the model's: `blocks` renumbered from 0, plus the
+`embedding` on the first stage and `final_norm` on the last; the output layer on the last is the
+shared `embedding` (a tied output layer, held by both ends) or its own `unembedding`. Optimizer
+states contain param-shaped dicts at several places; they are sliced the same way wherever they
+occur.
 
 Scanned layers (`model.scan_layers`, models/scan.py): a model's blocks are `layers`, stacked by
 period, and a stage's are the periods of its layers (`to_stage` slices the stacks). Stage
@@ -22,6 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pwtrain.errors import ConfigError
 from pwtrain.models import arithmetic
 from pwtrain.models import scan as scan_lib
+
+UNTIED = "unembedding"  # an untied output layer's matrix (models/palm.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,10 +235,13 @@ def slice_params(params: dict, stage: Stage) -> dict:
     out = {scan_lib.STACKED: jax.tree.map(lambda x: _slice(x, a, b), layers, is_leaf=_is_axes)}
   else:
     out = {"blocks": {k: params["blocks"][stage.start + k] for k in range(stage.num_layers)}}
-  if stage.first or stage.last:
+  tied = UNTIED not in params
+  if stage.first or (stage.last and tied):
     out["embedding"] = params["embedding"]
   if stage.last:
     out["final_norm"] = params["final_norm"]
+    if not tied:
+      out[UNTIED] = params[UNTIED]
   return out
 
 
@@ -252,12 +259,12 @@ def merge_params(parts: list[dict], stages: list[Stage]) -> dict:
     part_blocks = unstacked(part)["blocks"]
     for k in range(stage.num_layers):
       blocks[stage.start + k] = part_blocks[k]
-  # The shared embedding is identical on the first and last stage; the first stage's is kept.
-  return {
-    "blocks": blocks,
-    "embedding": parts[0]["embedding"],
-    "final_norm": parts[-1]["final_norm"],
-  }
+  # A shared embedding is identical on the first and last stage; the first stage's is kept.
+  whole = {"blocks": blocks, "embedding": parts[0]["embedding"]}
+  whole["final_norm"] = parts[-1]["final_norm"]
+  if UNTIED in parts[-1]:
+    whole[UNTIED] = parts[-1][UNTIED]
+  return whole
 
 
 def to_whole(trees: list, stages: list[Stage]):

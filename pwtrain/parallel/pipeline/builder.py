@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program
+from pwtrain.models import family
 from pwtrain.models import moe as moe_lib
 from pwtrain.models import scan as scan_lib
 from pwtrain.parallel import spmd
@@ -97,7 +98,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     cell_shardings={c: cell.shardings for c, cell in cells.items()},
     exchange=exchange,
     exchange_bytes=exchange.bytes_per_step(stage_grads),
-    period=scan_lib.period(config.moe) if config.model.scan_layers else 0,
+    period=scan_lib.period(config.model, config.moe) if config.model.scan_layers else 0,
   )
 
 
@@ -121,7 +122,8 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
   compute.compile_stage(cell, moe, config.model.z_loss, config.parallel.stage_remat, split)
   exchange.compile_cell(cell)
 
-  tied = num_stages > 1 and (stage.first or stage.last)
+  # A tied output layer's embedding, used on the first and the last stage.
+  tied = num_stages > 1 and (stage.first or stage.last) and family.of(config.model).tied
   if tied:
     cell.compile(
       "emb",

@@ -18,6 +18,7 @@ import jax
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend import Node, Program, Transfer
+from pwtrain.models import family
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel.pipeline import pieces as pieces_lib
 from pwtrain.parallel.pipeline.schedule import (
@@ -52,6 +53,7 @@ class ProgramBuilder:
     self.num_micro = config.train.num_microbatches
     self.schedule = config.parallel.schedule
     self.has_moe = moe_lib.enabled(config.moe)
+    self.tied_output = family.of(config.model).tied  # the embedding is the output layer too
     self.virtual = plan.virtual_stages
     # One node list per cell, merged by `interleave`; interleaved, one per island (its chunks'
     # nodes in the schedule's order).
@@ -96,8 +98,9 @@ class ProgramBuilder:
     grads, stats = self._backward()
     grads = self.exchange.gradient_nodes(self, grads)
 
-    # The shared embedding: each end sends its (pod-summed) half of the gradient to the other.
-    tied = [c for c in self.owners if self.num_stages > 1 and c[1] in (0, last)]
+    # A shared embedding: each end sends its (pod-summed) half of the gradient to the other.
+    shared = self.num_stages > 1 and self.tied_output
+    tied = [c for c in self.owners if shared and c[1] in (0, last)]
     for cell in tied:
       self.node(cell, "emb", grads=grads[cell])
     for p, s in self.owners:
