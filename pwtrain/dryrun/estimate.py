@@ -42,7 +42,7 @@ import jax
 from pwtrain import config as config_lib
 from pwtrain.dryrun import shapes
 from pwtrain.dryrun.inputs import Setup, island_stages, setup
-from pwtrain.models import arithmetic
+from pwtrain.models import arithmetic, family
 from pwtrain.parallel import pipeline
 from pwtrain.parallel.stages import Stage, to_stage
 
@@ -352,6 +352,7 @@ def estimate(config) -> dict:
     "num_devices": s.devices_per_island * len(plan.islands),
     "mesh_shape": dict(plan.mesh_shape),
     "vocab_size": m.vocab_size,
+    "tied_output": family.of(m).tied,  # the output layer is the embedding
     "padded_vocab_size": shapes.padded_vocab_size(m.vocab_size, plan.mesh_shape["tensor"]),
     "params": sum(x.size for x in jax.tree.leaves(s.whole["params"])),
     "param_dtype": m.param_dtype,

@@ -47,14 +47,16 @@ def cluster_lines(e: dict) -> list[str]:
   return lines
 
 
-def _cells(r: dict, num_stages: int) -> str:
-  """The island's cells: pipeline stages, or (one stage cut by the exchange) chunks."""
+def _cells(r: dict, num_stages: int, tied: bool) -> str:
+  """The island's cells: pipeline stages, or (one stage cut by the exchange) chunks; `tied`:
+  the output layer is the embedding."""
   kind = "stage" if len(r["stages"]) == 1 or num_stages > 1 else "chunk"
   parts = []
   for index, start, stop, first, last in r["stages"]:
     part = f"{kind} {index}: layers {start}-{stop - 1}"
     part += " + embedding" if first else ""
-    part += " + head" if last and not first else (" + head (tied)" if last else "")
+    part += " + head" if last and not first else (" + head (tied)" if last and tied else "")
+    part += " + head" if last and first and not tied else ""
     parts.append(part)
   return "; ".join(parts)
 
@@ -66,7 +68,7 @@ def island_lines(r: dict, e: dict) -> list[str]:
   remat, micro = e["remat"], e["num_microbatches"]
   capacity = "unknown" if memory is None else f"{size_text(memory)} ({memory / 2**30:.3g} GiB)"
   lines = [
-    f"{r['island']} ({_cells(r, num_stages)}; every pod alike), per device:",
+    f"{r['island']} ({_cells(r, num_stages, e['tied_output'])}; every pod alike), per device:",
     f"  parameters       {size_text(r['param_bytes'])} ({r['params'] / 1e9:,.3f}B params)",
     f"  optimizer state  {size_text(r['optimizer_bytes'])}",
     f"  gradients        {size_text(r['gradient_buffer_bytes'])} (running sums)",

@@ -1,4 +1,5 @@
-"""The PaLM model's arithmetic: parameter counts, FLOPs and activation bytes, per layer and whole.
+"""The decoder's arithmetic: parameter counts, FLOPs and activation bytes, per layer and whole, for
+every family (models/family.py: its norms, biases, output layer and sliding windows).
 
 One place for what the plan (stage balancing), the metrics (MFU) and the dry run (memory, step
 time) compute from the model's shapes, so they cannot disagree. Everything takes the model and
@@ -7,7 +8,10 @@ MoE configs (`model.*`, `moe.*`) and plain numbers; nothing here builds or trace
 Notation: d = d_model, H = num_heads, g = num_kv_heads, K = head_dim, F = d_ff, V = vocab_size,
 T = seq_len, L = num_layers. Training FLOPs are PaLM's (Chowdhery et al., 2022, appendix B):
 6 per parameter and token (forward 2, backward 4) plus 12 L H K T for attention's scores and
-weighted sum, with the embedding lookup (a gather) counted as no FLOPs.
+weighted sum, with the embedding lookup (a gather) counted as no FLOPs; a local layer's queries
+see at most its window of keys (12 H K min(T, window)). A tied output layer is the embedding's
+matrix, counted once (its matmul in `layer_costs`, not in 6N, as PaLM counts it); an untied one
+(Llama) is a matrix of its own, counted in both.
 """
 
 import math
@@ -15,13 +19,36 @@ import math
 import jax.numpy as jnp
 
 from pwtrain.errors import ConfigError
+from pwtrain.models import family as family_lib
 from pwtrain.models import moe as moe_lib
 from pwtrain.models.remat import REMAT
 
 
 def attention_params(m) -> int:
-  """One block's attention projections: q and output (H heads), k and v (g heads)."""
-  return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+  """One block's attention projections: q and output (H heads), k and v (g heads); with the
+  family's q/k/v biases and per-head q/k norms."""
+  family = family_lib.of(m)
+  extra = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim if family.qkv_bias else 0
+  extra += 2 * m.head_dim if family.qk_norm else 0
+  return m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + extra
+
+
+def block_norms(m) -> int:
+  """Norms per block: one shared (PaLM's parallel block), two (before attention and the MLP),
+  four with post-norms (Gemma 2)."""
+  family = family_lib.of(m)
+  return 1 if family.parallel_block else 4 if family.post_norms else 2
+
+
+def output_params(m) -> int:
+  """Parameters of an untied output layer (0 when it is the embedding)."""
+  return 0 if family_lib.of(m).tied else m.vocab_size * m.d_model
+
+
+def attention_span(m, layer: int, seq_len: int) -> int:
+  """Keys a query of layer `layer` sees at most: seq_len, or a local layer's window."""
+  window = family_lib.of(m).window(layer)
+  return min(seq_len, window) if window else seq_len
 
 
 def ffn_params(m, moe, layer: int) -> tuple[int, int]:
@@ -35,24 +62,27 @@ def ffn_params(m, moe, layer: int) -> tuple[int, int]:
 
 
 def param_count(m, moe, *, active: bool = False) -> int:
-  """Parameters of the model (embedding shared with the output layer); with `active`, an MoE
+  """Parameters of the model (the embedding, an untied output layer); with `active`, an MoE
   layer counts only the top_k experts a token uses (and its router)."""
   mlp = sum(ffn_params(m, moe, layer)[1 if active else 0] for layer in range(m.num_layers))
-  norms = m.num_layers * m.d_model + m.d_model  # a LayerNorm scale per block, and the final one
-  return m.vocab_size * m.d_model + m.num_layers * attention_params(m) + mlp + norms
+  norms = (m.num_layers * block_norms(m) + 1) * m.d_model  # the blocks' scales, the final one
+  embedding = m.vocab_size * m.d_model + output_params(m)
+  return embedding + m.num_layers * attention_params(m) + mlp + norms
 
 
 def flops_per_token(m, moe, seq_len: int) -> float:
-  """Training FLOPs per token, 6N + 12LHKT (N: active parameters, embedding excluded)."""
+  """Training FLOPs per token, 6N + 12LHKT (N: active parameters, embedding excluded; T a local
+  layer's window where that is shorter)."""
   n = param_count(m, moe, active=True) - m.vocab_size * m.d_model
-  return 6.0 * n + 12.0 * m.num_layers * m.num_heads * m.head_dim * seq_len
+  spans = sum(attention_span(m, layer, seq_len) for layer in range(m.num_layers))
+  return 6.0 * n + 12.0 * m.num_heads * m.head_dim * spans
 
 
 def layer_costs(m, moe, seq_len: int) -> tuple[list[float], float, float]:
   """Training FLOPs per token of each block, of the embedding lookup and of the output layer."""
   blocks = [
     6.0 * (attention_params(m) + ffn_params(m, moe, layer)[1])
-    + 12.0 * m.num_heads * m.head_dim * seq_len
+    + 12.0 * m.num_heads * m.head_dim * attention_span(m, layer, seq_len)
     for layer in range(m.num_layers)
   ]
   head = 6.0 * m.vocab_size * m.d_model
@@ -61,13 +91,13 @@ def layer_costs(m, moe, seq_len: int) -> tuple[list[float], float, float]:
 
 
 def layer_activation_bytes(m, tensor: int, seq_len: int) -> float:
-  """Bytes autodiff saves per token for one block split `tensor` ways: B(2d + 2HK/t + 2gK +
-  3F/t) (block input and LayerNorm output; q and the attention output; k and v; gate, up,
-  hidden) + (4 + B) H/t T (softmax probabilities in float32 and their cast), B = the
-  activation dtype's bytes."""
+  """Bytes autodiff saves per token for one block split `tensor` ways: B(2nd + 2HK/t + 2gK +
+  3F/t) (each of the block's n norms' input and output, block_norms: PaLM's one LayerNorm; q
+  and the attention output; k and v; gate, up, hidden) + (4 + B) H/t T (softmax probabilities
+  in float32 and their cast), B = the activation dtype's bytes."""
   b = jnp.dtype(m.dtype).itemsize
   heads = m.num_heads / tensor
-  saved = 2 * m.d_model + 2 * heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+  saved = 2 * block_norms(m) * m.d_model + 2 * (heads + m.num_kv_heads) * m.head_dim
   saved += 3 * m.d_ff / tensor
   return b * saved + (4 + b) * heads * seq_len
 
