@@ -93,6 +93,9 @@ def get_config():
   # trained on the corpus) or a Hugging Face tokenizers .json ("huggingface").
   c.data.tokenizer_path = ""
   c.data.eos_token = ""  # "huggingface": the document separator ("": </s>, <|endoftext|>, ...)
+  # "huggingface": documents and prompts encoded with the tokenizer's own special tokens (a BOS
+  # where it adds one), as transformers encodes them; an imported model's (pwtrain.convert).
+  c.data.add_special_tokens = False
   c.data.sp_vocab_size = 512
   c.data.seq_len = 128
   c.data.shuffle = True

@@ -14,7 +14,9 @@ layout (checkpoints hold layers unrolled; a scanned model stacks them and scans 
 whichever layout trained the run.
 
 Prompts are `--prompt`, or `--prompt_file` (one prompt per line; blank lines skipped). Each is
-fed as the start of a document (after an EOS, as in training's packed stream) and continued
+fed as the start of a document, as in training's packed stream (after an EOS; with
+data.add_special_tokens, an imported model's, as transformers encodes it: the tokenizer's BOS
+where it adds one, no EOS in front) and continued
 `--num_samples` times by up to `--max_new_tokens` tokens (models/sampling.py: `--temperature`
 0 is greedy, `--top_k`, `--top_p`), stopping at EOS. All rows decode as one batch with a
 KV cache (models/decode.py). Each sample is printed after a header line,
@@ -143,8 +145,9 @@ def sample(
     )
   tokenizer = run_tokenizer(config, workdir)
   step, fns, params = restore_params(config, workdir, restore.reading_mesh(config, devices))
-  # A prompt starts a document: it follows an EOS, as documents do in the packed training data.
-  encoded = [np.concatenate([[tokenizer.eos_id], tokenizer.encode(p)]) for p in prompts]
+  # A prompt starts a document, encoded as documents are in the packed training data: after an
+  # EOS, or (data.add_special_tokens) with the tokenizer's own BOS (data/tokenizer.py).
+  encoded = [tokenizer.prompt(p) for p in prompts]
   rows = [ids for ids in encoded for _ in range(num_samples)]
   lengths = np.asarray([len(ids) for ids in rows], np.int32)
   batch = np.full((len(rows), int(lengths.max())), tokenizer.pad_id, np.int32)
@@ -173,7 +176,7 @@ def sample(
       Sample(
         prompt=r // num_samples,
         sample=r % num_samples,
-        text=tokenizer.decode(np.concatenate([ids[1:], new])),
+        text=tokenizer.decode(np.concatenate([ids, new])),  # special ids dropped
         new_tokens=len(new) - eos,
         stopped_at_eos=eos,
         checkpoint_step=step,

@@ -1,7 +1,8 @@
 """Training batches: a Grain pipeline from a random-access text source to packed token windows.
 
   source -> shuffle(seed) -> repeat (reshuffled per epoch) -> [every k-th: stream i of k]
-    -> tokenize + EOS -> (iterator) -> concat-then-split into windows of seq_len + 1
+    -> tokenize (tokenizer.document: + EOS) -> (iterator) -> concat-then-split into windows of
+    seq_len + 1
     -> batch -> {'inputs', 'targets'}
 
 Packing follows PaLM: documents are concatenated with EOS separators and cut into fixed windows,
@@ -51,6 +52,7 @@ _STREAM_KEYS = (
   "data.split",
   "data.text_key",
   "data.tokenizer",
+  "data.add_special_tokens",
   "data.seq_len",
   "data.shuffle",
   "data.streams",
@@ -139,7 +141,11 @@ class TrainBatches:
     }
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Restores the position of every stream read here from `state` (which may hold more)."""
+    """Restores the position of every stream read here from `state` (which may hold more); an
+    empty state, {}, is every stream's start (a checkpoint written before any data was read:
+    an imported model's, pwtrain.convert)."""
+    if not state:
+      return
     state = _current_format(state)
     changed = {
       key: (value, self._stream.get(key))
@@ -210,8 +216,7 @@ def packed_batches(
   (i, k) packs only every k-th document from the i-th on (k = 1: all)."""
 
   def tokenize(example):
-    tokens = tokenizer.encode(example[text_key])
-    return {"tokens": np.append(tokens, np.int32(tokenizer.eos_id))}
+    return {"tokens": tokenizer.document(example[text_key])}
 
   ds = grain.MapDataset.source(source)
   if seed is not None:

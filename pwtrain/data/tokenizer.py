@@ -4,7 +4,8 @@ existing model at `data.tokenizer_path`), or a Hugging Face `tokenizers` JSON fi
 Documents are separated by `eos_id`. The byte tokenizer and pwtrain's own SentencePiece models
 reserve id 0 for padding and id 1 for EOS; a loaded tokenizer keeps its own ids (padding is only
 for display: the loss ignores negative targets, not an id). Interface: `vocab_size`, `pad_id`,
-`eos_id`, `token_bytes`, `encode(str | bytes) -> int32[n]`, `decode(ids)`.
+`eos_id`, `token_bytes`, `encode(str | bytes) -> int32[n]`, `decode(ids)`, and what a document
+and a prompt are in the token stream, `document(text)` and `prompt(text)` (`Documents`).
 """
 
 import functools
@@ -34,7 +35,18 @@ _SP_TRAIN_BYTES = 4_000_000
 _SP_TRAIN_MAX_EXAMPLES = 20_000
 
 
-class ByteTokenizer:
+class Documents:
+  """A document in the packed stream is its ids then EOS, which separates it from the next; a
+  prompt is the start of a document, so it follows an EOS."""
+
+  def document(self, text: str | bytes) -> np.ndarray:
+    return np.append(self.encode(text), np.int32(self.eos_id))
+
+  def prompt(self, text: str | bytes) -> np.ndarray:
+    return np.concatenate([[self.eos_id], self.encode(text)]).astype(np.int32)
+
+
+class ByteTokenizer(Documents):
   """UTF-8 bytes: byte b has id b + 2, after pad (0) and EOS (1). Never unknown, never trained."""
 
   pad_id = PAD_ID
@@ -59,7 +71,7 @@ class ByteTokenizer:
     return data.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(Documents):
   """A trained SentencePiece model with pad id 0 and EOS id 1 (see `train_sentencepiece`)."""
 
   def __init__(self, model_path: str):
@@ -104,11 +116,16 @@ class SentencePieceTokenizer:
     return self._sp.decode(ids[keep].tolist())
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(Documents):
   """A Hugging Face `tokenizers` JSON file (`pip install 'pwtrain[tokenizers]'`); EOS is
-  `eos_token`, or the first of EOS_TOKENS in its vocabulary."""
+  `eos_token`, or the first of EOS_TOKENS in its vocabulary.
 
-  def __init__(self, path: str, eos_token: str = ""):
+  With `add_special_tokens` (data.add_special_tokens: an imported model's, pwtrain.convert),
+  documents and prompts are encoded as transformers encodes them, with the special tokens the
+  tokenizer's post-processor adds (a BOS where it adds one): a document is that, then EOS unless
+  the tokenizer ended it with one; a prompt is that without a final EOS, and no EOS in front."""
+
+  def __init__(self, path: str, eos_token: str = "", add_special_tokens: bool = False):
     try:
       import tokenizers
     except ImportError:
@@ -134,6 +151,7 @@ class HuggingFaceTokenizer:
     self.pad_id = self.eos_id
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self._special = {v for k, v in vocab.items() if k in _added_special(self._tok)}
+    self.add_special_tokens = add_special_tokens
 
   @functools.cached_property
   def token_bytes(self) -> np.ndarray:
@@ -154,6 +172,23 @@ class HuggingFaceTokenizer:
     ids = np.asarray(ids, np.int64).ravel()
     keep = (ids >= 0) & (ids < self.vocab_size)
     return self._tok.decode(ids[keep].tolist(), skip_special_tokens=True)
+
+  def _with_special(self, text) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode("utf-8", errors="replace")
+    return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, np.int32)
+
+  def document(self, text: str | bytes) -> np.ndarray:
+    if not self.add_special_tokens:
+      return super().document(text)
+    ids = self._with_special(text)
+    return ids if len(ids) and ids[-1] == self.eos_id else np.append(ids, np.int32(self.eos_id))
+
+  def prompt(self, text: str | bytes) -> np.ndarray:
+    if not self.add_special_tokens:
+      return super().prompt(text)
+    ids = self._with_special(text)
+    return ids[:-1] if len(ids) and ids[-1] == self.eos_id else ids
 
 
 def _added_special(tok) -> set[str]:
@@ -229,7 +264,7 @@ def build_tokenizer(
   if data_cfg.tokenizer == "huggingface":
     if not path:
       raise DataError("data.tokenizer='huggingface' needs data.tokenizer_path (a JSON file)")
-    return HuggingFaceTokenizer(path, data_cfg.eos_token)
+    return HuggingFaceTokenizer(path, data_cfg.eos_token, data_cfg.add_special_tokens)
   if data_cfg.tokenizer == "sentencepiece" and path:
     return SentencePieceTokenizer(path)
   if data_cfg.tokenizer == "sentencepiece":
