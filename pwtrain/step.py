@@ -53,10 +53,11 @@ def model_fns(model_cfg, moe=None, **stage) -> ModelFns:
   return ModelFns(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes), model_cfg, moe)
 
 
-def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int) -> dict:
+def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int, params=None) -> dict:
+  """The state at step 0: `fns.init`'s parameters, or `params` given (an imported model's)."""
   key = jax.random.key(seed)
   params_key, rng = jax.random.split(key)
-  params = fns.init(params_key)
+  params = fns.init(params_key) if params is None else params
   return {
     "step": jnp.zeros((), jnp.int32),
     "params": params,

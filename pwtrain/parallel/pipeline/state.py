@@ -140,8 +140,8 @@ def whole_abstract(cell_abstract: dict, stages: list, num_pods: int, per_pod: bo
   return pod(0)
 
 
-def train_state(fns, tx, seed: int, exchange: Exchange) -> dict:
+def train_state(fns, tx, seed: int, exchange: Exchange, params=None) -> dict:
   """The whole-model train state, with what the exchange carries (stale gradients, DiLoCo's
-  anchor, error-feedback residuals)."""
-  state = step_lib.init_state(fns, tx, seed)
+  anchor, error-feedback residuals); `params` given, those (step_lib.init_state)."""
+  state = step_lib.init_state(fns, tx, seed, params)
   return {**state, **exchange.init_state(state["params"])}

@@ -1,0 +1,84 @@
+"""The tokenizer's files of a Hugging Face checkpoint, checked against the model, copied into a
+run (`<workdir>/tokenizer/`) and back out with an export.
+
+A checkpoint's `tokenizer.json` (the `tokenizers` library's file, which pwtrain's
+data.tokenizer="huggingface" reads) is required; `tokenizer_config.json`,
+`special_tokens_map.json` and `generation_config.json` travel with it where they exist. The
+tokenizer must fit the model: no more ids than model.vocab_size, and the end-of-sequence token
+(tokenizer_config.json's `eos_token`, else config.json's `eos_token_id`) must be one of its ids.
+"""
+
+import json
+import os
+import shutil
+
+from pwtrain.errors import DataError
+
+TOKENIZER = "tokenizer.json"
+COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+RUN_DIR = "tokenizer"  # under the workdir
+
+
+def check(directory: str, hf_config: dict, vocab_size: int) -> dict:
+  """The data.* keys of the checkpoint in `directory`'s tokenizer: {"data.tokenizer",
+  "data.eos_token", "data.add_special_tokens"}; a DataError naming the file and key when it is
+  missing or does not fit a model of `vocab_size` ids."""
+  path = os.path.join(directory, TOKENIZER)
+  if not os.path.isfile(path):
+    raise DataError(
+      f"{path} is missing: the checkpoint's tokenizer (the `tokenizers` library's JSON, which "
+      "transformers saves with the model) is needed to encode its text"
+    )
+  import tokenizers
+
+  try:
+    tok = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # noqa: BLE001 - the library raises its own exception types
+    raise DataError(f"{path} is not a tokenizers JSON file ({str(e)[:200]})") from None
+  size = tok.get_vocab_size(with_added_tokens=True)
+  if size > vocab_size:
+    raise DataError(
+      f"{path}: the tokenizer has {size} ids, the model's embedding {vocab_size} "
+      f"(config.json vocab_size): the tokenizer does not belong to this model"
+    )
+  eos, source = _eos_token(directory, hf_config, tok)
+  if eos is None or tok.token_to_id(eos) is None:
+    raise DataError(
+      f"{source}: the end-of-sequence token {eos!r} is not in {path}'s vocabulary: the "
+      "tokenizer does not belong to this model"
+    )
+  return {"data.tokenizer": "huggingface", "data.eos_token": eos, "data.add_special_tokens": True}
+
+
+def _eos_token(directory: str, hf_config: dict, tok) -> tuple:
+  """(the EOS token's text, the file that names it)."""
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      eos = json.load(f).get("eos_token")
+    if isinstance(eos, dict):
+      eos = eos.get("content")
+    if eos:
+      return eos, f"{config_path} eos_token"
+  ids = hf_config.get("eos_token_id")
+  first = ids[0] if isinstance(ids, list) and ids else ids
+  where = f"{os.path.join(directory, 'config.json')} eos_token_id={ids!r}"
+  if not isinstance(first, int):
+    return None, where
+  return tok.id_to_token(first), where
+
+
+def copy(source: str, target: str) -> list[str]:
+  """Copies the tokenizer's files that exist from `source` to `target` (created); their names."""
+  os.makedirs(target, exist_ok=True)
+  names = [n for n in (TOKENIZER, *COMPANIONS) if os.path.isfile(os.path.join(source, n))]
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+  return names
+
+
+def generation_config(hf_config: dict) -> dict:
+  """A generation_config.json for a checkpoint that came without one: its special token ids."""
+  ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+  out = {k: hf_config[k] for k in ids if k in hf_config}
+  return {**out, "transformers_version": hf_config.get("transformers_version", "")}
