@@ -122,6 +122,7 @@ class Sample:
   sample: int  # 0..num_samples-1
   text: str  # the prompt followed by its continuation, decoded
   new_tokens: int  # tokens of the continuation, EOS not counted
+  ids: tuple  # the continuation's token ids (its EOS included)
   stopped_at_eos: bool
   checkpoint_step: int
 
@@ -178,6 +179,7 @@ def sample(
         sample=r % num_samples,
         text=tokenizer.decode(np.concatenate([ids, new])),  # special ids dropped
         new_tokens=len(new) - eos,
+        ids=tuple(int(i) for i in new),
         stopped_at_eos=eos,
         checkpoint_step=step,
       )

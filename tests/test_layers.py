@@ -44,7 +44,8 @@ LAYERS = (
   # steps over the live pods: a lost pod dropped, a returning one rejoined.
   ("dryrun", "elastic"),
   ("train",),  # the training loop
-  ("main", "sample", "launch"),  # entry points: training and the dry run; sampling; launcher
+  # entry points: training and the dry run; sampling; launcher; Hugging Face conversion
+  ("main", "sample", "launch", "convert"),
 )
 LAYER = {component: i for i, layer in enumerate(LAYERS) for component in layer}
 

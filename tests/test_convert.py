@@ -1,0 +1,303 @@
+"""Hugging Face checkpoints in and out (pwtrain/convert/), against transformers on a CPU torch.
+
+Each architecture is a tiny model with random weights (every tensor drawn, norms included, so
+Gemma's 1 + w is tested) built by transformers and saved to a temporary directory with a
+tokenizer trained here (a byte-level BPE whose post-processor adds a BOS, wrapped as
+transformers' fast tokenizer): nothing is downloaded. Checks: pwtrain's logits equal
+transformers' (max |d| <= 1e-4 in float32, KL <= 1e-6); greedy generation by `pwtrain.sample`
+equals `generate` for 32 tokens; HF -> pwtrain -> HF is bitwise with equal config keys, and
+transformers loads the export; every kind of bad input is one line naming the file and the key,
+and writes nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import REPO
+from safetensors import safe_open
+
+from pwtrain import restore
+from pwtrain import sample as sample_lib
+from pwtrain.convert import exporter, importer, safetensors_io
+from pwtrain.errors import UserError
+from pwtrain.models.sampling import Sampling
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  bos_token_id=1,
+  eos_token_id=2,
+  pad_token_id=0,
+  max_position_embeddings=256,
+)
+# architecture -> (its config's own keys, the seed of its random weights).
+MODELS = {
+  "llama": (
+    "LlamaConfig",
+    dict(
+      rope_theta=500000.0,
+      rms_norm_eps=1e-5,
+      rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+      },
+    ),
+  ),
+  "mistral": ("MistralConfig", dict(sliding_window=8)),
+  "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+  "qwen3": ("Qwen3Config", {}),
+  "gemma": ("GemmaConfig", dict(num_key_value_heads=1)),
+  "gemma2": (
+    "Gemma2Config",
+    dict(query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=50.0),
+  ),
+}
+PROMPT = "def main(): return"
+SEEDS = {"gemma": 3}  # weights whose greedy continuation runs 32 tokens without an EOS
+
+
+def _tokenizer():
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300,
+    special_tokens=["<pad>", "<bos>", "<eos>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  text = ["def main(): return 1", "hello world, the quick brown fox", "import os\nprint(os)"]
+  tok.train_from_iterator(text * 4, trainer)
+  tok.post_processor = processors.TemplateProcessing(
+    single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+  )
+  return transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+  )
+
+
+def make_hf(name, directory, *, dtype=None, **more):
+  """A tiny random `name` model and the tokenizer, saved to `directory`; the model."""
+  tok = _tokenizer()
+  config_class, keys = MODELS[name]
+  config = getattr(transformers, config_class)(**{**COMMON, "vocab_size": len(tok), **keys, **more})
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  generator = torch.Generator().manual_seed(SEEDS.get(name, 1))
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+  if dtype is not None:
+    model = model.to(dtype)
+  model.save_pretrained(directory)
+  tok.save_pretrained(directory)
+  return model.eval()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  """{architecture: (HF dir, its model, the pwtrain run imported from it)}."""
+  out = {}
+  for name in MODELS:
+    root = tmp_path_factory.mktemp(name)
+    model = make_hf(name, root / "hf")
+    importer.from_hf(str(root / "hf"), str(root / "run"))
+    out[name] = (root / "hf", model, root / "run")
+  return out
+
+
+def _logits_both(hf_dir, model, run, tokens):
+  config = sample_lib.load_config(None, str(run))
+  _, fns, params = sample_lib.restore_params(config, str(run), restore.reading_mesh(config))
+  ours = jax.jit(lambda p, t: fns.module(p)(t))(params, tokens)
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens, dtype=torch.long)).logits
+  return np.asarray(ours, np.float64), theirs.double().numpy()
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_equal_transformers(imported, name):
+  hf_dir, model, run = imported[name]
+  # 40 positions: past the sliding windows (8) of mistral and gemma2.
+  tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 40)).astype(np.int32)
+  ours, theirs = _logits_both(hf_dir, model, run, tokens)
+  assert np.max(np.abs(ours - theirs)) <= 1e-4, np.max(np.abs(ours - theirs))
+  p, q = _log_softmax(theirs), _log_softmax(ours)
+  kl = np.sum(np.exp(p) * (p - q), axis=-1)
+  assert np.max(kl) <= 1e-6, np.max(kl)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "gemma2"])
+def test_greedy_generation_equals_transformers_generate(imported, name):
+  """`pwtrain.sample` at temperature 0 (its prompt encoded as the HF tokenizer does: BOS, no
+  EOS in front) continues the prompt with transformers' greedy tokens, 32 of them."""
+  hf_dir, model, run = imported[name]
+  config = sample_lib.load_config(None, str(run))
+  (ours,) = sample_lib.sample(
+    config,
+    str(run),
+    [PROMPT],
+    sampling=Sampling(temperature=0.0),
+    max_new_tokens=32,
+    num_samples=1,
+    seed=0,
+  )
+  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  encoded = tok(PROMPT, return_tensors="pt")
+  assert encoded.input_ids[0, 0] == tok.bos_token_id
+  with torch.no_grad():
+    out = model.generate(**encoded, max_new_tokens=32, do_sample=False)
+  theirs = tuple(out[0, encoded.input_ids.shape[1] :].tolist())
+  assert len(theirs) == 32 and ours.ids == theirs, (ours.ids, theirs)
+
+
+def _tensors(directory):
+  out = {}
+  for name in os.listdir(directory):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(directory, name), framework="numpy") as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+  return out
+
+
+CONFIG_KEYS = (
+  "architectures",
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+  "num_key_value_heads",
+  "head_dim",
+  "rms_norm_eps",
+  "rope_parameters",
+  "tie_word_embeddings",
+  "sliding_window",
+  "query_pre_attn_scalar",
+  "attn_logit_softcapping",
+  "final_logit_softcapping",
+  "layer_types",
+  "hidden_act",
+  "hidden_activation",
+  "dtype",
+)
+
+
+@pytest.mark.processes
+def test_round_trip_is_bitwise_and_transformers_loads_the_export(imported, tmp_path):
+  """HF -> pwtrain -> HF (the command, sharded by --shard_size) for every architecture: every
+  tensor bitwise equal, the config keys that matter equal, and from_pretrained loads it."""
+  for name, (hf_dir, _, run) in imported.items():
+    out = tmp_path / name
+    if name == "llama":
+      command = [sys.executable, "-m", "pwtrain.convert", "to_hf", f"--workdir={run}", str(out)]
+      proc = subprocess.run(
+        [*command, "--shard_size=40KB"], cwd=REPO, capture_output=True, text=True, timeout=300
+      )
+      assert proc.returncode == 0, proc.stderr[-3000:]
+      assert os.path.isfile(out / safetensors_io.INDEX)
+    else:
+      config = sample_lib.load_config(None, str(run))
+      exporter.to_hf(config, str(run), str(out), shard_size=10**9)
+    before, after = _tensors(hf_dir), _tensors(out)
+    assert sorted(before) == sorted(after), name
+    for key, value in before.items():
+      assert value.dtype == after[key].dtype and value.shape == after[key].shape, key
+      assert value.tobytes() == after[key].tobytes(), f"{name}: {key}"
+    a, b = (json.loads((d / "config.json").read_text()) for d in (hf_dir, out))
+    assert {k: a.get(k) for k in CONFIG_KEYS} == {k: b.get(k) for k in CONFIG_KEYS}, name
+    for file in ("tokenizer.json", "generation_config.json"):
+      assert (out / file).read_bytes() == (hf_dir / file).read_bytes(), file
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path / "llama", attn_implementation="eager"
+  )
+  tokens = torch.tensor([[1, 5, 9, 13]])
+  with torch.no_grad():
+    assert torch.equal(loaded(tokens).logits, imported["llama"][1](tokens).logits)
+
+
+def test_bf16_round_trip_is_bitwise(tmp_path):
+  make_hf("gemma2", tmp_path / "hf", dtype=torch.bfloat16)
+  importer.from_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+  config = sample_lib.load_config(None, str(tmp_path / "run"))
+  assert config.model.param_dtype == "bfloat16"
+  exporter.to_hf(config, str(tmp_path / "run"), str(tmp_path / "out"), shard_size=10**9)
+  before, after = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+  assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
+
+
+def _damage(directory, how):
+  """Breaks a saved HF checkpoint one way; returns (the file, the key) the error must name."""
+  config_path = directory / "config.json"
+  config = json.loads(config_path.read_text())
+  if how == "missing config":
+    config_path.unlink()
+    return "config.json", "missing"
+  if how == "architecture":
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config_path.write_text(json.dumps(config))
+    return "config.json", "LlamaForCausalLM"
+  if how == "shape":
+    config["intermediate_size"] = 100
+    config_path.write_text(json.dumps(config))
+    return "model.safetensors", "gate_proj.weight"
+  if how == "dtype":
+    config["dtype"] = "bfloat16"
+    config_path.write_text(json.dumps(config))
+    return "model.safetensors", "torch_dtype='bfloat16'"
+  if how == "tokenizer":
+    config["vocab_size"] = 64
+    config_path.write_text(json.dumps(config))
+    return "tokenizer.json", "vocab_size"
+  if how == "missing tokenizer":
+    (directory / "tokenizer.json").unlink()
+    return "tokenizer.json", "missing"
+  raise AssertionError(how)
+
+
+BAD = ("missing config", "architecture", "shape", "dtype", "tokenizer", "missing tokenizer")
+
+
+@pytest.mark.parametrize("how", BAD)
+def test_bad_input_is_one_line_naming_file_and_key_and_writes_nothing(imported, tmp_path, how):
+  import shutil
+
+  source = tmp_path / "hf"
+  shutil.copytree(imported["llama"][0], source)
+  file, key = _damage(source, how)
+  workdir = tmp_path / "run"
+  with pytest.raises(UserError) as refused:
+    importer.from_hf(str(source), str(workdir))
+  message = str(refused.value)
+  assert "\n" not in message and file in message and key in message, message
+  assert not workdir.exists()
+
+
+def test_a_palm_run_is_refused_naming_the_families_that_export(tmp_path):
+  from helpers import tiny_test_config
+
+  with pytest.raises(UserError) as refused:
+    exporter.to_hf(tiny_test_config(), str(tmp_path), str(tmp_path / "out"), shard_size=1)
+  assert "model.family='palm'" in str(refused.value) and "'llama' and 'gemma'" in str(refused.value)
+  assert not (tmp_path / "out").exists()
