@@ -1,0 +1,88 @@
+"""Tiny Hugging Face models built by transformers (CPU torch) with random weights, and a tokenizer
+trained here, saved to directories: what the conversion tests import. Nothing is downloaded.
+
+Every weight is drawn (norms included, so Gemma's 1 + w is tested). The tokenizer is a
+byte-level BPE whose post-processor adds a BOS, wrapped as transformers' fast tokenizer; the
+models' vocabularies are its size.
+"""
+
+import torch
+import transformers
+
+COMMON = dict(
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  bos_token_id=1,
+  eos_token_id=2,
+  pad_token_id=0,
+  max_position_embeddings=256,
+)
+# architecture -> (its config's own keys, the seed of its random weights).
+MODELS = {
+  "llama": (
+    "LlamaConfig",
+    dict(
+      rope_theta=500000.0,
+      rms_norm_eps=1e-5,
+      rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+      },
+    ),
+  ),
+  "mistral": ("MistralConfig", dict(sliding_window=8)),
+  "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+  "qwen3": ("Qwen3Config", {}),
+  "gemma": ("GemmaConfig", dict(num_key_value_heads=1)),
+  "gemma2": (
+    "Gemma2Config",
+    dict(query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=50.0),
+  ),
+}
+SEEDS = {"gemma": 3}  # weights whose greedy continuation runs 32 tokens without an EOS
+
+
+def _tokenizer():
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300,
+    special_tokens=["<pad>", "<bos>", "<eos>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  text = ["def main(): return 1", "hello world, the quick brown fox", "import os\nprint(os)"]
+  tok.train_from_iterator(text * 4, trainer)
+  tok.post_processor = processors.TemplateProcessing(
+    single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+  )
+  return transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+  )
+
+
+def make_hf(name, directory, *, dtype=None, **more):
+  """A tiny random `name` model and the tokenizer, saved to `directory`; the model."""
+  tok = _tokenizer()
+  config_class, keys = MODELS[name]
+  config = getattr(transformers, config_class)(**{**COMMON, "vocab_size": len(tok), **keys, **more})
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  generator = torch.Generator().manual_seed(SEEDS.get(name, 1))
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+  if dtype is not None:
+    model = model.to(dtype)
+  model.save_pretrained(directory)
+  tok.save_pretrained(directory)
+  return model.eval()
