@@ -223,3 +223,55 @@ def test_a_palm_run_is_refused_naming_the_families_that_export(tmp_path):
     exporter.to_hf(tiny_test_config(), str(tmp_path), str(tmp_path / "out"), shard_size=1)
   assert "model.family='palm'" in str(refused.value) and "'llama' and 'gemma'" in str(refused.value)
   assert not (tmp_path / "out").exists()
+
+
+def test_documents_and_prompts_are_encoded_as_transformers_encodes_them(imported):
+  """An imported model's text: a document is the HF tokenizer's encoding (its BOS first) then
+  EOS; a prompt is that encoding alone, with no EOS in front."""
+  from pwtrain.data import build_tokenizer
+
+  hf_dir, _, run = imported["llama"]
+  config = sample_lib.load_config(None, str(run))
+  ours = build_tokenizer(config.data, str(run))
+  theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  text = "print(os) # hello"
+  ids = theirs(text).input_ids
+  assert ids[0] == theirs.bos_token_id
+  assert ours.prompt(text).tolist() == ids
+  assert ours.document(text).tolist() == [*ids, theirs.eos_token_id]
+
+
+def test_fine_tuning_is_an_ordinary_run_and_exports_what_it_trained(imported, tmp_path):
+  """HF dir -> from_hf -> train.run (resumes at step 0: no data read yet) -> to_hf -> HF dir
+  whose logits are the fine-tuned parameters'."""
+  import shutil
+
+  from pwtrain import config as config_lib
+  from pwtrain import train
+
+  run = tmp_path / "run"
+  shutil.copytree(imported["llama"][2], run)
+  overrides = {
+    "train.num_steps": 2,
+    "train.eval_every": 0,
+    "data.max_files": 10,
+    "data.seq_len": 32,
+    "train.global_batch": 8,
+  }
+  config = config_lib.load(str(run / importer.CONFIG_FILE), overrides)
+  config.unlock()
+  config.data.tokenizer_path = str(run / "tokenizer" / "tokenizer.json")  # the copy's
+  result = train.run(config, str(run), show_progress=False)
+  assert (result.start_step, result.final_step) == (0, 2)
+  exporter.to_hf(config, str(run), str(tmp_path / "out"), shard_size=10**9)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path / "out", attn_implementation="eager"
+  )
+  tokens = np.arange(1, 20, dtype=np.int32)[None]
+  _, fns, _ = sample_lib.restore_params(config, str(run), restore.reading_mesh(config))
+  ours = np.asarray(fns.module(result.state["params"])(tokens))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  assert np.max(np.abs(ours - theirs)) <= 1e-4
+  before = _tensors(imported["llama"][0])["lm_head.weight"]
+  assert not np.array_equal(_tensors(tmp_path / "out")["lm_head.weight"], before)  # it trained
