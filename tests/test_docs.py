@@ -194,8 +194,10 @@ def _tokens(command: str) -> list[str]:
 
 
 def _module_file(module: str):
+  """The module's file, or a package's __main__.py (`python -m pwtrain.convert`)."""
   path = REPO.joinpath(*module.split(".")).with_suffix(".py")
-  return path if path.is_file() else None
+  package = REPO.joinpath(*module.split("."), "__main__.py")
+  return path if path.is_file() else package if package.is_file() else None
 
 
 @functools.cache
@@ -319,8 +321,11 @@ def check_command(words: list[str], where: str) -> list[str]:
       overrides[name.removeprefix("config.")] = value
     elif name not in flags:
       problems.append(f"{where}: {module} has no flag --{name}")
-  if module == "pwtrain.main" and config_spec is None:
-    config_spec = "palm_tiny"  # its default
+  if module in ("pwtrain.main", "pwtrain.convert") and config_spec is None:
+    config_spec = "palm_tiny"  # main's default; the defaults convert's from_hf starts from
+  if config_spec is not None and "<" in config_spec:
+    config_spec = None  # a file of the user's (`--config=<run>/config.py`): not in the repository
+    overrides = {}
   if config_spec is not None:
     from pwtrain import config as config_lib
 
