@@ -95,23 +95,40 @@ def _tokenizer(path: str) -> None:
     json.dump({"eos_token": "</s>", "bos_token": "<s>"}, out)
 
 
-def child_peak(command: list[str]) -> tuple[float, float]:
-  """Peak RSS (bytes) and seconds of `command`, measured in a fresh wrapper process so that
-  earlier children do not mask it."""
-  wrapper = (
-    "import resource, subprocess, sys, time, json; t = time.perf_counter(); "
-    "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-    "print(json.dumps({'rc': p.returncode, 'err': p.stderr[-2000:], "
-    "'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "
-    "'s': time.perf_counter() - t}))"
-  )
+# Run in a fresh wrapper process, so that earlier children do not mask the peak: the command's
+# ru_maxrss (all resident pages, a file's mapped pages included), and the peak of its anonymous
+# resident memory (RssAnon: what it holds, not the page cache of the files it maps), sampled
+# every 50 ms from /proc.
+_WRAPPER = """
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+anon = 0
+while p.poll() is None:
+  try:
+    with open(f"/proc/{p.pid}/status") as f:
+      for line in f:
+        if line.startswith("RssAnon:"):
+          anon = max(anon, int(line.split()[1]) * 1024)
+  except OSError:
+    pass
+  time.sleep(0.05)
+err = p.stderr.read()
+rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"rc": p.returncode, "err": err[-2000:], "rss": rss, "anon": anon,
+                  "s": time.perf_counter() - t}))
+"""
+
+
+def child_peak(command: list[str]) -> tuple[float, float, float]:
+  """(peak RSS, peak anonymous RSS, seconds) of `command`."""
   proc = subprocess.run(
-    [sys.executable, "-c", wrapper, *command], cwd=REPO, capture_output=True, text=True
+    [sys.executable, "-c", _WRAPPER, *command], cwd=REPO, capture_output=True, text=True
   )
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   if out["rc"]:
     raise SystemExit(f"{' '.join(command)} failed:\n{out['err']}")
-  return float(out["rss"]), out["s"]
+  return float(out["rss"]), float(out["anon"]), out["s"]
 
 
 def same_tensors(a: str, b: str) -> bool:
@@ -157,17 +174,17 @@ def main() -> None:
     "params": params,
     "state_bytes": state_bytes,
     **{f"{k}_peak_rss_bytes": v[0] for k, v in rows.items()},
-    **{f"{k}_seconds": v[1] for k, v in rows.items()},
+    **{f"{k}_peak_anon_rss_bytes": v[1] for k, v in rows.items()},
+    **{f"{k}_seconds": v[2] for k, v in rows.items()},
     "bitwise_round_trip": same_tensors(source, out),
   }
   print(json.dumps(result, indent=2))
   gb = lambda b: f"{b / 1e9:.2f} GB"
+  for name, (rss, anon, seconds) in rows.items():
+    print(f"{name}: peak RSS {gb(rss)}, peak anonymous RSS {gb(anon)}, {seconds:.0f} s")
   print(
-    f"checkpoint {gb(size)} ({params / 1e6:.0f}M float32 parameters); floor (JAX + converter) "
-    f"{gb(rows['floor'][0])}; from_hf peak {gb(rows['from_hf'][0])} (train state on the CPU "
-    f"devices {gb(state_bytes)}, so {gb(rows['from_hf'][0] - state_bytes)} besides it), "
-    f"{rows['from_hf'][1]:.0f} s; to_hf peak {gb(rows['to_hf'][0])}, {rows['to_hf'][1]:.0f} s; "
-    f"round trip bitwise: {result['bitwise_round_trip']}"
+    f"checkpoint {gb(size)} ({params / 1e6:.0f}M float32 parameters); the import's train state "
+    f"on the CPU devices {gb(state_bytes)}; round trip bitwise: {result['bitwise_round_trip']}"
   )
   if not args.keep:
     shutil.rmtree(args.dir, ignore_errors=True)

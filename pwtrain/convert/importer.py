@@ -196,11 +196,13 @@ def _write_checkpoint(config, workdir: str, reader, entries, abstract) -> None:
   exchange = exchange_lib.make(config)
   fns = step_lib.model_fns(config.model, config.moe)
   shardings = jax.tree.map(lambda leaf: leaf.sharding, one)
-  state = jax.jit(
-    lambda p: train_state(fns, tx, config.seed, exchange, params=p),
-    out_shardings=shardings,
-    donate_argnums=0,
-  )(params)
+  del shardings["params"]
+
+  def rest(params):  # everything but the parameters, which stay the arrays read (no copy)
+    state = train_state(fns, tx, config.seed, exchange, params=params)
+    return {k: v for k, v in state.items() if k != "params"}
+
+  state = {**jax.jit(rest, out_shardings=shardings)(params), "params": params}
   if "pods" in abstract:
     state = {"pods": [state] * config.parallel.pods}
   ckpt = Checkpointer(
