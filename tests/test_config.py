@@ -30,7 +30,7 @@ def test_configs_ship_in_the_package_and_paths_still_work():
   assert config_lib.resolve("palm_8b:x") == f"{shipped['palm_8b']}:x"
   assert config_lib.resolve("configs/palm_tiny.py") == "configs/palm_tiny.py"  # a path as it is
   assert (REPO / "configs" / "palm_tiny.py").samefile(shipped["palm_tiny"])
-  with pytest.raises(ConfigError, match="did you mean palm_tiny[?] The shipped configs: palm_1b"):
+  with pytest.raises(ConfigError, match="did you mean palm_tiny[?] The shipped configs: gemma2_2b"):
     config_lib.resolve("palm_tyni")
 
 

@@ -65,10 +65,10 @@ def state_shardings(fns, mesh, abstract_state, rules=sharding_lib.DEFAULT_RULES)
   (optimizer moments, stale gradients, DiLoCo's anchor and momentum) like the params; the rest
   (counters, scalars, the RNG key) replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
-  params = jax.tree.map(
+  params = jax.tree.map(  # the state's params' shapes: a dim split only where it divides
     lambda axes, param: sharding_lib.named_sharding(mesh, axes, rules, param.shape),
     fns.logical_axes,
-    fns.abstract_params,
+    abstract_state["params"],
     is_leaf=lambda x: isinstance(x, tuple),
   )
 
