@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out (pwtrain/convert/), against transformers on a CPU torch.
+"""Hugging Face checkpoints in and out (pwtrain/convert/), against transformers on a CPU torch
+(the models: tests/hf_models.py).
 
 Each architecture is a tiny model with random weights (every tensor drawn, norms included, so
 Gemma's 1 + w is tested) built by transformers and saved to a temporary directory with a

@@ -7,8 +7,8 @@ rope scaling, a sliding window on every layer, an untied output layer; gemma: GQ
 global layers, both soft caps, post-norms, the query scale, a tied output layer), and runs 2
 SGD steps (test_parity's reasons: an update linear in the gradient) one way per kind of layout
 rather than the cross product: FSDP x tensor x data on one island (K/V heads split over tensor),
-2 stages x 2 pods with a schedule (interleaved for gemma; for llama, 1F1B with the imported
-model, whose output layer is untied), and scanned layers.
+2 stages x 2 pods with a schedule (GPipe for gemma; for llama, 1F1B with the imported model,
+whose output layer is untied), and scanned layers.
 """
 
 import os
@@ -52,7 +52,7 @@ LAYOUTS = {
 }
 SCHEDULES = {
   "llama": {"parallel.schedule": "1f1b"},
-  "gemma": {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+  "gemma": {"parallel.schedule": "gpipe"},
 }
 
 
