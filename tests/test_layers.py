@@ -37,10 +37,11 @@ LAYERS = (
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)
   ("configs",),  # the shipped configs: files that start from the defaults or from each other
-  ("harness",),  # config -> a ready step
+  # config -> a ready step; a trained run's model for inference (config, tokenizer, weights).
+  ("harness", "inference"),
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
-  # steps over the live pods: a lost pod dropped, a returning one rejoined.
-  ("dryrun", "elastic"),
+  # steps over the live pods: a lost pod dropped, a returning one rejoined; serving over HTTP.
+  ("dryrun", "elastic", "serve"),
   ("train",),  # the training loop
   ("main", "sample", "launch"),  # entry points: training and the dry run; sampling; launcher
 )

@@ -10,7 +10,6 @@ pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -198,7 +197,7 @@ class LocalDispatcher:
     `runs_here`); a future per program output. `priority`: placed by the policy
     (backend/policy.py) rather than at the end of each queue."""
     futures: dict[str, concurrent.futures.Future] = {}
-    placed: list | None = [] if priority else None  # priority work, placed together at the end
+    placed: list | None = [] if priority else None  # priority work: placed together at the end
     publishes = self._publishes(program)
 
     def resolve(ref):
@@ -248,7 +247,7 @@ class LocalDispatcher:
           placed=placed, publishes=publishes.get(node.name, ()),
         )  # fmt: skip
     if placed:
-      self._place(placed, step)
+      self.policy.insert(placed, step)
     return {key: resolve(ref) for key, ref in program.outputs.items()}
 
   def _publishes(self, program: Program) -> dict[str, tuple]:
@@ -260,17 +259,6 @@ class LocalDispatcher:
         if not isinstance(ref, str):  # a value passed through as it is was published before
           out[ref[0]] = (*out.get(ref[0], ()), (key, ref[1]))
     return out
-
-  def _place(self, placed: list, step: int) -> None:
-    """Inserts a priority program's work at the one place the policy gives it on every island
-    it touches, all their queues locked meanwhile (in name order: no lock cycles)."""
-    schedulers = sorted({s.name: s for s, _ in placed}.values(), key=lambda s: s.name)
-    with contextlib.ExitStack() as held:
-      for scheduler in schedulers:
-        held.enter_context(scheduler.queue.lock)
-      place = self.policy.place(schedulers, step)
-      for index, (scheduler, work) in enumerate(placed):
-        scheduler.queue.insert(dataclasses.replace(work, order=(*place, index), priority=True))
 
   def publish(self, island: str, name: str, value, step: int) -> concurrent.futures.Future:
     """Publishes `value` under `name` on `island` at this point of its queue (program.Latest)."""
@@ -364,7 +352,7 @@ class LocalDispatcher:
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
     `after` (if any) is done; a future of its result. `computes=False`: an offer, a pull or a
     publication (scheduler.IslandScheduler). With `placed` (a list), the work is added to it for
-    `_place` instead. `publishes`: scheduler.Work's."""
+    the policy to place (policy.PriorityPolicy.insert). `publishes`: scheduler.Work's."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace and traced else None
     scheduler = scheduler or self._schedulers[island]

@@ -26,6 +26,8 @@ A priority program may read only its inputs, published values (program.Latest) a
 client's earlier outputs: an output of a program it passes would be computed after it.
 """
 
+import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -92,3 +94,15 @@ class PriorityPolicy:
       place = (after, 1, self._count)
     self._last = place
     return place
+
+  def insert(self, placed: list, number: int) -> None:
+    """Inserts priority program `number`'s work, [(scheduler, Work)] in dispatch order, at its
+    place on every island it touches, their queues locked meanwhile (in name order: no lock
+    cycles with another inserter; a scheduler takes its own lock only)."""
+    schedulers = sorted({s.name: s for s, _ in placed}.values(), key=lambda s: s.name)
+    with contextlib.ExitStack() as held:
+      for scheduler in schedulers:
+        held.enter_context(scheduler.queue.lock)
+      place = self.place(schedulers, number)
+      for index, (scheduler, work) in enumerate(placed):
+        scheduler.queue.insert(dataclasses.replace(work, order=(*place, index), priority=True))
