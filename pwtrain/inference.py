@@ -105,6 +105,16 @@ def restore_params(config, workdir: str, mesh):
   return step, fns, params
 
 
+def latest_step(workdir: str) -> int | None:
+  """The newest committed checkpoint's step in <workdir>/checkpoints (None: there is none), read
+  beside a possibly running job."""
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=1, read_only=True)
+  try:
+    return ckpt.latest_step()
+  finally:
+    ckpt.close()
+
+
 def run_tokenizer(config, workdir: str):
   """The run's tokenizer; never trains one (SentencePiece must be in <workdir>/tokenizer)."""
   if config.data.tokenizer == "sentencepiece":

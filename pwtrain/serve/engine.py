@@ -1,0 +1,389 @@
+"""The serving engine: continuous batching over a fixed set of KV-cache slots, run by one thread
+that is a priority client of the controller (backend/policy.py).
+
+Each choice of each prompt of a request is a sequence. Sequences wait in one queue (at most
+serve.queue_size; a request that would overflow it is refused: `QueueFull`, HTTP 429), and a free
+slot takes the oldest. The thread's loop, one token boundary per turn:
+
+  1. sequences whose client has gone (`Completion.cancel`) leave their slots;
+  2. waiting sequences take free slots;
+  3. one prefill chunk (serve.prefill_chunk tokens) of the first sequence still prefilling; its
+     last chunk gives the sequence's first token;
+  4. one decode step of every decoding sequence: a token each.
+
+So prefill is interleaved with decoding, every sequence joins and leaves the batch at a token
+boundary, and a long completion never holds a short one up. The programs (pieces.py) are the
+same shapes every time: nothing recompiles.
+
+Weights. A token comes from the weights published on the islands when its program launched
+(weights.py): attached to a training run, the latest step launched before it; standalone, the
+latest checkpoint loaded. A completion that outlives a step moves to the newer weights at its
+next token (its earlier tokens' keys and values stay as they were computed), and its choices
+say exactly which steps produced which tokens (`Event.step`; the app reports runs of steps).
+Moving, not keeping, the start weights is what serving in place allows: keeping them would
+need a copy of the parameters for as long as the completion runs, since the next step donates
+them.
+
+Faults. A program that fails because the weights are not published yet, or because an island
+was lost (elastic pods), makes the engine start again on what is there: the layout read again
+(the first live pod), its pieces compiled if new, the caches made afresh, and every sequence in
+a slot prefilled again with its prompt and the tokens it has, which it then continues. The
+server itself never stops for it.
+"""
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.program import NotPublished
+from pwtrain.serve import pieces as pieces_lib
+from pwtrain.serve.metrics import Stats
+from pwtrain.serve.requests import CompletionRequest
+from pwtrain.serve.text import TextStream
+from pwtrain.serve.weights import NoLivePod
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.05  # how soon to look again for weights not published yet or a live pod
+
+
+class QueueFull(RuntimeError):
+  """The request's sequences do not fit the waiting queue (serve.queue_size)."""
+
+
+@dataclasses.dataclass
+class Event:
+  """What a choice's client is told at a token boundary: new `text` (possibly ""), the token's
+  log-probabilities when asked for ((token text, logprob, {top text: logprob})), the step of the
+  weights that produced the token, and the finish reason ("stop", "length") at the end. `error`:
+  the choice ended without one (the server stopped, or failed)."""
+
+  index: int
+  text: str
+  step: int
+  logprobs: tuple | None = None
+  finish_reason: str | None = None
+  error: str | None = None
+
+
+class Completion:
+  """One request being served: its sequences' events go to `on_event` (called on the engine's
+  thread, in order per choice); `cancel` (the client left) frees their slots at the next token
+  boundary."""
+
+  def __init__(self, request: CompletionRequest, on_event: Callable[[Event], None]):
+    self.request = request
+    self.on_event = on_event
+    self.cancelled = threading.Event()
+    self.created = time.time()
+    self.prompt_tokens = sum(len(ids) for ids in request.encoded)
+    self.completion_tokens = 0
+
+  def cancel(self) -> None:
+    self.cancelled.set()
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+  completion: Completion
+  index: int  # the choice: prompt p's choice c is p * n + c
+  prompt: np.ndarray
+  seed: int  # uint32: its draws are fold_in(key(seed), token count)
+  text: TextStream
+  slot: int | None = None
+  fed: int = 0  # tokens of `context` in its slot's cache
+  generated: list = dataclasses.field(default_factory=list)
+  submitted: float = dataclasses.field(default_factory=time.perf_counter)
+  last: float = 0.0  # when its last token came
+
+  @property
+  def context(self) -> np.ndarray:
+    """What its cache must hold before its next decode: the prompt and every token but the
+    newest (which the decode feeds)."""
+    return np.concatenate([self.prompt, self.generated[:-1]]).astype(np.int32)
+
+  @property
+  def prefilling(self) -> bool:
+    return self.fed < len(self.context) or not self.generated
+
+
+class Engine:
+  """The engine over `source` (weights.LiveWeights or CheckpointWeights), whose controller runs
+  its programs; `settings`: serve.* (max_batch, max_len, prefill_chunk, queue_size)."""
+
+  def __init__(self, source, controller, tokenizer, settings, stats: Stats | None = None):
+    self.source = source
+    self.controller = controller
+    self.tokenizer = tokenizer
+    self.max_batch, self.max_len = settings.max_batch, settings.max_len
+    self.chunk = min(settings.prefill_chunk, settings.max_len)
+    self.queue_size = settings.queue_size
+    self.stats = stats or Stats()
+    self._lock = threading.Condition()
+    self._waiting: collections.deque = collections.deque()
+    self._slots: list[_Sequence | None] = [None] * self.max_batch
+    self._built: dict = {}  # layout key -> Pieces
+    self._pieces: pieces_lib.Pieces | None = None
+    self._caches: dict = {}
+    self._stopping = False
+    self.step: int | None = None  # the step of the weights of the last token
+    self.error: str | None = None  # why the engine cannot serve now ("" once it can)
+    self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
+    self._thread.start()
+
+  # -- the HTTP side -------------------------------------------------------------------------
+
+  def submit(self, completion: Completion) -> None:
+    """Queues the completion's sequences; QueueFull if they do not fit."""
+    request = completion.request
+    with self._lock:
+      if self._stopping:
+        raise QueueFull("the server is stopping")
+      if len(self._waiting) + request.num_sequences > self.queue_size:
+        raise QueueFull(f"{len(self._waiting)} sequences wait for a slot (serve.queue_size)")
+      for p, prompt in enumerate(request.encoded):
+        for c in range(request.n):
+          index = p * request.n + c
+          self._waiting.append(
+            _Sequence(
+              completion,
+              index,
+              prompt,
+              _seed(request.seed, index),
+              TextStream(self.tokenizer, request.stop),
+            )  # fmt: skip
+          )
+      self._lock.notify()
+
+  def wake(self) -> None:
+    """Tells the engine to look again (a client left)."""
+    with self._lock:
+      self._lock.notify()
+
+  def status(self) -> dict:
+    with self._lock:
+      busy = sum(s is not None for s in self._slots)
+      return {
+        "serving": self._pieces is not None,
+        "step": self.step,
+        "slots": self.max_batch,
+        "busy": busy,
+        "waiting": len(self._waiting),
+        "islands": list(self._pieces.layout.islands) if self._pieces else [],
+        "cache_bytes": self._pieces.cache_bytes if self._pieces else 0,
+      }
+
+  def stop(self) -> None:
+    """Ends every sequence (with an error event) and stops the thread."""
+    with self._lock:
+      self._stopping = True
+      self._lock.notify()
+    self._thread.join()
+
+  # -- the loop --------------------------------------------------------------------------------
+
+  def _loop(self) -> None:
+    while True:
+      with self._lock:
+        if self._stopping:
+          break
+        self._leave_cancelled()
+        self._admit()
+        active = [s for s in self._slots if s is not None]
+        if not active and self._pieces is not None:
+          self._lock.wait()
+          continue
+      try:
+        if not self._ready():  # built as soon as the engine starts, then on every new layout
+          time.sleep(RETRY_S)
+          continue
+        if not active:
+          continue
+        prefilling = [s for s in active if s.prefilling]
+        if prefilling:
+          self._prefill(prefilling[0])
+        decoding = [s for s in self._slots if s is not None and not s.prefilling]
+        if decoding:
+          self._decode(decoding)
+      except (IslandLost, NotPublished, NoLivePod) as e:
+        log.warning("serving starts again on the live weights: %s", e)
+        self._pieces = None
+        time.sleep(RETRY_S)
+      except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
+        log.exception("serving failed")
+        self._fail_all(f"the server failed: {type(e).__name__}: {e}")
+        self._pieces = None
+    self._fail_all("the server is stopping")
+
+  def _leave_cancelled(self) -> None:
+    for i, seq in enumerate(self._slots):
+      if seq is not None and seq.completion.cancelled.is_set():
+        self._slots[i] = None
+        self.stats.count("cancelled")
+    self._waiting = collections.deque(
+      s for s in self._waiting if not s.completion.cancelled.is_set()
+    )
+
+  def _admit(self) -> None:
+    for i, seq in enumerate(self._slots):
+      if seq is None and self._waiting:
+        seq = self._waiting.popleft()
+        seq.slot, seq.fed = i, 0
+        self._slots[i] = seq
+
+  def _ready(self) -> bool:
+    """Whether pieces for the current layout are built, their weights published and their
+    caches made; builds what is missing (sequences in slots are prefilled again)."""
+    layout = self.source.layout()
+    if self._pieces is not None and self._pieces.layout.key == layout.key:
+      return True
+    self._pieces = None
+    pieces = self._built.get(layout.key)
+    if pieces is None:
+      start = time.perf_counter()
+      pieces = pieces_lib.build(
+        self.controller, layout, max_batch=self.max_batch, max_len=self.max_len,
+        chunk=self.chunk, num_tokens=self.tokenizer.vocab_size,
+      )  # fmt: skip
+      self._built[layout.key] = pieces
+      log.info(
+        "serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
+        ",".join(layout.islands), time.perf_counter() - start, pieces.cache_bytes / 2**20,
+      )  # fmt: skip
+    try:
+      self._run(pieces.probe, pieces.probe_inputs())
+    except NotPublished:
+      return False
+    self._caches = self._run(pieces.init, {}, keep=True)
+    for seq in self._slots:
+      if seq is not None:
+        seq.fed = 0
+    self._pieces = pieces
+    return True
+
+  def _run(self, program, inputs: dict, keep: bool = False) -> dict:
+    """Runs `program` as a priority client and waits for it: its outputs on the host (`keep`:
+    the futures, for caches), the steps checked and recorded."""
+    outputs = self.controller.run(program, inputs, priority=True)
+    if keep:
+      return outputs
+    values = jax.device_get(
+      {k: f.result() for k, f in outputs.items() if not k.startswith("cache/")}
+    )
+    steps = {int(v) for k, v in values.items() if k.startswith("step/")}
+    assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
+    self.step = steps.pop()
+    self._caches = {k: f for k, f in outputs.items() if k.startswith("cache/")} or self._caches
+    return values
+
+  def _prefill(self, seq: _Sequence) -> None:
+    context = seq.context
+    start, piece = seq.fed, context[seq.fed : seq.fed + self.chunk]
+    tokens = np.full((1, self.chunk), self.tokenizer.pad_id, np.int32)
+    tokens[0, : len(piece)] = piece
+    positions = np.minimum(start + np.arange(self.chunk), self.max_len - 1)[None].astype(np.int32)
+    inputs = {
+      **self._pieces.weights(),
+      **self._caches,
+      "tokens": tokens,
+      "positions": positions,
+      "slot": np.asarray([seq.slot], np.int32),
+      "logits_at": np.asarray([len(piece) - 1], np.int32),
+      "sampling": _sampling([seq], 1),
+    }
+    values = self._run(self._pieces.prefill, inputs)
+    seq.fed = start + len(piece)
+    self.stats.count("prefill_chunks")
+    if seq.fed == len(context) and not seq.generated:  # its first token (not when resumed)
+      self.stats.observe("time_to_first_token_seconds", time.perf_counter() - seq.submitted)
+      self._deliver(seq, values["out"], 0)
+
+  def _decode(self, decoding: list) -> None:
+    tokens = np.full((self.max_batch, 1), self.tokenizer.pad_id, np.int32)
+    positions = np.full((self.max_batch, 1), self.max_len - 1, np.int32)
+    for seq in decoding:
+      tokens[seq.slot, 0] = seq.generated[-1]
+      positions[seq.slot, 0] = seq.fed
+    inputs = {
+      **self._pieces.weights(),
+      **self._caches,
+      "tokens": tokens,
+      "positions": positions,
+      "sampling": _sampling(self._slots, self.max_batch),
+    }
+    values = self._run(self._pieces.decode, inputs)
+    self.stats.count("decode_steps")
+    for seq in decoding:
+      seq.fed += 1
+      self._deliver(seq, values["out"], seq.slot)
+
+  def _deliver(self, seq: _Sequence, out: dict, row: int) -> None:
+    """The sequence's new token (row `row` of `out`) to its client; frees its slot at its end."""
+    token = int(out["token"][row])
+    now = time.perf_counter()
+    if seq.generated:
+      self.stats.observe("time_per_output_token_seconds", now - seq.last)
+    seq.last = now
+    seq.generated.append(token)
+    seq.completion.completion_tokens += 1
+    self.stats.count("completion_tokens")
+    request = seq.completion.request
+    finish, text = None, ""
+    if token == self.tokenizer.eos_id:
+      finish, text = "stop", seq.text.finish()
+    else:
+      text, stopped = seq.text.add(token)
+      finish = "stop" if stopped else None
+    if finish is None and len(seq.generated) >= request.max_tokens:
+      finish, text = "length", text + seq.text.finish()
+    logprobs = None
+    if request.logprobs is not None:
+      top = {
+        self.tokenizer.decode([int(i)]): float(lp)
+        for i, lp in zip(out["top_ids"][row][: request.logprobs],
+                         out["top_logprobs"][row][: request.logprobs], strict=True)
+      }  # fmt: skip
+      logprobs = (self.tokenizer.decode([token]), float(out["logprob"][row]), top)
+    if finish is not None:
+      self._slots[seq.slot] = None
+      self.stats.count(f"finished_{finish}")
+    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish))
+
+  def _fail_all(self, message: str) -> None:
+    with self._lock:
+      ended = [s for s in self._slots if s is not None] + list(self._waiting)
+      self._slots = [None] * self.max_batch
+      self._waiting.clear()
+    for seq in ended:
+      seq.completion.on_event(Event(seq.index, "", self.step or 0, error=message))
+
+
+def _sampling(sequences, rows: int) -> dict:
+  """Each row's sampling settings and key parts (pieces.SAMPLING); empty rows greedy."""
+  out = {k: np.zeros(rows, dtype) for k, dtype in pieces_lib.SAMPLING.items()}
+  out["top_p"][:] = 1.0
+  for row, seq in enumerate(sequences):
+    if seq is None:
+      continue
+    request = seq.completion.request
+    out["temperature"][row] = request.temperature
+    out["top_k"][row] = request.top_k
+    out["top_p"][row] = request.top_p
+    out["seed"][row] = seq.seed
+    out["count"][row] = len(seq.generated)
+  return out
+
+
+def _seed(seed: int | None, index: int) -> int:
+  """Choice `index`'s seed: from the request's (its choices differ), else random."""
+  if seed is None:
+    return secrets.randbits(32)
+  return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1)[0])
