@@ -1,9 +1,9 @@
 """The serving engine: continuous batching over a fixed set of KV-cache slots, run by one thread
 that is a priority client of the controller (backend/policy.py).
 
-Each choice of each prompt of a request is a sequence. Sequences wait in one queue (at most
-serve.queue_size; a request that would overflow it is refused: `QueueFull`, HTTP 429), and a free
-slot takes the oldest. The thread's loop, one token boundary per turn:
+Each choice of each prompt of a request is a sequence. Sequences wait in one queue, and a free
+slot takes the oldest; a request whose sequences would leave more than serve.queue_size waiting
+once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's loop, one token boundary per turn:
 
   1. sequences whose client has gone (`Completion.cancel`) leave their slots;
   2. waiting sequences take free slots;
@@ -47,12 +47,13 @@ from pwtrain.backend.program import NotPublished
 from pwtrain.serve import pieces as pieces_lib
 from pwtrain.serve.metrics import Stats
 from pwtrain.serve.requests import CompletionRequest
-from pwtrain.serve.text import TextStream
+from pwtrain.serve.text import TextStream, token_text
 from pwtrain.serve.weights import NoLivePod
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.05  # how soon to look again for weights not published yet or a live pod
+FAILED_S = 1.0  # how soon to start again after a failure that is not one of those
 
 
 class QueueFull(RuntimeError):
@@ -135,7 +136,7 @@ class Engine:
     self._caches: dict = {}
     self._stopping = False
     self.step: int | None = None  # the step of the weights of the last token
-    self.error: str | None = None  # why the engine cannot serve now ("" once it can)
+    self.error: str | None = None  # the last failure that was not a lost island or weights
     self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
     self._thread.start()
 
@@ -147,8 +148,12 @@ class Engine:
     with self._lock:
       if self._stopping:
         raise QueueFull("the server is stopping")
-      if len(self._waiting) + request.num_sequences > self.queue_size:
-        raise QueueFull(f"{len(self._waiting)} sequences wait for a slot (serve.queue_size)")
+      free = sum(seq is None for seq in self._slots)
+      if len(self._waiting) + request.num_sequences - free > self.queue_size:
+        raise QueueFull(
+          f"{len(self._waiting)} sequences wait for a slot, and serve.queue_size="
+          f"{self.queue_size} cannot take {request.num_sequences} more"
+        )
       for p, prompt in enumerate(request.encoded):
         for c in range(request.n):
           index = p * request.n + c
@@ -219,8 +224,10 @@ class Engine:
         time.sleep(RETRY_S)
       except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
         log.exception("serving failed")
-        self._fail_all(f"the server failed: {type(e).__name__}: {e}")
+        self.error = f"{type(e).__name__}: {e}"
+        self._fail_all(f"the server failed: {self.error}")
         self._pieces = None
+        time.sleep(FAILED_S)
     self._fail_all("the server is stopping")
 
   def _leave_cancelled(self) -> None:
@@ -228,9 +235,10 @@ class Engine:
       if seq is not None and seq.completion.cancelled.is_set():
         self._slots[i] = None
         self.stats.count("cancelled")
-    self._waiting = collections.deque(
-      s for s in self._waiting if not s.completion.cancelled.is_set()
-    )
+    left = [s for s in self._waiting if s.completion.cancelled.is_set()]
+    if left:
+      self._waiting = collections.deque(s for s in self._waiting if s not in left)
+      self.stats.count("cancelled", len(left))
 
   def _admit(self) -> None:
     for i, seq in enumerate(self._slots):
@@ -347,11 +355,11 @@ class Engine:
     logprobs = None
     if request.logprobs is not None:
       top = {
-        self.tokenizer.decode([int(i)]): float(lp)
+        token_text(self.tokenizer, int(i)): float(lp)
         for i, lp in zip(out["top_ids"][row][: request.logprobs],
                          out["top_logprobs"][row][: request.logprobs], strict=True)
       }  # fmt: skip
-      logprobs = (self.tokenizer.decode([token]), float(out["logprob"][row]), top)
+      logprobs = (token_text(self.tokenizer, token), float(out["logprob"][row]), top)
     if finish is not None:
       self._slots[seq.slot] = None
       self.stats.count(f"finished_{finish}")

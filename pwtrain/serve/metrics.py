@@ -13,7 +13,7 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 HELP = {
   "requests_total": "HTTP requests answered, by status code",
   "completion_tokens_total": "tokens generated",
-  "prompt_tokens_total": "prompt tokens prefilled (each with the EOS it starts with)",
+  "prompt_tokens_total": "prompt tokens of the requests (each with the EOS it starts with)",
   "prefill_chunks_total": "prefill programs run",
   "decode_steps_total": "decode programs run (one token of every decoding slot)",
   "cancelled_total": "sequences whose client left before their end",

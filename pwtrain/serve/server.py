@@ -21,7 +21,7 @@ from pwtrain.serve.weights import CheckpointWeights, LiveWeights
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 600.0  # compiling the pieces of a large model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,9 @@ class Server:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
   def start(self) -> "Server":
-    """Serves on a thread; returns once it accepts connections."""
+    """Serves on a thread; returns once the engine serves (its pieces compiled, the weights
+    there) and the server accepts connections."""
+    self._wait_for_engine()
     self._thread = threading.Thread(
       target=self._uvicorn.run, kwargs={"sockets": [self.sock]}, name="serve-http", daemon=True
     )
@@ -112,11 +114,21 @@ class Server:
 
   def run(self) -> None:
     """Serves in the foreground until interrupted (Ctrl-C, SIGTERM), then stops."""
-    log.warning("serving the model at %s/v1 (OpenAI completions); Ctrl-C stops", self.url)
     try:
+      self._wait_for_engine()
+      log.warning("serving the model at %s/v1 (OpenAI completions); Ctrl-C stops", self.url)
       self._uvicorn.run(sockets=[self.sock])
     finally:
       self.stop()
+
+  def _wait_for_engine(self) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not self.engine.status()["serving"]:
+      if self.engine.error:
+        raise RuntimeError(f"the serving engine failed to start: {self.engine.error}")
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"the serving engine was not ready after {START_TIMEOUT_S:.0f} s")
+      time.sleep(0.01)
 
   def stop(self) -> None:
     self._uvicorn.should_exit = True

@@ -49,3 +49,13 @@ class TextStream:
   def _take(self, end: int) -> str:
     out, self.sent = self.text[self.sent : end], max(self.sent, end)
     return out
+
+
+def token_text(tokenizer, token: int) -> str:
+  """A token's text in logprobs: its decoding alone, or, for a byte of a character (the byte
+  tokenizer's), `bytes:\\xNN` as OpenAI writes such a piece."""
+  text = tokenizer.decode([token])
+  offset = getattr(tokenizer, "offset", None)  # data.ByteTokenizer's first byte id
+  if REPLACEMENT in text and offset is not None and token >= offset:
+    return f"bytes:\\x{token - offset:02x}"
+  return text
