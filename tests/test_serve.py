@@ -269,6 +269,43 @@ def test_serving_while_training_changes_nothing(trained, tmp_path):
       assert runs == sorted(set(runs)) and runs[-1] <= steps[-1], choice["weights"]
 
 
+@pytest.mark.slow
+def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path):
+  """2 pods of 2 pipeline stages, fault.elastic: the server serves from pod 1's stage islands
+  (a decode through both, its activations moved between them); pod 1 is lost before step 3 and
+  its work hosted by pod 0, and the server goes on from pod 0's islands; pod 1 rejoins before
+  step 6, and the server serves from it again. Every response but the one the server's end cut
+  is served, and their steps never decrease."""
+  _, workdir, _ = trained
+  port = _free_port()
+  config = small_config(
+    **{
+      **RUN, "train.num_steps": 8, "train.num_microbatches": 2, "parallel.islands": 4,
+      "parallel.stages": 2, "parallel.pods": 2, "fault.elastic": True,
+      "fault.inject": "kill:pod1@step3,rejoin:pod1@step6", "serve.enabled": True,
+      "serve.port": port, "serve.max_len": 32, "serve.prefill_chunk": 16,
+      "data.data_dir": str(workdir / "tfds"),
+    }
+  )  # fmt: skip
+  done, responses = threading.Event(), []
+  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
+  client.start()
+  try:
+    result = train.run(config, str(tmp_path), show_progress=False)
+  finally:
+    done.set()
+    client.join()
+  assert result.final_step == 8
+  ok = [r for r in responses if not isinstance(r, Exception)]
+  assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
+  steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
+  assert steps == sorted(steps), steps
+  served_from = [tuple(r["islands"]) for r in ok]
+  pod0, pod1 = ("island0", "island1"), ("island2", "island3")
+  switches = [k for k, _ in itertools.groupby(served_from)]
+  assert switches[:3] == [pod1, pod0, pod1], switches
+
+
 def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
   """Requests, one after another, until `done`: greedy, sampled and streamed in turn."""
   url = f"http://127.0.0.1:{port}"
@@ -286,11 +323,13 @@ def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
       body = {"prompt": "def ", "max_tokens": 8, **next(kinds)}
       try:
         if body.get("stream"):
-          responses.append(_streamed(http, body))
+          got = _streamed(http, body)
         else:
           response = http.post("/v1/completions", json=body)
           response.raise_for_status()
-          responses.append(response.json())
+          got = response.json()
+        got["islands"] = http.get("/health").json()["islands"]  # where it is served from now
+        responses.append(got)
       except (httpx.HTTPError, ValueError) as e:
         responses.append(e)
         return

@@ -26,7 +26,7 @@ them.
 
 Faults. A program that fails because the weights are not published yet, or because an island
 was lost (elastic pods), makes the engine start again on what is there: the layout read again
-(the first live pod), its pieces compiled if new, the caches made afresh, and every sequence in
+(a live pod), its pieces compiled if new, the caches made afresh, and every sequence in
 a slot prefilled again with its prompt and the tokens it has, which it then continues. The
 server itself never stops for it.
 """

@@ -6,7 +6,7 @@ island, its weights published there under a name), and the two sources of one.
                (Controller.start_publishing), so a serving node placed on the island's queue
                reads the state of the latest step launched before it, and the next step, which
                donates that state, launches after it (backend/scheduler.py). The served pod is
-               the first whose islands are all live: its cells, in layer order (one cell on one
+               the last whose islands are all live: its cells, in layer order (one cell on one
                island; a pipeline's stages, or the interleaved schedule's chunks, over theirs).
                Nothing is copied.
   standalone   `CheckpointWeights`: a run's latest checkpoint restored onto one island of this
@@ -104,10 +104,11 @@ class LiveWeights:
         self.controller.publish(island.name, name, state[name])
 
   def layout(self) -> Layout:
-    """The cells of the first pod whose islands are all live, in the current plan."""
+    """The cells of the last pod whose islands are all live, in the current plan (pod 0, which
+    reports the metrics and is the first to take a lost pod's work, is served from last)."""
     plan = self._current().plan
     lost = set(self.controller.lost)
-    for pod in range(plan.num_pods):
+    for pod in reversed(range(plan.num_pods)):
       cells = [(pod, s) for s in range(plan.num_stages)]
       if not any(plan.cells[c].name in lost for c in cells):
         break
