@@ -176,4 +176,4 @@ def test_the_share_bounds_priority_time_under_saturating_load(cluster):
   assert counts[False] > 0 and counts[True] > 0, counts
   # A bound from above: the priority client, waiting for each result, leaves gaps the ordinary
   # one fills, so it may get less; it must get a real part, and the ordinary client its turns.
-  assert share / 3 < measured < share + 0.08, (measured, counts)
+  assert share / 2 < measured < share + 0.05, (measured, counts)

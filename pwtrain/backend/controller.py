@@ -211,7 +211,7 @@ class Controller:
     if not 0 < share <= 1:
       raise ConfigError(f"priority share {share} must be in (0, 1]")
     self._local_only("a priority share")
-    self._dispatcher.policy.share = share
+    self._dispatcher.set_priority_share(share)
 
   def start_publishing(self) -> None:
     """From now on, the carried outputs of every program (a train state) are published on their

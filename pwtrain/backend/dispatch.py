@@ -262,10 +262,11 @@ class LocalDispatcher:
 
   def publish(self, island: str, name: str, value, step: int) -> concurrent.futures.Future:
     """Publishes `value` under `name` on `island` at this point of its queue (program.Latest)."""
-    return self._enqueue(
-      f"publish {name}", island, lambda: value, [], step, computes=False,
-      publishes=((name, None),),
-    )  # fmt: skip
+    publishes = ((name, None),)
+    return self._enqueue(name, island, lambda: value, [], step, computes=False, publishes=publishes)
+
+  def set_priority_share(self, share: float) -> None:
+    self.policy.set_share(share, self._schedulers.values())
 
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""

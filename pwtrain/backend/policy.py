@@ -14,78 +14,87 @@ orders (gang scheduling).
              island has already taken. A one-island program thus waits at most for the work
              running there; a program over several islands waits, on each, for whatever the
              most advanced of them has begun.
-  share      while the priority work's share of an island's recent busy time is at least
-             `share` on any island the program touches, the program joins at the end instead,
-             as an ordinary one. Under saturating load the priority client gets about `share`
-             of each island's time and the others the rest, so a flood of priority work slows
-             the others by a known fraction and never starves them; an island with nothing else
-             queued runs priority work at once either way. Recent: busy time decayed
-             exponentially with a time constant of `WINDOW_S` seconds.
+  share      a priority program goes ahead only while the priority client is within its share
+             on every island it touches; otherwise it joins at the end, as an ordinary one. Each
+             island keeps a balance (IslandClock): ordinary work run there earns the priority
+             client share / (1 - share) of its seconds, priority work run there spends its own,
+             and priority work may go ahead while the balance is positive. Under saturating
+             load the priority client so gets `share` of each island's time and the others the
+             rest: a flood of priority work slows them by that fraction and never starves them.
+             The balance is held within one ordinary item's earning either way (the longest of
+             the last few), so neither an idle spell nor a burst carries over; before any
+             ordinary work has run on an island, priority work goes ahead there, and an island
+             with nothing else queued runs priority work at once either way.
 
 A priority program may read only its inputs, published values (program.Latest) and its own
 client's earlier outputs: an output of a program it passes would be computed after it.
 """
 
+import collections
 import contextlib
 import dataclasses
-import math
 import threading
-import time
 
-WINDOW_S = 10.0  # the time constant over which an island's recent busy time is counted
+RECENT = 8  # ordinary items whose longest bounds an island's balance
 
 
 class IslandClock:
-  """An island's busy time: totals since the start, and the recent (decayed) sums the share is
-  judged by, the priority client's apart from everyone else's."""
+  """An island's busy time: totals since the start, the priority client's apart from everyone
+  else's, and the priority client's balance of time it may still take ahead (module doc)."""
 
-  def __init__(self, window_s: float = WINDOW_S):
-    self.window_s = window_s
+  def __init__(self, share: float = 0.2):
+    self.share = share
     self._lock = threading.Lock()
     self._total = {False: 0.0, True: 0.0}
-    self._recent = {False: 0.0, True: 0.0}
-    self._at = time.perf_counter()
+    self._balance = 0.0  # seconds of priority work that may still go ahead
+    self._recent: collections.deque = collections.deque(maxlen=RECENT)
 
   def add(self, priority: bool, seconds: float) -> None:
     with self._lock:
-      self._decay()
-      self._recent[priority] += seconds
       self._total[priority] += seconds
+      if priority:
+        self._balance -= seconds
+      else:
+        self._recent.append(seconds)
+        self._balance += seconds * self._rate()
+      bound = max(self._recent, default=0.0) * self._rate()
+      self._balance = min(max(self._balance, -bound), bound)
 
-  def share(self) -> float:
-    """The priority client's share of the island's recent busy time (0 when idle)."""
+  def may_go_ahead(self) -> bool:
+    """Whether the priority client is within its share here: its balance is positive, or no
+    ordinary work has run here yet."""
     with self._lock:
-      self._decay()
-      busy = self._recent[False] + self._recent[True]
-      return self._recent[True] / busy if busy > 0 else 0.0
+      return self.share >= 1 or not self._recent or self._balance > 0
 
   def totals(self) -> dict[str, float]:
     """{"priority", "ordinary"}: busy seconds since the start."""
     with self._lock:
       return {"priority": self._total[True], "ordinary": self._total[False]}
 
-  def _decay(self) -> None:
-    now = time.perf_counter()
-    factor = math.exp(-(now - self._at) / self.window_s)
-    self._at = now
-    for key in self._recent:
-      self._recent[key] *= factor
+  def _rate(self) -> float:
+    """Priority seconds earned per ordinary second."""
+    return self.share / (1 - self.share) if self.share < 1 else float("inf")
 
 
 class PriorityPolicy:
   """Places priority programs (see the module doc). `share` in (0, 1]: 1 lets priority work
-  always go ahead."""
+  always go ahead; the islands' clocks keep the balances (`set_share` sets theirs)."""
 
   def __init__(self, share: float = 0.2):
     self.share = share
     self._last: tuple = ()  # the place of the priority client's previous program
     self._count = 0
 
+  def set_share(self, share: float, schedulers) -> None:
+    self.share = share
+    for scheduler in schedulers:
+      scheduler.clock.share = share
+
   def place(self, schedulers, number: int) -> tuple:
     """The place of priority program `number` (its dispatch number) on `schedulers`, the
     islands it touches, whose queue locks the caller holds: an order prefix that each of its
     works extends with its index. Ordinary work of program n has order (n, 0, index)."""
-    if any(s.clock.share() >= self.share for s in schedulers):
+    if not all(s.clock.may_go_ahead() for s in schedulers):
       place = (number, 0)  # at the end, as an ordinary program
     else:
       begun = [s.queue.taken[0] for s in schedulers if s.queue.taken]

@@ -34,9 +34,13 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that 
 OPEN = ("/health",)  # paths that need no token
 
 
-def make_app(engine, tokenizer, limits: Limits, *, model: str, token: str = "", island_time=None):
+def make_app(
+  engine, tokenizer, limits: Limits, *, model: str, token: str = "", island_time=None,
+  device_bytes=None,
+):  # fmt: skip
   """The app over `engine`; `token`: the bearer token every path but OPEN requires ("": none);
-  `island_time()`: the controller's busy seconds per island and client, for /metrics."""
+  `island_time()`: the controller's busy seconds per island and client, `device_bytes()`: the
+  bytes of this process's device arrays, for /metrics."""
   app = FastAPI(title="pwtrain", docs_url=None, redoc_url=None, openapi_url=None)
   stats = engine.stats
   app.add_middleware(_Guard, token=token, stats=stats)
@@ -66,6 +70,8 @@ def make_app(engine, tokenizer, limits: Limits, *, model: str, token: str = "", 
       "weights_step": -1 if status["step"] is None else status["step"],
       "kv_cache_bytes": status["cache_bytes"],
     }
+    if device_bytes is not None:
+      gauges["device_bytes"] = device_bytes()
     text = stats.render(gauges, island_time() if island_time else {})
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -21,6 +21,9 @@ HELP = {
   "finished_length_total": "sequences ended by max_tokens",
   "time_to_first_token_seconds": "from a request's arrival to its first token",
   "time_per_output_token_seconds": "between a sequence's tokens",
+  "device_bytes": "bytes of this process's live device arrays (weights, caches, training state)",
+  "kv_cache_bytes": "bytes of the serving KV caches",
+  "weights_step": "the step of the weights of the newest token (-1: none yet)",
 }
 
 

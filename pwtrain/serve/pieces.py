@@ -4,25 +4,28 @@ whatever the requests are.
 
 Slots. Each cell holds a KV cache of `max_batch` slots x `max_len` positions for its layers
 (models/decode.py), on its island (the slots split over the island's batch axes where they
-divide, else held whole). A sequence holds one slot from its prefill to its last token.
+divide, else held whole), and the last cell holds each slot's newest token (`last`), which the
+next decode feeds: so the engine dispatches a decode without waiting for the one before it, and
+reads the tokens afterwards. A sequence holds one slot from its prefill to its last token.
 
-  init      zeros into every cell's cache.
+  init      zeros into every cell's cache and `last`.
   prefill   one chunk of `chunk` tokens of one sequence into its slot (cache rows [slot]),
-            right-padded; the last chunk's logits give the sequence's first token.
-  decode    one token of every slot at its own position: the engine feeds each decoding slot its
-            last token, and every other slot (free, or between prefill chunks) a pad at position
-            max_len - 1, a scratch position that no sequence uses (a sequence of n prompt
-            tokens and m new ones fills positions 0 .. n + m - 2 <= max_len - 2: the requests
-            module keeps n + m <= max_len).
+            right-padded; the last chunk (`final`) picks the sequence's next token from its last
+            position and puts it in `last`.
+  decode    one token of every slot at its own position, fed its `last`; the slots that are not
+            decoding (`active` false: free, or between prefill chunks) keep their `last` and are
+            fed at position max_len - 1, a scratch position that no sequence uses (a sequence of
+            n prompt tokens and m new ones fills positions 0 .. n + m - 2 <= max_len - 2: the
+            requests module keeps n + m <= max_len).
   probe     each cell's published step (whether the weights are there yet).
 
 A program runs the cells in layer order, each on its own island reading its weights where they
 are published (program.Latest) and its own cache: one node for one cell; for a pipeline, one
-node per stage with the activations moved between islands by the controller's transfers. The
-last cell picks the next token of every row by the rule of models/sampling.py with the row's
-own settings (sampling.pick), and its log-probability and the `TOP` most likely ids' (the
-model's distribution, before temperature, top-k and top-p). Every cell returns the step of the
-weights it read.
+node per stage with the activations (and, for a decode, `last` to the first stage) moved
+between islands by the controller's transfers. The last cell picks the next token of every row
+by the rule of models/sampling.py with the row's own settings (sampling.pick), and gives its
+log-probability and the `TOP` most likely ids' (the model's distribution, before temperature,
+top-k and top-p). Every cell returns the step of the weights it read.
 """
 
 import dataclasses
@@ -81,37 +84,36 @@ def build(
   and prefill chunks of `chunk` tokens; `num_tokens`: the tokenizer's ids (larger ids of a
   padded vocabulary are never picked)."""
   cells = layout.cells
+  last_cell = cells[-1]
   chains = {"prefill": _Chain(cells, "prefill"), "decode": _Chain(cells, "decode")}
   init_nodes, probe_nodes, cache_bytes = [], [], 0
+  last_abs = jax.ShapeDtypeStruct((max_batch,), np.int32, sharding=_replicated(last_cell))
   for i, cell in enumerate(cells):
-    replicated = NamedSharding(cell.mesh, PartitionSpec())
     cache_abs = _cache_abstract(cell, max_batch, max_len)
     cache_bytes += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache_abs))
-    zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, x.dtype), cache_abs)
     init = controller.compile(
-      f"serve_init{i}", zeros, cell.island, (), out_shardings=_shardings(cache_abs)
-    )
+      f"serve_init{i}", functools.partial(_zeros, cache_abs), cell.island, (),
+      out_shardings=_shardings(cache_abs),
+    )  # fmt: skip
     init_nodes.append(Node(f"init{i}", init, ()))
     weights = _with(_weights_abstract(cell), cell.shardings)
     probe = controller.compile(
-      f"serve_probe{i}",
-      lambda w: w["step"],
-      cell.island,
-      ({"step": weights["step"]},),
-      out_shardings=replicated,
-    )
+      f"serve_probe{i}", lambda w: w["step"], cell.island, ({"step": weights["step"]},),
+      out_shardings=_replicated(cell),
+    )  # fmt: skip
     probe_nodes.append(Node(f"probe{i}", probe, (f"weights/{i}",)))
     for kind, chain in chains.items():
-      rows, length = (1, chunk) if kind == "prefill" else (max_batch, 1)
-      executable = _compile_cell(
-        controller, cell, i, kind, weights, cache_abs, rows, length, num_tokens
-      )
-      chain.add(i, executable, replicated)
-  probe = Program(tuple(probe_nodes), {f"step/{i}": (f"probe{i}", 0) for i in range(len(cells))})
+      shapes = _Shapes(kind, max_batch, chunk, weights, cache_abs, last_abs)
+      chain.add(i, _compile_cell(controller, cell, i, shapes, num_tokens))
+  init_last = controller.compile(
+    "serve_init_last", functools.partial(_zeros, last_abs), last_cell.island, (),
+    out_shardings=last_abs.sharding,
+  )  # fmt: skip
+  init_nodes.append(Node("init_last", init_last, ()))
   caches = tuple(f"cache/{i}" for i in range(len(cells)))
-  init = Program(
-    tuple(init_nodes), {key: (f"init{i}", 0) for i, key in enumerate(caches)}, carried=caches
-  )
+  init_outputs = {key: (f"init{i}", 0) for i, key in enumerate(caches)}
+  init = Program(tuple(init_nodes), {**init_outputs, "last": ("init_last", 0)}, (*caches, "last"))
+  probe = Program(tuple(probe_nodes), {f"step/{i}": (f"probe{i}", 0) for i in range(len(cells))})
   controller.wait_compiles()
   return Pieces(
     layout, max_batch, max_len, chunk, init, chains["prefill"].program(),
@@ -119,83 +121,128 @@ def build(
   )  # fmt: skip
 
 
-def _compile_cell(controller, cell, i, kind, weights, cache_abs, rows, length, num_tokens):
-  """Cell `i`'s piece of a `kind` program ("prefill" or "decode") for `rows` x `length`
-  inputs: (weights, cache, inputs, positions[, slot, logits_at][, sampling]) -> (out, cache,
-  step), the cache donated."""
-  replicated = NamedSharding(cell.mesh, PartitionSpec())
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+  """The abstract arguments of one kind of program: `rows` x `length` tokens a cell."""
+
+  kind: str  # "prefill" or "decode"
+  max_batch: int
+  chunk: int
+  weights: dict
+  cache: object
+  last: jax.ShapeDtypeStruct
+
+  @property
+  def rows(self) -> int:
+    return 1 if self.kind == "prefill" else self.max_batch
+
+  @property
+  def length(self) -> int:
+    return self.chunk if self.kind == "prefill" else 1
+
+
+def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: int):
+  """Cell `i`'s piece of a `shapes.kind` program, its arguments in `_Chain.add`'s order:
+  (weights, cache, inputs, positions[, slot][, logits_at, final][, active], [sampling, last])
+  -> (out, cache, step[, last]), the cache donated."""
+  replicated = _replicated(cell)
 
   def host(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
+  rows, length, prefill = shapes.rows, shapes.length, shapes.kind == "prefill"
   cfg = cell.fns.cfg
-  inputs = (
-    host((rows, length), np.int32)
-    if cell.first
-    else host((rows, length, cfg.d_model), jnp.dtype(cfg.dtype))
-  )
-  args = [weights, cache_abs, inputs, host((rows, length), np.int32)]
-  if kind == "prefill":
-    args += [host((1,), np.int32), host((1,), np.int32)]  # the slot; logits_at
+  if not cell.first:
+    inputs = host((rows, length, cfg.d_model), jnp.dtype(cfg.dtype))
+  else:
+    inputs = host((rows, length), np.int32) if prefill else host((rows,), np.int32)
+  args = [shapes.weights, shapes.cache, inputs, host((rows, length), np.int32)]
+  if prefill:
+    args.append(host((1,), np.int32))  # the slot
   if cell.last:
-    args.append({k: host((rows,), dtype) for k, dtype in SAMPLING.items()})
-  fn = _cell_fn(cell, kind == "prefill", num_tokens)
-  out = jax.eval_shape(fn, *args)[0]
+    if prefill:
+      args += [host((1,), np.int32), host((1,), np.bool_)]  # logits_at; final
+    else:
+      args.append(host((rows,), np.bool_))  # active
+    args += [{k: host((rows,), dtype) for k, dtype in SAMPLING.items()}, shapes.last]
+  fn = _cell_fn(cell, prefill, num_tokens)
+  outs = jax.eval_shape(fn, *args)
+  out_shardings = [jax.tree.map(lambda _: replicated, outs[0]), _shardings(shapes.cache)]
+  out_shardings += [replicated] * (len(outs) - 2)
   return controller.compile(
-    f"serve_{kind}{i}",
-    fn,
-    cell.island,
-    tuple(args),
-    out_shardings=(jax.tree.map(lambda _: replicated, out), _shardings(cache_abs), replicated),
+    f"serve_{shapes.kind}{i}", fn, cell.island, tuple(args), out_shardings=tuple(out_shardings),
     donate_argnums=(1,),
-  )
+  )  # fmt: skip
 
 
 class _Chain:
-  """A program's nodes through the cells in order, with a transfer of the activations wherever
-  the next cell is on another island."""
+  """A program's nodes through the cells in order, with a transfer wherever the next cell is on
+  another island (the activations; for a decode, `last` to the first cell)."""
 
   def __init__(self, cells, kind: str):
     self.cells, self.kind = cells, kind
     self.nodes: list = []
 
-  def add(self, i: int, executable, replicated) -> None:
-    inputs = "tokens"
+  def add(self, i: int, executable) -> None:
+    cell, prefill = self.cells[i], self.kind == "prefill"
     if i:
       inputs = (f"{self.kind}{i - 1}", 0)
-      if self.cells[i - 1].island != self.cells[i].island:
-        self.nodes.append(Transfer(f"act{i}", inputs, self.cells[i].island, replicated))
-        inputs = (f"act{i}", 0)
+      inputs = self._moved(f"act{i}", inputs, self.cells[i - 1].island, cell.island)
+    elif prefill:
+      inputs = "tokens"
+    else:  # each slot's newest token, from the last cell's island
+      inputs = self._moved("last_in", "last", self.cells[-1].island, cell.island)
     args = [f"weights/{i}", f"cache/{i}", inputs, "positions"]
-    if self.kind == "prefill":
-      args += ["slot", "logits_at"]
-    if self.cells[i].last:
-      args.append("sampling")
+    if prefill:
+      args.append("slot")
+    if cell.last:
+      args += ["logits_at", "final"] if prefill else ["active"]
+      args += ["sampling", "last"]
     self.nodes.append(Node(f"{self.kind}{i}", executable, tuple(args)))
+
+  def _moved(self, name: str, ref, source: str, island: str):
+    if source == island:
+      return ref
+    target = next(c for c in self.cells if c.island == island)
+    self.nodes.append(Transfer(name, ref, island, _replicated(target)))
+    return (name, 0)
 
   def program(self) -> Program:
     n = len(self.cells)
-    outputs = {"out": (f"{self.kind}{n - 1}", 0)}
+    last = f"{self.kind}{n - 1}"
+    outputs = {"out": (last, 0), "last": (last, 3)}
     for i in range(n):
       outputs[f"cache/{i}"] = (f"{self.kind}{i}", 1)
       outputs[f"step/{i}"] = (f"{self.kind}{i}", 2)
-    return Program(tuple(self.nodes), outputs, carried=tuple(f"cache/{i}" for i in range(n)))
+    carried = (*(f"cache/{i}" for i in range(n)), "last")
+    return Program(tuple(self.nodes), outputs, carried=carried)
 
 
 def _cell_fn(cell: Cell, prefill: bool, num_tokens: int):
-  """(weights, cache, inputs, positions[, slot, logits_at][, sampling]) -> (out, cache, step):
-  `out` the activations for the next cell, or on the last the picked tokens and their
-  log-probabilities."""
+  """The function of one cell's node (its arguments: _compile_cell). The first cell takes
+  token ids (a decode: each slot's `last`, one each), later ones the activations; the last
+  picks the next tokens and updates `last`."""
 
   def fn(weights, cache, inputs, positions, *extra):
     model = cell.fns.module(weights["params"])
-    rows, logits_at = (extra[0], extra[1]) if prefill else (None, None)
-    if cell.last and logits_at is None:
-      logits_at = jnp.zeros(inputs.shape[:1], jnp.int32)
-    out, cache = decode.forward(model, cache, inputs, positions, rows=rows, logits_at=logits_at)
+    rows = extra[0] if prefill else None
+    if cell.first and not prefill:
+      inputs = inputs[:, None]
+    logits_at = None
     if cell.last:
-      out = _picked(out, extra[-1], num_tokens)
-    return out, cache, weights["step"]
+      logits_at = extra[1] if prefill else jnp.zeros(positions.shape[:1], jnp.int32)
+    out, cache = decode.forward(model, cache, inputs, positions, rows=rows, logits_at=logits_at)
+    if not cell.last:
+      return out, cache, weights["step"]
+    sampling, last = extra[-2], extra[-1]
+    picked = _picked(out, sampling, num_tokens)
+    if prefill:  # the final chunk's token becomes the slot's newest
+      final = extra[2]
+      slot = rows[0]
+      last = last.at[slot].set(jnp.where(final[0], picked["token"][0], last[slot]))
+    else:  # the decoding slots' tokens become their newest; the others keep theirs
+      last = jnp.where(extra[0], picked["token"], last)
+    return picked, cache, weights["step"], last
 
   return fn
 
@@ -216,6 +263,14 @@ def _picked(logits, sampling: dict, num_tokens: int) -> dict:
     "top_ids": top_ids.astype(jnp.int32),
     "top_logprobs": top_logprobs,
   }
+
+
+def _zeros(abstract):
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
+
+
+def _replicated(cell: Cell) -> NamedSharding:
+  return NamedSharding(cell.mesh, PartitionSpec())
 
 
 def _weights_abstract(cell: Cell) -> dict:

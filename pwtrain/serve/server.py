@@ -152,8 +152,16 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
     model=model,
     token=read_token(config.serve.token_file),
     island_time=controller.island_time,
+    device_bytes=device_bytes,
   )
   return Server(engine, source, app, sock)
+
+
+def device_bytes() -> int:
+  """The bytes of every live device array of this process (training state, weights, caches)."""
+  import jax
+
+  return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
 
 
 @contextlib.contextmanager
