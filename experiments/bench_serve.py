@@ -107,7 +107,7 @@ class Trainer:
       self.state, step = out.state, step + 1
       if pending is not None:
         jax.device_get(pending[1].result())
-        self.done.append((time.perf_counter(), pending[0]))
+        self.done.append((time.monotonic(), pending[0]))
       pending = (step, out.metrics)
       if self.checkpointer is not None and step % self.every == 0:
         state = {k: v.result() for k, v in self.state.items()}
@@ -115,10 +115,11 @@ class Trainer:
         self.checkpointer.save(step, whole, {"step": step})
         self.state = state
     jax.device_get(pending[1].result())
-    self.done.append((time.perf_counter(), pending[0]))
+    self.done.append((time.monotonic(), pending[0]))
 
-  def finished(self) -> int:
-    return self.done[-1][1] if self.done else 0
+  def finished_at(self, t: float) -> int:
+    """The steps finished (their metrics on the host) by time `t`."""
+    return max((step for when, step in self.done if when <= t), default=0)
 
   def steps_between(self, start: float, end: float) -> int:
     return sum(start <= t < end for t, _ in self.done)
@@ -129,38 +130,58 @@ class Trainer:
     self.harness.controller.wait()
 
 
-class Client:
-  """A closed-loop client: streamed completions of `tokens` tokens one after another, each
-  recorded as (start, first token, token times, last step)."""
+class Clients:
+  """`count` closed-loop clients in a process of their own (so that their HTTP work does not
+  share the trainer's interpreter): streamed completions of `tokens` tokens one after another,
+  each recorded as {"start", "times" (of its tokens), "step" (of its last)}, on
+  time.monotonic's clock, which every process of the machine shares. `stop` returns them."""
 
-  def __init__(self, url: str, tokens: int, on_response=None):
-    self.url, self.tokens, self.on_response = url, tokens, on_response
-    self.records: list[dict] = []
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, daemon=True)
-    self._thread.start()
+  def __init__(self, url: str, count: int, tokens: int):
+    import multiprocessing
 
-  def _loop(self):
-    import httpx
+    context = multiprocessing.get_context("spawn")
+    self._stop, self._records = context.Event(), context.Queue()
+    self._process = context.Process(
+      target=_clients, args=(url, count, tokens, self._stop, self._records), daemon=True
+    )
+    self._process.start()
 
-    body = {"prompt": "def main(", "max_tokens": self.tokens, "temperature": 1.0, "stream": True}
-    with httpx.Client(base_url=self.url, timeout=120) as http:
-      while not self._stop.is_set():
-        start, times, step = time.perf_counter(), [], None
+  def stop(self) -> list[dict]:
+    self._stop.set()
+    records = self._records.get()
+    self._process.join()
+    return records
+
+
+def _clients(url, count, tokens, stop, out) -> None:
+  records = []
+  threads = [
+    threading.Thread(target=_client, args=(url, tokens, stop, records)) for _ in range(count)
+  ]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  out.put(records)
+
+
+def _client(url, tokens, stop, records) -> None:
+  import httpx
+
+  body = {"prompt": "def main(", "max_tokens": tokens, "temperature": 1.0, "stream": True}
+  with httpx.Client(base_url=url, timeout=300) as http:
+    while not stop.is_set():
+      start, times, step = time.monotonic(), [], None
+      try:
         with http.stream("POST", "/v1/completions", json=body) as response:
           for line in response.iter_lines():
             if line.startswith("data: {"):
-              times.append(time.perf_counter())
+              times.append(time.monotonic())
               step = int(re.search(r"pwtrain-step-(\d+)", line).group(1))
-        if times:
-          record = {"start": start, "times": times, "step": step}
-          self.records.append(record)
-          if self.on_response is not None:
-            self.on_response(record)
-
-  def stop(self):
-    self._stop.set()
-    self._thread.join()
+      except httpx.HTTPError:
+        return  # the server stopped
+      if times:
+        records.append({"start": start, "times": times, "step": step})
 
 
 def _latency(records: list[dict], start: float, end: float) -> dict:
@@ -168,8 +189,9 @@ def _latency(records: list[dict], start: float, end: float) -> dict:
   tokens/s of every token that came in it."""
   import numpy as np
 
-  ttft = [r["times"][0] - r["start"] for r in records if start <= r["start"] < end]
-  gaps = [b - a for r in records if start <= r["start"] < end for a, b in zip(r["times"], r["times"][1:])]  # noqa: E501
+  begun = [r for r in records if start <= r["start"] < end]
+  ttft = [r["times"][0] - r["start"] for r in begun]
+  gaps = [b - a for r in begun for a, b in zip(r["times"], r["times"][1:], strict=False)]
   tokens = sum(start <= t < end for r in records for t in r["times"])
   pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
   return {
@@ -180,16 +202,14 @@ def _latency(records: list[dict], start: float, end: float) -> dict:
 
 def _load_block(url, clients: int, args, during=None) -> tuple:
   """`clients` closed-loop clients for warmup + block seconds: their latency figures over the
-  block, and `during(start, end)`'s result."""
-  running = [Client(url, args.tokens) for _ in range(clients)]
+  block, and `during(start, end)`'s result (time.monotonic's clock)."""
+  running = Clients(url, clients, args.tokens) if clients else None
   time.sleep(args.warmup_s)
-  start = time.perf_counter()
+  start = time.monotonic()
   time.sleep(args.block_s)
-  end = time.perf_counter()
+  end = time.monotonic()
   extra = during(start, end) if during else None
-  for client in running:
-    client.stop()
-  records = [r for c in running for r in c.records]
+  records = running.stop() if running else []
   return (_latency(records, start, end) if clients else {}), extra
 
 
@@ -333,13 +353,14 @@ def freshness(args) -> dict:
         added = serve.server.device_bytes() - before
         cache = srv.engine.status()["cache_bytes"]
         trainer = Trainer(harness, state, every=args.checkpoint_every, checkpointer=ckpt).start()
-        stale = {"attached": [], "separate": []}
-        record = lambda side: lambda r: stale[side].append(trainer.finished() - r["step"])
-        clients = [Client(srv.url, 16, record("attached")), Client(separate_url, 16, record("separate"))]  # noqa: E501
+        clients = {"attached": Clients(srv.url, 1, 16), "separate": Clients(separate_url, 1, 16)}
         time.sleep(args.freshness_s)
-        for client in clients:
-          client.stop()
+        records = {side: c.stop() for side, c in clients.items()}
         trainer.stop()
+        stale = {
+          side: [trainer.finished_at(r["times"][-1]) - r["step"] for r in rs]
+          for side, rs in records.items()
+        }
       ckpt.close()
     separate_bytes = _gauge(separate_url, "device_bytes")
     separate_cache = _gauge(separate_url, "kv_cache_bytes")
@@ -381,7 +402,9 @@ def pipeline(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="bench_serve_pipe_")
     with Harness.build(config) as harness, serve.listening(config) as sock:
       state = harness.init()
-      with serve.attached(config, harness.controller, lambda h=harness: h, state, workdir, sock) as srv:  # noqa: E501
+      with serve.attached(
+        config, harness.controller, lambda h=harness: h, state, workdir, sock
+      ) as srv:  # noqa: E501
         blocks = [_load_block(srv.url, 1, args)[0] for _ in range(args.blocks)]
         pieces = srv.engine._pieces
         nodes = sum(type(n).__name__ == "Node" for n in pieces.decode.nodes)

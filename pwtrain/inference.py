@@ -106,13 +106,15 @@ def restore_params(config, workdir: str, mesh):
 
 
 def latest_step(workdir: str) -> int | None:
-  """The newest committed checkpoint's step in <workdir>/checkpoints (None: there is none), read
-  beside a possibly running job."""
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=1, read_only=True)
+  """The newest committed checkpoint's step in <workdir>/checkpoints (None: none), read beside
+  a possibly running job: the directories named by a step alone (a save in progress is written
+  under a temporary name, and its step's name appears when it is committed). Cheap enough to
+  poll; `restore_params` then checks what it reads."""
   try:
-    return ckpt.latest_step()
-  finally:
-    ckpt.close()
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+  except FileNotFoundError:
+    return None
+  return max((int(name) for name in names if name.isdigit()), default=None)
 
 
 def run_tokenizer(config, workdir: str):

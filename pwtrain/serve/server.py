@@ -158,10 +158,18 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
 
 
 def device_bytes() -> int:
-  """The bytes of every live device array of this process (training state, weights, caches)."""
+  """The device memory of this process's live arrays (training state, weights, caches): each
+  buffer on each device once (a replicated array counts once per device holding it; an array
+  and the single-device views of its shards share their buffers)."""
   import jax
 
-  return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+  buffers = {}
+  for array in jax.live_arrays():
+    if array.is_deleted():
+      continue
+    for shard in array.addressable_shards:
+      buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+  return sum(buffers.values())
 
 
 @contextlib.contextmanager
