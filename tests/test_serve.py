@@ -6,6 +6,7 @@ completions against `pwtrain.sample`'s; and the command, which reloads a newer c
 import concurrent.futures
 import itertools
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -270,7 +271,7 @@ def test_serving_while_training_changes_nothing(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path):
+def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, caplog):
   """2 pods of 2 pipeline stages, fault.elastic: the server serves from pod 1's stage islands
   (a decode through both, its activations moved between them); pod 1 is lost before step 3 and
   its work hosted by pod 0, and the server goes on from pod 0's islands; pod 1 rejoins before
@@ -291,19 +292,19 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path):
   client = threading.Thread(target=_send_all_along, args=(port, done, responses))
   client.start()
   try:
-    result = train.run(config, str(tmp_path), show_progress=False)
+    with caplog.at_level(logging.INFO, logger="pwtrain.serve"):
+      result = train.run(config, str(tmp_path), show_progress=False)
   finally:
     done.set()
     client.join()
   assert result.final_step == 8
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
+  assert len(ok) >= 3, responses
   steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
   assert steps == sorted(steps), steps
-  served_from = [tuple(r["islands"]) for r in ok]
-  pod0, pod1 = ("island0", "island1"), ("island2", "island3")
-  switches = [k for k, _ in itertools.groupby(served_from)]
-  assert switches[:3] == [pod1, pod0, pod1], switches
+  served_from = [m.split()[-1] for m in caplog.messages if m.startswith("serving from islands")]
+  assert served_from == ["island2,island3", "island0,island1", "island2,island3"], served_from
 
 
 def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
@@ -328,7 +329,6 @@ def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
           response = http.post("/v1/completions", json=body)
           response.raise_for_status()
           got = response.json()
-        got["islands"] = http.get("/health").json()["islands"]  # where it is served from now
         responses.append(got)
       except (httpx.HTTPError, ValueError) as e:
         responses.append(e)

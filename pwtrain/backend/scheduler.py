@@ -162,6 +162,7 @@ class IslandScheduler:
         work.out.set_exception(e)
         continue
       work.out.set_result(result)
+      del values, result  # held no longer than the work: a published value's old copy goes
 
   def _value(self, arg):
     if isinstance(arg, concurrent.futures.Future):

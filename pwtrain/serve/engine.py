@@ -300,6 +300,7 @@ class Engine:
       return False
     self._carried = self.controller.run(pieces.init, {}, priority=True)
     self._pieces = pieces
+    log.info("serving from islands %s", ",".join(layout.islands))
     return True
 
   def _restart(self) -> None:
