@@ -10,12 +10,14 @@ training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains o
             Closed-loop clients (each sends its next request when its last one ends; streamed
             completions of --tokens tokens) load it with 0, 1, 4 and 8 clients, in that order in
             each of --blocks blocks of --block_s seconds (after --warmup_s), medians over the
-            blocks: training tokens/s against 0 clients, time to first token (TTFT) and time per
-            output token (TPOT, the gaps between a completion's tokens) at p50 and p99, output
-            tokens/s, and serving's share of the island's busy time (backend/policy.py's
-            clock). TTFT is also given in training step times (0 clients' median step).
+            blocks: training tokens/s against the same block's 0 clients, time to first token
+            (TTFT) and time per output token (TPOT, the gaps between a completion's tokens) at
+            p50 and p99, output tokens/s, and serving's share of the island's busy time
+            (backend/policy.py's clock). TTFT is also given in training step times (the same
+            block's step time without clients).
 standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
-            process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians.
+            process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
+            output tokens/s against the same block's 1 client.
 freshness   palm_tiny trains (checkpoint every --checkpoint_every steps) with the server
             attached, and a separate `python -m pwtrain.serve` process serves the same run's
             checkpoints, reloading each new one (serve.reload_poll_s=0.5): one client each (16-
@@ -242,7 +244,7 @@ def training(args) -> dict:
       time.sleep(args.warmup_s)
       island = harness.plan.islands[0].name
       blocks = {load: [] for load in LOADS}
-      for _ in range(args.blocks):
+      for block in range(args.blocks):
         for load in LOADS:
           before = harness.controller.island_time()[island]
 
@@ -257,14 +259,15 @@ def training(args) -> dict:
             }
 
           latency, extra = _load_block(srv.url, load, args, during)
+          clean = blocks[0][block] if load else extra  # this block's without clients: the base
+          extra["train_ratio"] = extra["train_tokens_per_s"] / clean["train_tokens_per_s"]
+          extra["ttft_p50_steps"] = latency.get("ttft_p50", float("nan")) / clean["step_s"]
           blocks[load].append({**extra, **latency})
       trainer.stop()
   medians = {load: _medians(rows) for load, rows in blocks.items()}
-  clean, clean_step = medians[0]["train_tokens_per_s"], medians[0]["step_s"]
+  clean_step = medians[0]["step_s"]
   rows = []
   for load, m in medians.items():
-    m["train_ratio"] = m["train_tokens_per_s"] / clean
-    m["ttft_p50_steps"] = m.get("ttft_p50", float("nan")) / clean_step
     rows.append([load, m["train_tokens_per_s"], m["train_ratio"], m["share"],
                  m.get("ttft_p50", float("nan")), m.get("ttft_p99", float("nan")),
                  m["ttft_p50_steps"], m.get("tpot_p50", float("nan")),
@@ -313,10 +316,12 @@ def standalone(args) -> dict:
           blocks[load].append(_load_block(server.url, load, args)[0])
     finally:
       server.stop()
+  for load in loads:  # each block's throughput against that block's one client
+    for row, one in zip(blocks[load], blocks[1], strict=True):
+      row["x_one_client"] = row["tokens_per_s"] / one["tokens_per_s"]
   medians = {load: _medians(rows) for load, rows in blocks.items()}
-  one = medians[1]["tokens_per_s"]
   rows = [[load, m["ttft_p50"], m["ttft_p99"], m["tpot_p50"], m["tpot_p99"], m["tokens_per_s"],
-           m["tokens_per_s"] / one] for load, m in medians.items()]  # fmt: skip
+           m["x_one_client"]] for load, m in medians.items()]  # fmt: skip
   _print_table(
     "standalone (pwtrain.serve's server, nothing training; medians of blocks)",
     ["clients", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "TPOT p99 s", "output tokens/s",

@@ -364,6 +364,41 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"serve.max_batch": 0}, "serve.max_batch=0 must be a positive integer"),
+    ({"serve.max_len": 1}, "serve.max_len=1 must be >= 2"),
+    ({"serve.port": 70000}, "serve.port=70000 must be a port number"),
+    ({"serve.share": 0.0}, "serve.share=0.0 must be in (0, 1]"),
+    ({"serve.host": ""}, "serve.host='' must be an address"),
+    ({"serve.token_file": "/no/such/token"}, "serve.token_file='/no/such/token' is not a file"),
+    ({"serve.enabled": True, "backend.mode": "distributed"}, "embedded mode only"),
+  ],
+)
+def test_bad_serve_settings_are_one_line(overrides, message):
+  from pwtrain import config as config_lib
+  from pwtrain.errors import ConfigError
+
+  with pytest.raises(ConfigError) as error:
+    config_lib.validate(small_config(**overrides))
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_port_in_use_is_one_line():
+  from pwtrain.errors import ConfigError
+
+  config = small_config(**{"serve.port": 0})
+  with serve.listening(config) as taken:
+    port = taken.getsockname()[1]
+    with pytest.raises(ConfigError, match=f"serve.port={port}: cannot listen there"):
+      with serve.listening(config, port=port):
+        pass
+
+
 # -- pieces without a server ----------------------------------------------------------------
 
 
