@@ -25,7 +25,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from pwtrain.serve.engine import Completion, Event, QueueFull
+from pwtrain.serve.engine import Completion, Event, QueueFull, Stopped
 from pwtrain.serve.requests import CompletionRequest, Limits, RequestError, parse
 
 MAX_BODY = 4 << 20  # bytes
@@ -83,13 +83,14 @@ def make_app(
     if len(body) > MAX_BODY:
       raise RequestError(413, f"the request body is over {MAX_BODY} bytes")
     parsed = parse(body, tokenizer, limits)
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    completion = Completion(parsed, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    completion = Completion(parsed, _deliver(asyncio.get_running_loop(), events))
     try:
       engine.submit(completion)
     except QueueFull as e:
       raise RequestError(429, f"the server is busy: {e}; try again", kind="rate_limit_error") from e
+    except Stopped as e:
+      raise RequestError(503, str(e), kind="server_error") from e
     stats.count("prompt_tokens", completion.prompt_tokens)
     reply = _Reply(completion, model)
     if parsed.stream:
@@ -114,6 +115,18 @@ def make_app(
       engine.wake()
 
   return app
+
+
+def _deliver(loop, events: asyncio.Queue):
+  """The engine's events into `events`, on the HTTP side's loop (dropped once it has closed)."""
+
+  def put(event: Event) -> None:
+    try:
+      loop.call_soon_threadsafe(events.put_nowait, event)
+    except RuntimeError:  # the loop has closed: nobody is waiting
+      pass
+
+  return put
 
 
 async def _stream(reply: "_Reply", events: asyncio.Queue, engine):

@@ -69,6 +69,10 @@ class QueueFull(RuntimeError):
   """The request's sequences do not fit the waiting queue (serve.queue_size)."""
 
 
+class Stopped(RuntimeError):
+  """The engine has stopped (the server is shutting down)."""
+
+
 @dataclasses.dataclass
 class Event:
   """What a choice's client is told at a token boundary: new `text` (possibly ""), the token's
@@ -175,7 +179,7 @@ class Engine:
     request = completion.request
     with self._lock:
       if self._stopping:
-        raise QueueFull("the server is stopping")
+        raise Stopped("the server is stopping")
       free = sum(seq is None for seq in self._slots)
       if len(self._waiting) + request.num_sequences - free > self.queue_size:
         raise QueueFull(

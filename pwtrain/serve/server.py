@@ -131,11 +131,13 @@ class Server:
       time.sleep(0.01)
 
   def stop(self) -> None:
+    """Stops the engine (what it serves ends with an error: 503, or a streamed error), then the
+    HTTP server and the weights' source."""
+    self.engine.stop()
     self._uvicorn.should_exit = True
     if self._thread is not None:
       self._thread.join()
       self._thread = None
-    self.engine.stop()
     self.source.close()
 
 
