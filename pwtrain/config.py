@@ -23,8 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _positive(config, *keys):
   for key in keys:
-    section, name = key.split(".")
-    value = config[section][name]
+    value = config[key.split(".")[0]][key.split(".")[1]]
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f"{key}={value!r} must be a positive integer")
 
@@ -180,7 +179,32 @@ def validate(config) -> None:
       f"train.rollback_after={config.train.rollback_after} counts skipped non-finite steps, "
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
     )
+  validate_serve(config)
   conditions.check(config, defaults.get_config())  # no key set where nothing reads it
+
+
+def validate_serve(config) -> None:
+  """serve.*: the server's settings (pwtrain/serve/), and where attached serving runs."""
+  s = config.serve
+  _positive(config, "serve.max_batch", "serve.prefill_chunk", "serve.queue_size")
+  if not isinstance(s.max_len, int) or s.max_len < 0 or 0 < s.max_len < 2:
+    raise ConfigError(f"serve.max_len={s.max_len!r} must be >= 2, or 0 for data.seq_len")
+  if not isinstance(s.port, int) or not 0 <= s.port <= 65535:
+    raise ConfigError(f"serve.port={s.port!r} must be a port number, 0 to 65535 (0: any free)")
+  if not isinstance(s.host, str) or not s.host:
+    raise ConfigError(f"serve.host={s.host!r} must be an address, e.g. '127.0.0.1'")
+  if not 0 < s.share <= 1:
+    raise ConfigError(f"serve.share={s.share!r} must be in (0, 1]: serving's share of an island")
+  if not s.reload_poll_s > 0:
+    raise ConfigError(f"serve.reload_poll_s={s.reload_poll_s!r} must be > 0 seconds")
+  if s.token_file and not os.path.isfile(os.path.expanduser(s.token_file)):
+    raise ConfigError(f"serve.token_file={s.token_file!r} is not a file")
+  if s.enabled and config.backend.mode != "embedded":
+    raise ConfigError(
+      f"serve.enabled=True with backend.mode={config.backend.mode!r}: attached serving runs in "
+      "embedded mode only (its programs share the controller's local islands); serve the "
+      "checkpoints with python -m pwtrain.serve instead"
+    )
 
 
 def validate_scan(config) -> None:

@@ -216,6 +216,23 @@ def get_config():
   c.fault.host_lost_pods = True  # elastic: survivors run lost pods' microbatches (else rebuild)
   c.fault.inject = ""  # elastic drills: "kill:pod1@step6,rejoin:pod1@step10"
 
+  # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
+  # and serve.enabled=True serves the training run's own parameters while it trains.
+  c.serve = ml_collections.ConfigDict()
+  c.serve.enabled = False  # a training run serves its live parameters (embedded mode)
+  c.serve.host = "127.0.0.1"  # the address to listen on (loopback unless set otherwise)
+  c.serve.port = 8000  # 0: any free port (logged)
+  c.serve.max_batch = 8  # KV-cache slots: sequences decoded together
+  c.serve.max_len = 0  # positions per slot, prompt and new tokens together; 0: data.seq_len
+  c.serve.prefill_chunk = 64  # prompt tokens per prefill program (padded)
+  c.serve.queue_size = 64  # sequences waiting for a slot; a request beyond them gets HTTP 429
+  # Under saturating load, the share of each island's time that serving may take ahead of
+  # queued training work (backend/policy.py): a flood slows training by about this fraction.
+  c.serve.share = 0.2
+  c.serve.reload = True  # pwtrain.serve: serve a newer checkpoint as soon as one appears
+  c.serve.reload_poll_s = 1.0  # how often pwtrain.serve looks for one
+  c.serve.token_file = ""  # a file holding the token clients must send as a Bearer; "": none
+
   c.metrics = ml_collections.ConfigDict()  # besides metrics.jsonl and TensorBoard (always on)
   # Weights & Biases project ("": off). Needs `pip install 'pwtrain[wandb]'`; WANDB_MODE etc.
   # as wandb reads them (e.g. WANDB_MODE=offline).

@@ -33,21 +33,14 @@ from pwtrain import platforms
 platforms.prepare()  # before JAX starts: whatever it can initialise (pwtrain/platforms.py)
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pwtrain import config as config_lib  # noqa: E402
-from pwtrain import restore  # noqa: E402
-from pwtrain import step as step_lib  # noqa: E402
-from pwtrain import workdir as workdir_lib  # noqa: E402
-from pwtrain.data import build_tokenizer  # noqa: E402
-from pwtrain.data.tokenizer import sentencepiece_path  # noqa: E402
 from pwtrain.errors import ConfigError  # noqa: E402
-from pwtrain.models import scan  # noqa: E402
+from pwtrain.inference import load_config, reading_mesh, restore_params, run_tokenizer  # noqa: E402
 from pwtrain.models.sampling import Sampling, generate  # noqa: E402
-from pwtrain.parallel import stages  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -66,20 +59,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Random seed of the draws.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
 
 
-def load_config(config, workdir: str):
-  """`config` (from --config) if given, else <workdir>/config.json as an ml_collections
-  ConfigDict; a ValueError naming the fix if there is neither."""
-  if config is not None:
-    return config
-  path, saved = workdir_lib.saved_config(workdir)
-  if saved is None:
-    raise ConfigError(
-      f"{path} does not exist: pass the run's config with --config=<file> (and the "
-      "--config.<key>=<value> overrides it was trained with)"
-    )
-  return ml_collections.ConfigDict(saved)
-
-
 def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
   if (prompt is None) == (prompt_file is None):
     raise ConfigError("give exactly one of --prompt=<text> and --prompt_file=<file>")
@@ -90,30 +69,6 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
   if not prompts:
     raise ConfigError(f"--prompt_file={prompt_file!r} has no non-blank line")
   return prompts
-
-
-def restore_params(config, workdir: str, mesh):
-  """(step, the model's ModelFns, params) of the latest readable checkpoint in
-  <workdir>/checkpoints (pwtrain/restore.py), the params sharded on `mesh` by their logical
-  axes; runs whose pods differ (DiLoCo, error feedback) give pod 0's."""
-  step, state = restore.latest(config, workdir, mesh)
-  if "pods" in state:
-    state = state["pods"][0]
-  params = state["params"]
-  if config.model.scan_layers:
-    _, shardings = restore.target(config, mesh)
-    period = scan.period(config.model, config.moe)
-    params = jax.device_put(stages.stack_state(params, period), shardings["params"])
-  return step, step_lib.model_fns(config.model, config.moe), params
-
-
-def run_tokenizer(config, workdir: str):
-  """The run's tokenizer; never trains one (SentencePiece must be in <workdir>/tokenizer)."""
-  if config.data.tokenizer == "sentencepiece":
-    path = sentencepiece_path(workdir, config.data.sp_vocab_size)
-    if not os.path.exists(path):
-      raise ConfigError(f"{path} does not exist: the run's SentencePiece model is missing")
-  return build_tokenizer(config.data, workdir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +100,7 @@ def sample(
       f"--max_new_tokens={max_new_tokens} and --num_samples={num_samples} must be >= 1"
     )
   tokenizer = run_tokenizer(config, workdir)
-  step, fns, params = restore_params(config, workdir, restore.reading_mesh(config, devices))
+  step, fns, params = restore_params(config, workdir, reading_mesh(config, devices))
   # A prompt starts a document, encoded as documents are in the packed training data: after an
   # EOS, or (data.add_special_tokens) with the tokenizer's own BOS (data/tokenizer.py).
   encoded = [tokenizer.prompt(p) for p in prompts]

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from pwtrain import compile_cache, drills, guard, processes, restore
+from pwtrain import compile_cache, drills, guard, processes, restore, serve
 from pwtrain import config as config_lib
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
@@ -64,13 +64,15 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
   context = RunContext(mode, progress, goodput)
 
   def run_once(config) -> RunResult:
-    # Laid out once, before anything is written: a bad layout writes nothing.
-    with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
+    # Laid out once, before anything is written: a bad layout writes nothing. serve.enabled: the
+    # port is bound first, so that one in use is one line too.
+    listening = serve.listening(config) if config.serve.enabled else contextlib.nullcontext()
+    with listening as sock, contextlib.closing(plan_lib.make_cluster(config)) as cluster:
       plan = plan_lib.build(config, cluster)
       drills.check(config, plan)
       before = workdir_lib.snapshot(workdir)
       try:
-        return _run(config, workdir, context, cluster, plan)
+        return _run(config, workdir, dataclasses.replace(context, serve_socket=sock), cluster, plan)
       except UserError:
         # Refused before the first step (data, tokenizer, resume checks): the workdir is left
         # as it was. Once training has begun nothing is removed.
@@ -92,6 +94,7 @@ class RunContext:
   mode: Any  # backend.run_mode.RunMode
   progress: str  # "bar", "lines" or "none"
   goodput: Goodput
+  serve_socket: Any = None  # serve.enabled: where the attached server listens (serve.listening)
 
 
 def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
@@ -188,7 +191,8 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   logger.record_once(start, compile_s=harness.compile_s)
   goodput.begin_loop()
   try:
-    with StopRequest() as stop, _progress_lines(context.progress):
+    serving = _serving(config, harness, steps, state, workdir, context)
+    with StopRequest() as stop, _progress_lines(context.progress), serving:
       while step < num_steps:
         profiler.before_step(step)
         if config.fault.elastic:  # drills, and lost pods rejoining, before the batch is read
@@ -240,6 +244,15 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
       ckpt.close()
   _summary(logger, start, step, ckpt.directory, latest, goodput)
   return RunResult(logger.history, state, start, step, logger.evals)
+
+
+def _serving(config, harness, steps, state: dict, workdir: str, context: RunContext):
+  """serve.enabled: the run's live parameters served over HTTP while the loop runs, its
+  programs a priority client of the run's controller (pwtrain/serve/, docs/serving.md)."""
+  if not config.serve.enabled:
+    return contextlib.nullcontext()
+  current = (lambda: steps.harness) if config.fault.elastic else (lambda: harness)
+  return serve.attached(config, harness.controller, current, state, workdir, context.serve_socket)
 
 
 def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:

@@ -194,10 +194,12 @@ def _tokens(command: str) -> list[str]:
 
 
 def _module_file(module: str):
-  """The module's file, or a package's __main__.py (`python -m pwtrain.convert`)."""
-  path = REPO.joinpath(*module.split(".")).with_suffix(".py")
-  package = REPO.joinpath(*module.split("."), "__main__.py")
-  return path if path.is_file() else package if package.is_file() else None
+  """The file `python -m <module>` runs: <module>.py, or a package's __main__.py."""
+  path = REPO.joinpath(*module.split("."))
+  for candidate in (path.with_suffix(".py"), path / "__main__.py"):
+    if candidate.is_file():
+      return candidate
+  return None
 
 
 @functools.cache
@@ -337,6 +339,12 @@ def check_command(words: list[str], where: str) -> list[str]:
     wrong = check_overrides(config_spec, overrides)
     if wrong:
       problems.append(f"{where}: --config.* overrides: {wrong}")
+  elif module == "pwtrain.serve":  # serve.* overrides apply to the run's config.json too
+    from pwtrain.defaults import get_config
+
+    unknown = [k for k in overrides if not k.startswith("serve.") or not _has_key(get_config(), k)]
+    if unknown:
+      problems.append(f"{where}: --config.{unknown[0]}: only serve.* keys without --config")
   elif overrides:
     problems.append(f"{where}: --config.{next(iter(overrides))} without --config=<file>")
   return problems

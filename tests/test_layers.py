@@ -40,9 +40,10 @@ LAYERS = (
   ("configs",),  # the shipped configs: files that start from the defaults or from each other
   # config -> a ready step; a run's latest checkpoint read back; the run's compilation cache
   ("harness", "restore", "compile_cache"),
+  ("inference",),  # a trained run's model for inference (config, tokenizer, weights)
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
-  # steps over the live pods: a lost pod dropped, a returning one rejoined.
-  ("dryrun", "elastic"),
+  # steps over the live pods: a lost pod dropped, a returning one rejoined; serving over HTTP.
+  ("dryrun", "elastic", "serve"),
   ("train",),  # the training loop
   # entry points: training and the dry run; sampling; launcher; Hugging Face conversion
   ("main", "sample", "launch", "convert"),

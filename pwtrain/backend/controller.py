@@ -10,7 +10,12 @@ earlier programs may still be unfinished when a new one is enqueued (0: run sync
 
 Several clients (threads, each with its own programs) may share one controller and its islands:
 `run` is thread-safe, every program is enqueued atomically (so each island sees the programs in
-one global order), and the run-ahead bound counts all clients' programs together.
+one global order), and the run-ahead bound counts all clients' programs together. A priority
+client (`run(priority=True)`: serving) has its programs placed ahead of queued ordinary work
+within a share of each island's time (backend/policy.py); they are not counted in the bound
+(their client waits for each). While the controller publishes (`start_publishing`), the carried
+outputs of every program (a train state) are published on their islands as their nodes
+launch, and a node can read the newest of them in place (`program.Latest`).
 """
 
 import collections
@@ -173,21 +178,69 @@ class Controller:
 
   # -- dispatch -----------------------------------------------------------------------------
 
-  def run(self, program: Program, inputs: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
+  def run(
+    self, program: Program, inputs: dict[str, Any], *, priority: bool = False
+  ) -> dict[str, concurrent.futures.Future]:
     """Enqueues every node of `program`; returns a future per program output, immediately.
 
     Blocks only to honour `max_inflight` (waiting for the oldest in-flight program's results).
+    `priority`: placed ahead of queued ordinary work by the islands' policy (backend/policy.py:
+    its inputs may be program.Latest values and the client's own earlier outputs only), and
+    neither bounded nor waited for by `wait` (its client waits for it); local islands only.
     """
     missing = program.inputs - set(inputs)
     assert not missing, f"program inputs not given: {sorted(missing)}"
-    self._bound_inflight()
+    if priority:
+      self._local_only("priority programs")
+    else:
+      self._bound_inflight()
     with self._dispatch_lock:
       step = self._step
       self._step += 1
-      outputs = self._dispatcher.dispatch(program, inputs, step)
-    with self._inflight_lock:
-      self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
+      outputs = self._dispatcher.dispatch(program, inputs, step, priority)
+    if not priority:
+      with self._inflight_lock:
+        self._inflight.append([f for k, f in outputs.items() if k not in program.carried])
     return outputs
+
+  # -- sharing islands with a priority client (backend/policy.py) ----------------------------
+
+  def set_priority_share(self, share: float) -> None:
+    """The share of each island's time that priority work may take ahead of queued ordinary
+    work under saturating load (policy.PriorityPolicy), in (0, 1]."""
+    if not 0 < share <= 1:
+      raise ConfigError(f"priority share {share} must be in (0, 1]")
+    self._local_only("a priority share")
+    self._dispatcher.set_priority_share(share)
+
+  def start_publishing(self) -> None:
+    """From now on, the carried outputs of every program (a train state) are published on their
+    islands, under the output's name, as the nodes that produce them launch; a node reads the
+    newest with a program.Latest input (backend/scheduler.py)."""
+    self._local_only("publishing")
+    self._dispatcher.publishing = True
+
+  def publish(self, island: str, name: str, value) -> concurrent.futures.Future:
+    """Publishes `value` (arrays on `island`) under `name` there, after everything enqueued so
+    far (program.Latest); a future resolved once it is."""
+    self._local_only("publishing")
+    self.cluster[island]
+    with self._dispatch_lock:
+      step = self._step
+      self._step += 1
+      return self._dispatcher.publish(island, name, value, step)
+
+  def island_time(self) -> dict[str, dict[str, float]]:
+    """{island: {"priority", "ordinary"}}: the busy seconds each island spent on priority and on
+    other work so far (exact where execution is serialized, as on CPU)."""
+    self._local_only("island time")
+    return self._dispatcher.island_time()
+
+  def _local_only(self, what: str) -> None:
+    if self.cluster.remote or jax.process_count() > 1:
+      raise ConfigError(
+        f"{what}: the controller's local islands of one process only (embedded mode)"
+      )
 
   @property
   def program_number(self) -> int:

@@ -24,8 +24,9 @@ from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend import saved as saved_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.policy import PriorityPolicy
 from pwtrain.backend.program import Executable, Node, Program, Transfer
-from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work
+from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work, stamp
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
@@ -65,6 +66,8 @@ class LocalDispatcher:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
     serial = threading.Lock() if serialize_execution else None
     self._schedulers = {i.name: IslandScheduler(i.name, trace, serial) for i in cluster.islands}
+    self.policy = PriorityPolicy()  # where priority programs go (backend/policy.py)
+    self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
     self._cross = IslandScheduler(CROSS, trace, None)
@@ -189,10 +192,13 @@ class LocalDispatcher:
     for future in mine:
       future.result()
 
-  def dispatch(self, program: Program, inputs: dict, step: int) -> dict:
+  def dispatch(self, program: Program, inputs: dict, step: int, priority: bool = False) -> dict:
     """Enqueues every node of `program` on its island's queue (this process's islands: see
-    `runs_here`); a future per program output."""
+    `runs_here`); a future per program output. `priority`: placed by the policy
+    (backend/policy.py) rather than at the end of each queue."""
     futures: dict[str, concurrent.futures.Future] = {}
+    placed: list | None = [] if priority else None  # priority work: placed together at the end
+    publishes = self._publishes(program)
 
     def resolve(ref):
       if isinstance(ref, str):
@@ -237,9 +243,34 @@ class LocalDispatcher:
         # (measured: 1F1B's sends of a gradient waited a whole backward). No deadlock: the
         # transfers before it in program order never wait on it.
         futures[node.name] = self._enqueue(
-          node.name, node.island, launch, args, step, after=self._last_cross
-        )
+          node.name, node.island, launch, args, step, after=self._last_cross,
+          placed=placed, publishes=publishes.get(node.name, ()),
+        )  # fmt: skip
+    if placed:
+      self.policy.insert(placed, step)
     return {key: resolve(ref) for key, ref in program.outputs.items()}
+
+  def _publishes(self, program: Program) -> dict[str, tuple]:
+    """While `publishing`: {node name: ((carried output's name, its output index), ...)}."""
+    out: dict[str, tuple] = {}
+    if self.publishing:
+      for key in program.carried:
+        ref = program.outputs[key]
+        if not isinstance(ref, str):  # a value passed through as it is was published before
+          out[ref[0]] = (*out.get(ref[0], ()), (key, ref[1]))
+    return out
+
+  def publish(self, island: str, name: str, value, step: int) -> concurrent.futures.Future:
+    """Publishes `value` under `name` on `island` at this point of its queue (program.Latest)."""
+    publishes = ((name, None),)
+    return self._enqueue(name, island, lambda: value, [], step, computes=False, publishes=publishes)
+
+  def set_priority_share(self, share: float) -> None:
+    self.policy.set_share(share, self._schedulers.values())
+
+  def island_time(self) -> dict[str, dict[str, float]]:
+    """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""
+    return {name: s.clock.totals() for name, s in self._schedulers.items()}
 
   def _prepared(self, program: Program) -> tuple:
     """(transfers.dispatch_order of `program`, {transfer name: its device_put}, {transfer name:
@@ -297,7 +328,7 @@ class LocalDispatcher:
         value = self._puller.pull(pull.source, uuid, pull.spec)
         if event is not None:
           event.launch = self.trace.now()
-          self._pull_watcher.watch(value, event, self.trace)
+          self._pull_watcher.watch(value, stamp(event, self.trace))
         return value
 
       return self._enqueue(node.name, node.island, receive, [], step, traced=False, computes=False)
@@ -316,15 +347,21 @@ class LocalDispatcher:
     return _resolved(jax.tree.map(stand_in, pull.spec))
 
   def _enqueue(
-    self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True
-  ):
+    self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True,
+    placed=None, publishes=(),
+  ):  # fmt: skip
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
-    `after` (if any) is done; a future of its result. `computes=False`: an offer or a pull
-    (scheduler.IslandScheduler)."""
+    `after` (if any) is done; a future of its result. `computes=False`: an offer, a pull or a
+    publication (scheduler.IslandScheduler). With `placed` (a list), the work is added to it for
+    the policy to place (policy.PriorityPolicy.insert). `publishes`: scheduler.Work's."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace and traced else None
-    work = Work(name, launch, args, out, event, after, computes)
-    (scheduler or self._schedulers[island]).queue.put(work)
+    scheduler = scheduler or self._schedulers[island]
+    work = Work(name, launch, args, out, event, after, computes, (step, 0), False, publishes)
+    if placed is not None:
+      placed.append((scheduler, work))
+    else:
+      scheduler.queue.put(work)
     return out
 
   def close(self) -> None:

@@ -67,6 +67,21 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
+class Latest:
+  """A program input read when the node that takes it launches: the newest value published under
+  `name` on the node's island (Controller.publish, or the carried outputs of the programs run
+  while the controller publishes: backend/scheduler.py), or with `keys` the dict of those
+  entries of it. Nodes only: a transfer would read it on its destination island."""
+
+  name: str
+  keys: tuple[str, ...] = ()
+
+
+class NotPublished(LookupError):
+  """A node read a `Latest` name that nothing has published on its island yet."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
   nodes: tuple[Node | Transfer, ...]
   outputs: dict[str, Ref]

@@ -9,7 +9,9 @@ The rule, on a row's float32 logits over the vocabulary:
                      probability, up to and including the first at which the cumulative
                      probability (renormalised after top_k) reaches top_p, ties at the cut
                      kept; never empty
-Ids >= `num_tokens` (a vocabulary padded past the tokenizer's) are never produced.
+Ids >= `num_tokens` (a vocabulary padded past the tokenizer's) are never produced. `pick` is the
+rule with settings per row (arrays), as a serving batch needs, each row drawing with its own
+key; `next_token` is the rule with one setting for every row.
 
 The loop (`generate`) prefills the prompts in one forward pass, then feeds back one token at a
 time inside a `jax.lax.while_loop`, so the whole generation is one traced function the caller
@@ -54,25 +56,49 @@ class Generated:
 
 
 def next_token(logits, key, sampling: Sampling, num_tokens: int | None = None):
-  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule."""
+  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule, one `sampling` for every
+  row, all rows drawing from `key`."""
+  return pick(logits, key, sampling.temperature, sampling.top_k, sampling.top_p, num_tokens)
+
+
+def pick(logits, keys, temperature, top_k, top_p, num_tokens: int | None = None):
+  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule, with `temperature`,
+  `top_k` and `top_p` each a Python number (every row's) or a [b] array (per row; validated by
+  the caller). `keys`: one key that all rows draw from, or [b] keys, one per row. A Python
+  number that turns a stage off leaves it out of the program (greedy alone is an argmax)."""
   logits = logits.astype(jnp.float32)
+  num_rows, vocab = logits.shape
   neg_inf = jnp.finfo(jnp.float32).min
-  if num_tokens is not None and num_tokens < logits.shape[-1]:
-    logits = jnp.where(jnp.arange(logits.shape[-1]) < num_tokens, logits, neg_inf)
-  if sampling.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / sampling.temperature
-  if 0 < sampling.top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-    logits = jnp.where(logits >= kth, logits, neg_inf)
-  if sampling.top_p < 1:
+  if num_tokens is not None and num_tokens < vocab:
+    logits = jnp.where(jnp.arange(vocab) < num_tokens, logits, neg_inf)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if _static(temperature) and temperature == 0:
+    return greedy
+  per_row = lambda value, dtype: jnp.broadcast_to(jnp.asarray(value, dtype), (num_rows,))[:, None]
+  temperature = per_row(temperature, jnp.float32)
+  logits = logits / jnp.where(temperature > 0, temperature, 1.0)
+  if not (_static(top_k) and not 0 < top_k < vocab):
+    k = per_row(top_k, jnp.int32)
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
+    logits = jnp.where((0 < k) & (k < vocab) & (logits < kth), neg_inf, logits)
+  if not (_static(top_p) and top_p >= 1):
+    p = per_row(top_p, jnp.float32)
     descending = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(descending, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more probable ids
     # The least probable id kept; the first (most probable) always is.
-    cut = jnp.min(jnp.where(before < sampling.top_p, descending, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= cut, logits, neg_inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    cut = jnp.min(jnp.where(before < p, descending, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where((p < 1) & (logits < cut), neg_inf, logits)
+  if keys.ndim:  # one key per row
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, logits)
+  else:
+    drawn = jax.random.categorical(keys, logits, axis=-1)
+  return jnp.where(temperature[:, 0] == 0, greedy, drawn.astype(jnp.int32))
+
+
+def _static(value) -> bool:
+  return isinstance(value, int | float)
 
 
 def generate(

@@ -177,7 +177,8 @@ class RemoteDispatcher:
 
   # -- dispatch -----------------------------------------------------------------------------
 
-  def dispatch(self, program, inputs: dict, step: int) -> dict:
+  def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
+    assert not priority, "remote islands run their queues in arrival order (Controller.run)"
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
       if self.cluster[island].worker.lost:

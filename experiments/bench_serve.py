@@ -1,0 +1,452 @@
+"""Serving while training (pwtrain/serve/): what it costs training, its latency and throughput,
+how fresh its weights are and what memory it adds, against the usual separate server.
+
+  python experiments/bench_serve.py                                  # every section
+  python experiments/bench_serve.py --sections=training --blocks=5 --block_s=10
+
+training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains on random batches
+            on a thread, as pwtrain.train drives it, with the server attached (serve.enabled's
+            path: its programs a priority client of the run's controller, serve.share=0.2).
+            Closed-loop clients (each sends its next request when its last one ends; streamed
+            completions of --tokens tokens) load it with 0, 1, 4 and 8 clients, in that order in
+            each of --blocks blocks of --block_s seconds (after --warmup_s), medians over the
+            blocks: training tokens/s against the same block's 0 clients, time to first token
+            (TTFT) and time per output token (TPOT, the gaps between a completion's tokens) at
+            p50 and p99, output tokens/s, and serving's share of the island's busy time
+            (backend/policy.py's clock). TTFT is also given in training step times (the same
+            block's step time without clients).
+standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
+            process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
+            output tokens/s against the same block's 1 client.
+freshness   palm_tiny trains (checkpoint every --checkpoint_every steps) with the server
+            attached, and a separate `python -m pwtrain.serve` process serves the same run's
+            checkpoints, reloading each new one (serve.reload_poll_s=0.5): one client each (16-
+            token completions). Staleness of a response: the steps the trainer had finished
+            when it arrived minus the step that produced its last token. Memory: the device
+            bytes serving adds (attached: measured around the attach, the KV caches apart;
+            separate: the process's own device bytes, its /metrics).
+pipeline    decode cost through a pipeline's stage islands: palm_tiny_pipeline (4 stages on 4
+            islands of 2 devices) against palm_tiny (one island), attached to an idle run (no
+            step running), 1 client: TPOT p50, the programs' nodes and transfers per token.
+
+On this CPU every computation runs alone (the controller serializes them: XLA's CPU
+collectives), so serving and training take turns on the two cores rather than overlapping;
+real concurrency between islands (a pipeline's decode on one stage while training runs on
+another) is not measurable here.
+"""
+
+import argparse
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from common import force_host_devices, load_config, machine, random_batches, write_json
+
+LOADS = (0, 1, 4, 8)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sections", default="training,standalone,freshness,pipeline")
+  parser.add_argument("--blocks", type=int, default=3)
+  parser.add_argument("--block_s", type=float, default=8.0)
+  parser.add_argument("--warmup_s", type=float, default=2.0)
+  parser.add_argument("--tokens", type=int, default=64, help="tokens per completion")
+  parser.add_argument("--checkpoint_every", type=int, default=10)
+  parser.add_argument("--freshness_s", type=float, default=40.0)
+  parser.add_argument("--out", default="")
+  args = parser.parse_args()
+  force_host_devices(8)
+  results = {"machine": machine(), "args": vars(args)}
+  sections = args.sections.split(",")
+  if "training" in sections:
+    results["training"] = training(args)
+  if "standalone" in sections:
+    results["standalone"] = standalone(args)
+  if "freshness" in sections:
+    results["freshness"] = freshness(args)
+  if "pipeline" in sections:
+    results["pipeline"] = pipeline(args)
+  if args.out:
+    write_json(args.out, results)
+
+
+# -- the pieces every section uses -------------------------------------------------------------
+
+
+def _config(name="palm_tiny", **overrides):
+  return load_config(name, {"serve.port": 0, "train.num_steps": 10**6, **overrides})
+
+
+class Trainer:
+  """Steps on random batches on a thread, as pwtrain.train dispatches them; `done`: the steps
+  whose metrics have reached the host, with when."""
+
+  def __init__(self, harness, state, every=0, checkpointer=None):
+    self.harness, self.state = harness, state
+    self.batches = random_batches(harness.config, 4)
+    self.done: list[tuple[float, int]] = []
+    self.every, self.checkpointer = every, checkpointer
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+
+  def start(self):
+    self._thread.start()
+    return self
+
+  def _loop(self):
+    import jax
+
+    pending, step = None, 0
+    while not self._stop.is_set():
+      out = self.harness.step(self.state, self.batches[step % 4], step)
+      self.state, step = out.state, step + 1
+      if pending is not None:
+        jax.device_get(pending[1].result())
+        self.done.append((time.monotonic(), pending[0]))
+      pending = (step, out.metrics)
+      if self.checkpointer is not None and step % self.every == 0:
+        state = {k: v.result() for k, v in self.state.items()}
+        whole = self.harness.step_program.to_checkpoint(state)
+        self.checkpointer.save(step, whole, {"step": step})
+        self.state = state
+    jax.device_get(pending[1].result())
+    self.done.append((time.monotonic(), pending[0]))
+
+  def finished_at(self, t: float) -> int:
+    """The steps finished (their metrics on the host) by time `t`."""
+    return max((step for when, step in self.done if when <= t), default=0)
+
+  def steps_between(self, start: float, end: float) -> int:
+    return sum(start <= t < end for t, _ in self.done)
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join()
+    self.harness.controller.wait()
+
+
+class Clients:
+  """`count` closed-loop clients in a process of their own (so that their HTTP work does not
+  share the trainer's interpreter): streamed completions of `tokens` tokens one after another,
+  each recorded as {"start", "times" (of its tokens), "step" (of its last)}, on
+  time.monotonic's clock, which every process of the machine shares. `stop` returns them."""
+
+  def __init__(self, url: str, count: int, tokens: int):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    self._stop, self._records = context.Event(), context.Queue()
+    self._process = context.Process(
+      target=_clients, args=(url, count, tokens, self._stop, self._records), daemon=True
+    )
+    self._process.start()
+
+  def stop(self) -> list[dict]:
+    self._stop.set()
+    records = self._records.get()
+    self._process.join()
+    return records
+
+
+def _clients(url, count, tokens, stop, out) -> None:
+  records = []
+  threads = [
+    threading.Thread(target=_client, args=(url, tokens, stop, records)) for _ in range(count)
+  ]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  out.put(records)
+
+
+def _client(url, tokens, stop, records) -> None:
+  import httpx
+
+  body = {"prompt": "def main(", "max_tokens": tokens, "temperature": 1.0, "stream": True}
+  with httpx.Client(base_url=url, timeout=300) as http:
+    while not stop.is_set():
+      start, times, step = time.monotonic(), [], None
+      try:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+          for line in response.iter_lines():
+            if line.startswith("data: {"):
+              times.append(time.monotonic())
+              step = int(re.search(r"pwtrain-step-(\d+)", line).group(1))
+      except httpx.HTTPError:
+        return  # the server stopped
+      if times:
+        records.append({"start": start, "times": times, "step": step})
+
+
+def _latency(records: list[dict], start: float, end: float) -> dict:
+  """TTFT, TPOT (p50, p99) of the completions that started in [start, end), and the output
+  tokens/s of every token that came in it."""
+  import numpy as np
+
+  begun = [r for r in records if start <= r["start"] < end]
+  ttft = [r["times"][0] - r["start"] for r in begun]
+  gaps = [b - a for r in begun for a, b in zip(r["times"], r["times"][1:], strict=False)]
+  tokens = sum(start <= t < end for r in records for t in r["times"])
+  pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+  return {
+    "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(gaps, 50),
+    "tpot_p99": pct(gaps, 99), "tokens_per_s": tokens / (end - start), "completions": len(ttft),
+  }  # fmt: skip
+
+
+def _load_block(url, clients: int, args, during=None) -> tuple:
+  """`clients` closed-loop clients for warmup + block seconds: their latency figures over the
+  block, and `during(start, end)`'s result (time.monotonic's clock)."""
+  running = Clients(url, clients, args.tokens) if clients else None
+  time.sleep(args.warmup_s)
+  start = time.monotonic()
+  time.sleep(args.block_s)
+  end = time.monotonic()
+  extra = during(start, end) if during else None
+  records = running.stop() if running else []
+  return (_latency(records, start, end) if clients else {}), extra
+
+
+def _medians(blocks: list[dict]) -> dict:
+  keys = blocks[0].keys()
+  return {k: statistics.median(b[k] for b in blocks) for k in keys}
+
+
+def _print_table(title: str, header: list[str], rows: list[list]) -> None:
+  print(f"\n{title}")
+  print(" | ".join(header))
+  for row in rows:
+    print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+
+
+# -- sections ----------------------------------------------------------------------------------
+
+
+def training(args) -> dict:
+  from pwtrain import serve
+  from pwtrain.harness import Harness
+
+  config = _config()
+  tokens_per_step = config.train.global_batch * config.data.seq_len
+  workdir = tempfile.mkdtemp(prefix="bench_serve_")
+  with Harness.build(config) as harness, serve.listening(config) as sock:
+    state = harness.init()
+    with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
+      trainer = Trainer(harness, state).start()
+      time.sleep(args.warmup_s)
+      island = harness.plan.islands[0].name
+      blocks = {load: [] for load in LOADS}
+      for block in range(args.blocks):
+        for load in LOADS:
+          before = harness.controller.island_time()[island]
+
+          def during(start, end, before=before):
+            after = harness.controller.island_time()[island]
+            busy = {k: after[k] - before[k] for k in after}
+            steps = trainer.steps_between(start, end)
+            return {
+              "train_tokens_per_s": steps * tokens_per_step / (end - start),
+              "step_s": (end - start) / max(steps, 1),
+              "share": busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9),
+            }
+
+          latency, extra = _load_block(srv.url, load, args, during)
+          clean = blocks[0][block] if load else extra  # this block's without clients: the base
+          extra["train_ratio"] = extra["train_tokens_per_s"] / clean["train_tokens_per_s"]
+          extra["ttft_p50_steps"] = latency.get("ttft_p50", float("nan")) / clean["step_s"]
+          blocks[load].append({**extra, **latency})
+      trainer.stop()
+  medians = {load: _medians(rows) for load, rows in blocks.items()}
+  clean_step = medians[0]["step_s"]
+  rows = []
+  for load, m in medians.items():
+    rows.append([load, m["train_tokens_per_s"], m["train_ratio"], m["share"],
+                 m.get("ttft_p50", float("nan")), m.get("ttft_p99", float("nan")),
+                 m["ttft_p50_steps"], m.get("tpot_p50", float("nan")),
+                 m.get("tpot_p99", float("nan")), m.get("tokens_per_s", 0.0)])  # fmt: skip
+  _print_table(
+    "training with the server attached (medians of blocks)",
+    ["clients", "train tokens/s", "ratio", "serving share", "TTFT p50 s", "TTFT p99 s",
+     "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s"],
+    rows,
+  )  # fmt: skip
+  return {"clean_step_s": clean_step, "by_clients": medians}
+
+
+def _checkpointed(config, workdir: str, steps: int = 2) -> None:
+  """A run's workdir with a checkpoint of `steps` random-batch steps, and its config.json."""
+  import json
+
+  from pwtrain.checkpoint import Checkpointer
+  from pwtrain.harness import Harness
+
+  with Harness.build(config) as harness:
+    trainer = Trainer(harness, harness.init())
+    for i, batch in enumerate(trainer.batches[:steps]):
+      trainer.state = harness.step(trainer.state, batch, i).state
+    state = {k: v.result() for k, v in trainer.state.items()}
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3, every=1, async_save=False)
+    ckpt.save(steps, harness.step_program.to_checkpoint(state), {"step": steps})
+    ckpt.close()
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(config.to_dict(), f)
+
+
+def standalone(args) -> dict:
+  from pwtrain import serve
+
+  config = _config(**{"serve.reload": False})
+  workdir = tempfile.mkdtemp(prefix="bench_serve_standalone_")
+  _checkpointed(config, workdir)
+  loads = [load for load in LOADS if load]
+  blocks = {load: [] for load in loads}
+  with serve.listening(config) as sock:
+    server = serve.standalone(config, workdir, sock).start()
+    try:
+      for _ in range(args.blocks):
+        for load in loads:
+          blocks[load].append(_load_block(server.url, load, args)[0])
+    finally:
+      server.stop()
+  for load in loads:  # each block's throughput against that block's one client
+    for row, one in zip(blocks[load], blocks[1], strict=True):
+      row["x_one_client"] = row["tokens_per_s"] / one["tokens_per_s"]
+  medians = {load: _medians(rows) for load, rows in blocks.items()}
+  rows = [[load, m["ttft_p50"], m["ttft_p99"], m["tpot_p50"], m["tpot_p99"], m["tokens_per_s"],
+           m["x_one_client"]] for load, m in medians.items()]  # fmt: skip
+  _print_table(
+    "standalone (pwtrain.serve's server, nothing training; medians of blocks)",
+    ["clients", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "TPOT p99 s", "output tokens/s",
+     "x 1 client"],
+    rows,
+  )  # fmt: skip
+  return {"by_clients": medians}
+
+
+def freshness(args) -> dict:
+  import jax
+  import numpy as np
+
+  from pwtrain import serve
+  from pwtrain.checkpoint import Checkpointer
+  from pwtrain.harness import Harness
+
+  config = _config(**{"serve.reload_poll_s": 0.5})
+  workdir = tempfile.mkdtemp(prefix="bench_serve_fresh_")
+  _checkpointed(config, workdir, steps=1)
+  separate = subprocess.Popen(
+    [sys.executable, "-m", "pwtrain.serve", f"--workdir={workdir}", "--port=0",
+     "--config.serve.reload_poll_s=0.5"],
+    stderr=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  try:
+    separate_url = _served_url(separate)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3, every=1)
+    with Harness.build(config) as harness, serve.listening(config) as sock:
+      state = harness.init()
+      before = serve.server.device_bytes()
+      attach = serve.attached(config, harness.controller, lambda: harness, state, workdir, sock)
+      with attach as srv:
+        added = serve.server.device_bytes() - before
+        cache = srv.engine.status()["cache_bytes"]
+        trainer = Trainer(harness, state, every=args.checkpoint_every, checkpointer=ckpt).start()
+        clients = {"attached": Clients(srv.url, 1, 16), "separate": Clients(separate_url, 1, 16)}
+        time.sleep(args.freshness_s)
+        records = {side: c.stop() for side, c in clients.items()}
+        trainer.stop()
+        stale = {
+          side: [trainer.finished_at(r["times"][-1]) - r["step"] for r in rs]
+          for side, rs in records.items()
+        }
+      ckpt.close()
+    separate_bytes = _gauge(separate_url, "device_bytes")
+    separate_cache = _gauge(separate_url, "kv_cache_bytes")
+  finally:
+    separate.terminate()
+    separate.wait(timeout=60)
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["state"]["params"]))
+  out = {
+    side: {"mean": float(np.mean(v)), "p50": float(np.median(v)), "max": int(np.max(v)),
+           "responses": len(v)}
+    for side, v in stale.items()
+  }  # fmt: skip
+  out["memory"] = {
+    "params_bytes": params,
+    "attached_added_bytes": added,
+    "attached_kv_cache_bytes": cache,
+    "attached_weight_copies_bytes": added - cache,
+    "separate_process_device_bytes": separate_bytes,
+    "separate_kv_cache_bytes": separate_cache,
+  }
+  _print_table(
+    f"freshness: steps behind the trainer at each response (checkpoint every "
+    f"{args.checkpoint_every} steps)",
+    ["server", "mean", "p50", "max", "responses"],
+    [[side, v["mean"], v["p50"], v["max"], v["responses"]] for side, v in out.items()
+     if side != "memory"],
+  )  # fmt: skip
+  _print_table("memory: device bytes serving adds", ["what", "bytes"], list(out["memory"].items()))
+  return out
+
+
+def pipeline(args) -> dict:
+  from pwtrain import serve
+  from pwtrain.harness import Harness
+
+  out = {}
+  for name in ("palm_tiny", "palm_tiny_pipeline"):
+    config = _config(name)
+    workdir = tempfile.mkdtemp(prefix="bench_serve_pipe_")
+    with Harness.build(config) as harness, serve.listening(config) as sock:
+      state = harness.init()
+      with serve.attached(
+        config, harness.controller, lambda h=harness: h, state, workdir, sock
+      ) as srv:  # noqa: E501
+        blocks = [_load_block(srv.url, 1, args)[0] for _ in range(args.blocks)]
+        pieces = srv.engine._pieces
+        nodes = sum(type(n).__name__ == "Node" for n in pieces.decode.nodes)
+        transfers = len(pieces.decode.nodes) - nodes
+    out[name] = {**_medians(blocks), "decode_nodes": nodes, "decode_transfers": transfers}
+  base = out["palm_tiny"]["tpot_p50"]
+  _print_table(
+    "decode through a pipeline's stage islands (attached, idle run, 1 client)",
+    ["config", "TPOT p50 s", "x one island", "nodes per token", "transfers per token"],
+    [[k, v["tpot_p50"], v["tpot_p50"] / base, v["decode_nodes"], v["decode_transfers"]]
+     for k, v in out.items()],
+  )  # fmt: skip
+  return out
+
+
+def _served_url(process) -> str:
+  lines: queue.Queue = queue.Queue()
+  threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+  deadline = time.monotonic() + 600
+  while time.monotonic() < deadline:
+    try:
+      line = lines.get(timeout=1)
+    except queue.Empty:
+      if process.poll() is not None:
+        raise RuntimeError("pwtrain.serve exited") from None
+      continue
+    if found := re.search(r"serving the model at (http://\S+)/v1", line):
+      return found.group(1)
+  raise RuntimeError("pwtrain.serve did not start")
+
+
+def _gauge(url: str, name: str) -> float:
+  import httpx
+
+  text = httpx.get(f"{url}/metrics").text
+  return float(re.search(rf"^pwtrain_serve_{name} (\S+)$", text, re.M).group(1))
+
+
+if __name__ == "__main__":
+  main()

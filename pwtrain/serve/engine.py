@@ -1,0 +1,368 @@
+"""The serving engine: continuous batching over a fixed set of KV-cache slots, run by one thread
+that is a priority client of the controller (backend/policy.py).
+
+Each choice of each prompt of a request is a sequence. Sequences wait in one queue, and a free
+slot takes the oldest; a request whose sequences would leave more than serve.queue_size waiting
+once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's loop:
+
+  1. sequences whose client has gone (`Completion.cancel`) leave their slots, and waiting
+     sequences take the free ones;
+  2. while fewer than RUN_AHEAD programs are in flight: one prefill chunk (serve.prefill_chunk
+     tokens) of each sequence still prefilling, then one decode step of every decoding
+     sequence (a token each);
+  3. the oldest program's tokens go to their clients, once it has run.
+
+Every program is one token boundary of the sequences it serves: a sequence joins the batch with
+its prefill and leaves it at its last token (EOS, a stop string, max_tokens, or its client
+gone), so a long completion never holds a short one up, and prefill is interleaved with
+decoding. Each slot's newest token stays on the device (pieces.py), so a decode is dispatched
+without waiting for the one before it: up to RUN_AHEAD programs queue on the islands at once,
+and a sequence that ends may have had up to RUN_AHEAD - 1 more tokens computed, then dropped.
+While training runs, the islands run these programs between training steps (policy.py), so
+run-ahead is what lets more than one token per slot go between two steps. The programs have
+the same shapes every time: nothing recompiles.
+
+Weights. A token comes from the weights published on the islands when its program launched
+(weights.py): attached to a training run, the latest step launched before it; standalone, the
+latest checkpoint loaded. A completion that outlives a step moves to the newer weights at its
+next token (its earlier tokens' keys and values stay as they were computed), and its choices
+say exactly which steps produced which tokens (`Event.step`; the app reports runs of steps).
+Moving, not keeping, the start weights is what serving in place allows: keeping them would
+need a copy of the parameters for as long as the completion runs, since the next step donates
+them.
+
+Faults. A program that fails because the weights are not published yet, or because an island
+was lost (elastic pods), makes the engine start again on what is there: the layout read again
+(a live pod), its pieces compiled if new, the caches made afresh, and every sequence in a slot
+prefilled again with its prompt and the tokens it was given, which it then continues. The
+server itself never stops for it.
+"""
+
+import collections
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+
+from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.program import NotPublished
+from pwtrain.serve import pieces as pieces_lib
+from pwtrain.serve.flights import Flight, Landing
+from pwtrain.serve.metrics import Stats
+from pwtrain.serve.sequences import (
+  Completion,
+  Event,
+  QueueFull,
+  Sequence,
+  Stopped,
+  choice_seed,
+  sampling_rows,
+)
+from pwtrain.serve.text import TextStream, token_text
+from pwtrain.serve.weights import NoLivePod
+
+log = logging.getLogger(__name__)
+
+RUN_AHEAD = 4  # programs in flight at once
+RETRY_S = 0.05  # how soon to look again for weights not published yet or a live pod
+FAILED_S = 1.0  # how soon to start again after a failure that is not one of those
+
+
+class Engine:
+  """The engine over `source` (weights.LiveWeights or CheckpointWeights), whose controller runs
+  its programs; `settings`: serve.* (max_batch, max_len, prefill_chunk, queue_size)."""
+
+  def __init__(self, source, controller, tokenizer, settings, stats: Stats | None = None):
+    self.source = source
+    self.controller = controller
+    self.tokenizer = tokenizer
+    self.max_batch, self.max_len = settings.max_batch, settings.max_len
+    self.chunk = min(settings.prefill_chunk, settings.max_len)
+    self.queue_size = settings.queue_size
+    self.stats = stats or Stats()
+    self._lock = threading.Condition()
+    self._waiting: collections.deque = collections.deque()
+    self._slots: list[Sequence | None] = [None] * self.max_batch
+    self._built: dict = {}  # layout key -> Pieces
+    self._pieces: pieces_lib.Pieces | None = None
+    self._carried: dict = {}  # the caches and `last`: the newest program's outputs
+    self._flights: collections.deque = collections.deque()
+    self._landing = Landing(self._lock)  # marks each flight ready once it has run
+    self._prefill_next = True  # prefill chunks and decode steps take turns
+    self._stopping = False
+    self.step: int | None = None  # the step of the weights of the last token
+    self.error: str | None = None  # the last failure that was not a lost island or weights
+    self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
+    self._thread.start()
+
+  # -- the HTTP side -------------------------------------------------------------------------
+
+  def submit(self, completion: Completion) -> None:
+    """Queues the completion's sequences; QueueFull if they do not fit."""
+    request = completion.request
+    with self._lock:
+      if self._stopping:
+        raise Stopped("the server is stopping")
+      free = sum(seq is None for seq in self._slots)
+      if len(self._waiting) + request.num_sequences - free > self.queue_size:
+        raise QueueFull(
+          f"{len(self._waiting)} sequences wait for a slot, and serve.queue_size="
+          f"{self.queue_size} cannot take {request.num_sequences} more"
+        )
+      for p, prompt in enumerate(request.encoded):
+        for c in range(request.n):
+          index = p * request.n + c
+          self._waiting.append(
+            Sequence(
+              completion,
+              index,
+              prompt,
+              choice_seed(request.seed, index),
+              TextStream(self.tokenizer, request.stop),
+            )  # fmt: skip
+          )
+      self._lock.notify()
+
+  def wake(self) -> None:
+    """Tells the engine to look again (a client left)."""
+    with self._lock:
+      self._lock.notify()
+
+  def status(self) -> dict:
+    with self._lock:
+      pieces = self._pieces
+      return {
+        "serving": pieces is not None,
+        "step": self.step,
+        "slots": self.max_batch,
+        "busy": sum(s is not None for s in self._slots),
+        "waiting": len(self._waiting),
+        "islands": list(pieces.layout.islands) if pieces else [],
+        "cache_bytes": pieces.cache_bytes if pieces else 0,
+      }
+
+  def stop(self) -> None:
+    """Ends every sequence (with an error event) and stops the thread."""
+    with self._lock:
+      self._stopping = True
+      self._lock.notify()
+    self._thread.join()
+    self._landing.stop()
+
+  # -- the loop --------------------------------------------------------------------------------
+
+  def _loop(self) -> None:
+    while True:
+      with self._lock:
+        if self._stopping:
+          break
+        self._leave_cancelled()
+        self._admit()
+        idle = not any(self._slots) and not self._flights
+        if idle and self._pieces is not None:
+          self._lock.wait()
+          continue
+      try:
+        if not self._ready():  # built as soon as the engine starts, then on every new layout
+          time.sleep(RETRY_S)
+          continue
+        while len(self._flights) < RUN_AHEAD and self._dispatch():
+          pass
+        if self._flights:
+          self._land()
+      except (IslandLost, NotPublished, NoLivePod) as e:
+        log.warning("serving starts again on the live weights: %s", e)
+        self._restart()
+        time.sleep(RETRY_S)
+      except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
+        log.exception("serving failed")
+        self.error = f"{type(e).__name__}: {e}"
+        self._fail_all(f"the server failed: {self.error}")
+        self._restart()
+        time.sleep(FAILED_S)
+    self._fail_all("the server is stopping")
+
+  def _leave_cancelled(self) -> None:
+    for i, seq in enumerate(self._slots):
+      if seq is not None and seq.completion.cancelled.is_set():
+        seq.ended, self._slots[i] = True, None
+        self.stats.count("cancelled")
+    left = [s for s in self._waiting if s.completion.cancelled.is_set()]
+    if left:
+      self._waiting = collections.deque(s for s in self._waiting if s not in left)
+      self.stats.count("cancelled", len(left))
+
+  def _admit(self) -> None:
+    for i, seq in enumerate(self._slots):
+      if seq is None and self._waiting:
+        seq = self._waiting.popleft()
+        seq.slot = i
+        seq.start()
+        self._slots[i] = seq
+
+  def _ready(self) -> bool:
+    """Whether pieces for the current layout are built, their weights published and their
+    caches made; builds what is missing (sequences in slots start again from their prefill)."""
+    layout = self.source.layout()
+    if self._pieces is not None and self._pieces.layout.key == layout.key:
+      return True
+    if self._pieces is not None:  # a new layout: what is in flight belongs to the old one
+      self._restart()
+    pieces = self._built.get(layout.key)
+    if pieces is None:
+      start = time.perf_counter()
+      pieces = pieces_lib.build(
+        self.controller, layout, max_batch=self.max_batch, max_len=self.max_len,
+        chunk=self.chunk, num_tokens=self.tokenizer.vocab_size,
+      )  # fmt: skip
+      self._built[layout.key] = pieces
+      log.info(
+        "serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
+        ",".join(layout.islands), time.perf_counter() - start, pieces.cache_bytes / 2**20,
+      )  # fmt: skip
+    try:
+      probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
+      jax.block_until_ready([f.result() for f in probe.values()])
+    except NotPublished:
+      return False
+    self._carried = self.controller.run(pieces.init, {}, priority=True)
+    self._pieces = pieces
+    log.info("serving from islands %s", ",".join(layout.islands))
+    return True
+
+  def _restart(self) -> None:
+    """Drops what is in flight and the caches; every sequence in a slot starts again from its
+    prefill (of its prompt and the tokens it was given)."""
+    self._pieces, self._carried = None, {}
+    self._flights.clear()
+    for seq in self._slots:
+      if seq is not None:
+        seq.start()
+
+  def _dispatch(self) -> bool:
+    """Dispatches the next program: a prefill chunk of the first sequence still prefilling or
+    a decode step of every decoding one, in turn while there are both; False if there is
+    nothing to run."""
+    active = [s for s in self._slots if s is not None]
+    prefilling = [s for s in active if s.prefilling]
+    decoding = [s for s in active if s.decoding]
+    if prefilling and (self._prefill_next or not decoding):
+      self._prefill(prefilling[0])
+    elif decoding:
+      self._decode(decoding)
+    else:
+      return False
+    self._prefill_next = not prefilling or not self._prefill_next
+    return True
+
+  def _run(self, program, inputs: dict, rows: dict) -> None:
+    inputs = {**self._pieces.weights(), **self._carried, **inputs}
+    outputs = self.controller.run(program, inputs, priority=True)
+    self._carried = {k: v for k, v in outputs.items() if k.startswith("cache/") or k == "last"}
+    flight = Flight({k: v for k, v in outputs.items() if k not in self._carried}, rows)
+    self._flights.append(flight)
+    self._landing.watch(flight)
+
+  def _prefill(self, seq: Sequence) -> None:
+    start, piece = seq.fed, seq.context[seq.fed : seq.fed + self.chunk]
+    tokens = np.full((1, self.chunk), self.tokenizer.pad_id, np.int32)
+    tokens[0, : len(piece)] = piece
+    positions = np.minimum(start + np.arange(self.chunk), self.max_len - 1)[None].astype(np.int32)
+    seq.fed = start + len(piece)
+    final = seq.fed == len(seq.context)
+    inputs = {
+      "tokens": tokens,
+      "positions": positions,
+      "slot": np.asarray([seq.slot], np.int32),
+      "logits_at": np.asarray([len(piece) - 1], np.int32),
+      "final": np.asarray([final]),
+      "sampling": sampling_rows({0: seq}, 1),
+    }
+    self.stats.count("prefill_chunks")
+    self._run(self._pieces.prefill, inputs, {0: seq} if final else {})
+    if final:
+      seq.asked += 1
+
+  def _decode(self, decoding: list) -> None:
+    positions = np.full((self.max_batch, 1), self.max_len - 1, np.int32)
+    active = np.zeros(self.max_batch, bool)
+    rows = {}
+    for seq in decoding:
+      positions[seq.slot, 0], active[seq.slot] = seq.fed, True
+      rows[seq.slot] = seq
+    inputs = {
+      "positions": positions,
+      "active": active,
+      "sampling": sampling_rows(rows, self.max_batch),
+    }
+    self.stats.count("decode_steps")
+    self._run(self._pieces.decode, inputs, rows)
+    for seq in decoding:
+      seq.fed, seq.asked = seq.fed + 1, seq.asked + 1
+
+  def _land(self) -> None:
+    """Waits for the oldest program in flight (or for a new request or a client leaving, to
+    dispatch for them meanwhile) and gives its tokens to their clients."""
+    flight = self._flights[0]
+    with self._lock:
+      if not flight.ready.is_set():
+        self._lock.wait()
+    if not flight.ready.is_set():
+      return
+    self._flights.popleft()
+    if flight.error is not None:
+      raise flight.error
+    values = jax.device_get({k: f.result() for k, f in flight.outputs.items()})
+    steps = {int(v) for k, v in values.items() if k.startswith("step/")}
+    assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
+    self.step = steps.pop()
+    for row, seq in flight.rows.items():
+      if not seq.ended:
+        self._give(seq, values["out"], row)
+
+  def _give(self, seq: Sequence, out: dict, row: int) -> None:
+    """The sequence's next token (row `row` of `out`) to its client; frees its slot at its end."""
+    token = int(out["token"][row])
+    now = time.perf_counter()
+    if seq.given:
+      self.stats.observe("time_per_output_token_seconds", now - seq.last)
+    else:
+      self.stats.observe("time_to_first_token_seconds", now - seq.submitted)
+    seq.last = now
+    seq.given.append(token)
+    seq.completion.completion_tokens += 1
+    self.stats.count("completion_tokens")
+    request = seq.completion.request
+    if token == self.tokenizer.eos_id:
+      finish, text = "stop", seq.text.finish()
+    else:
+      text, stopped = seq.text.add(token)
+      finish = "stop" if stopped else None
+    if finish is None and len(seq.given) >= request.max_tokens:
+      finish, text = "length", text + seq.text.finish()
+    logprobs = None
+    if request.logprobs is not None:
+      top = {
+        token_text(self.tokenizer, int(i)): float(lp)
+        for i, lp in zip(out["top_ids"][row][: request.logprobs],
+                         out["top_logprobs"][row][: request.logprobs], strict=True)
+      }  # fmt: skip
+      logprobs = (token_text(self.tokenizer, token), float(out["logprob"][row]), top)
+    if finish is not None:
+      seq.ended = True
+      with self._lock:
+        if self._slots[seq.slot] is seq:
+          self._slots[seq.slot] = None
+      self.stats.count(f"finished_{finish}")
+    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish))
+
+  def _fail_all(self, message: str) -> None:
+    with self._lock:
+      ended = [s for s in self._slots if s is not None] + list(self._waiting)
+      self._slots = [None] * self.max_batch
+      self._waiting.clear()
+    for seq in ended:
+      seq.ended = True
+      seq.completion.on_event(Event(seq.index, "", self.step or 0, error=message))

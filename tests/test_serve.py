@@ -1,0 +1,492 @@
+"""Serving a run's checkpoint over HTTP (pwtrain/serve/): one live server on 127.0.0.1 for the
+module, spoken to with OpenAI's own client and with raw HTTP (httpx) for bad input; its greedy
+completions against `pwtrain.sample`'s; and the command, which reloads a newer checkpoint.
+"""
+
+import concurrent.futures
+import itertools
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from helpers import REPO, small_config
+
+from pwtrain import sample, serve, train
+from pwtrain.data import ByteTokenizer
+from pwtrain.models.sampling import Sampling, next_token, pick
+from pwtrain.serve.text import TextStream
+
+TOKEN = "s3cret-token"
+MAX_LEN, MAX_BATCH, QUEUE = 128, 4, 4
+STEPS = 6  # the checkpoint served
+RUN = {"train.num_steps": STEPS, "train.checkpoint_every": 3}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A run of STEPS steps without serving: its workdir (checkpoints at steps 3 and 6) and
+  result."""
+  workdir = tmp_path_factory.mktemp("trained")
+  config = small_config(**RUN)
+  result = train.run(config, str(workdir), show_progress=False)
+  return config, workdir, result
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+  _, workdir, _ = trained
+  token_file = tmp_path_factory.mktemp("token") / "token"
+  token_file.write_text(TOKEN + "\n")
+  config = small_config(
+    **{
+      **RUN,
+      "serve.port": 0,
+      "serve.max_len": MAX_LEN,
+      "serve.max_batch": MAX_BATCH,
+      "serve.queue_size": QUEUE,
+      "serve.prefill_chunk": 16,
+      "serve.reload": False,
+      "serve.token_file": str(token_file),
+    }
+  )
+  with serve.listening(config) as sock:
+    running = serve.standalone(config, str(workdir), sock).start()
+    try:
+      yield running
+    finally:
+      running.stop()
+
+
+def _client(server) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def _post(server, body, token=TOKEN, **kw):
+  headers = {"Authorization": f"Bearer {token}"} if token else {}
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  return httpx.post(
+    f"{server.url}/v1/completions", content=content, headers=headers, timeout=60, **kw
+  )
+
+
+def test_the_openai_client_completes_and_streams(server):
+  client = _client(server)
+  assert [m.id for m in client.models.list().data] == ["trained0"]
+  out = client.completions.create(
+    model="trained0", prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
+    seed=1, logprobs=2,
+  )  # fmt: skip
+  assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
+  assert out.system_fingerprint == f"pwtrain-step-{STEPS}"
+  assert out.usage.prompt_tokens == 10 + 10  # each prompt with its leading EOS, once
+  for choice in out.choices:
+    assert choice.finish_reason in ("stop", "length")
+    steps = choice.model_extra["weights"]
+    assert steps[0]["step"] == STEPS and sum(s["tokens"] for s in steps) <= 5
+    assert len(choice.logprobs.tokens) == sum(s["tokens"] for s in steps)
+    # Two ids may share a text (the legacy format's dict keeps one): at most 2 each.
+    assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+  assert out.usage.completion_tokens == sum(
+    sum(s["tokens"] for s in c.model_extra["weights"]) for c in out.choices
+  )
+  # The same seed gives the same samples.
+  again = client.completions.create(
+    model="trained0", prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
+    seed=1, logprobs=2,
+  )  # fmt: skip
+  assert [c.text for c in again.choices] == [c.text for c in out.choices]
+
+  chunks = list(
+    client.completions.create(
+      model="trained0", prompt="class A:", max_tokens=6, temperature=0, stream=True,
+      stream_options={"include_usage": True},
+    )
+  )  # fmt: skip
+  assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
+  texts = [c.choices[0] for c in chunks[:-1]]
+  assert texts[-1].finish_reason in ("stop", "length") and all(
+    c.finish_reason is None for c in texts[:-1]
+  )
+  assert all(c.system_fingerprint == f"pwtrain-step-{STEPS}" for c in chunks[:-1])
+  whole = client.completions.create(
+    model="trained0", prompt="class A:", max_tokens=6, temperature=0
+  )
+  assert "".join(c.text for c in texts) == whole.choices[0].text
+
+
+def test_greedy_completions_are_pwtrain_sample_s(server, trained):
+  """Greedy completions of prompts of different lengths, decoded together in one batch at their
+  own positions, are token for token pwtrain.sample's at --temperature=0 (the command's own
+  function) on the same checkpoint."""
+  config, workdir, _ = trained
+  prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def f(self, a"]
+  client = _client(server)
+  with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    served = list(
+      pool.map(
+        lambda p: client.completions.create(model="m", prompt=p, max_tokens=10, temperature=0),
+        prompts,
+      )
+    )
+  expected = sample.sample(
+    config, str(workdir), prompts, sampling=Sampling(temperature=0), max_new_tokens=10,
+    num_samples=1, seed=0,
+  )  # fmt: skip
+  for prompt, out, want in zip(prompts, served, expected, strict=True):
+    choice = out.choices[0]
+    assert prompt + choice.text == want.text
+    assert choice.finish_reason == ("stop" if want.stopped_at_eos else "length")
+    assert out.usage.completion_tokens == want.new_tokens + want.stopped_at_eos
+
+
+def test_bad_input_gets_400_and_the_server_goes_on(server):
+  long_prompt = "x" * MAX_LEN
+  cases = {
+    b"{not json": None,
+    b'{"prompt": "ab\xff\xfe"}': None,  # not UTF-8
+    json.dumps([1, 2]).encode(): None,
+    json.dumps({"prompt": long_prompt}).encode(): "prompt",
+    json.dumps({"prompt": 5}).encode(): "prompt",
+    json.dumps({"prompt": "hi", "max_tokens": 0}).encode(): "max_tokens",
+    json.dumps({"prompt": "hi", "max_tokens": MAX_LEN}).encode(): "max_tokens",
+    json.dumps({"prompt": "hi", "temperature": -0.5}).encode(): "temperature",
+    json.dumps({"prompt": "hi", "n": MAX_BATCH + 1}).encode(): "n",
+    json.dumps({"prompt": ["a", "b"], "n": MAX_BATCH}).encode(): "n",
+    json.dumps({"prompt": "hi", "top_p": 0}).encode(): "top_p",
+    json.dumps({"prompt": "hi", "logprobs": 9}).encode(): "logprobs",
+    json.dumps({"prompt": "hi", "stop": ["a", ""]}).encode(): "stop",
+    json.dumps({"prompt": "hi", "echo": True}).encode(): "echo",
+  }
+  for body, param in cases.items():
+    response = _post(server, body)
+    assert response.status_code == 400, (body, response.text)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+    assert error["message"]
+  ok = _post(server, {"prompt": "hi", "max_tokens": 2})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_wrong_or_missing_token_gets_401(server):
+  for token in ("", "wrong", TOKEN + "x"):
+    response = _post(server, {"prompt": "hi"}, token=token)
+    assert response.status_code == 401, token
+    assert response.json()["error"]["type"] == "authentication_error"
+  assert httpx.get(f"{server.url}/v1/models").status_code == 401
+  assert httpx.get(f"{server.url}/health").status_code == 200  # open: for load balancers
+  with pytest.raises(openai.AuthenticationError):
+    openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_full_queue_gets_429_and_a_client_that_leaves_frees_its_slots(server):
+  """Every slot and the whole queue taken by two streamed requests: a third gets 429 with
+  Retry-After. Both streams are then dropped after their first chunk: their slots come free
+  at the next token, and the next request is served. (Greedy: the trained model's continuation
+  of the prompt has no EOS, so no sequence ends early.)"""
+  long = {"prompt": "a", "max_tokens": MAX_LEN - 2, "n": MAX_BATCH, "stream": True,
+          "temperature": 0}  # fmt: skip
+  headers = {"Authorization": f"Bearer {TOKEN}"}
+  with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+    streams = []
+    for _ in range(2):  # the first fills the slots, the second the queue
+      stream = http.stream("POST", "/v1/completions", json=long)
+      response = stream.__enter__()
+      assert response.status_code == 200
+      streams.append((stream, response))
+      _wait(lambda: _health(server)["busy"] == MAX_BATCH)
+    assert _health(server)["waiting"] == QUEUE
+    full = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 1})
+    assert full.status_code == 429 and full.headers["retry-after"] == "1"
+    assert full.json()["error"]["type"] == "rate_limit_error"
+    first = next(streams[0][1].iter_lines())
+    assert first.startswith("data: {")
+    for stream, _ in streams:
+      stream.__exit__(None, None, None)  # the client leaves mid-stream
+    _wait(lambda: _health(server)["busy"] == 0 and _health(server)["waiting"] == 0)
+    served = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
+    assert served.status_code == 200
+  metrics = httpx.get(f"{server.url}/metrics", headers=headers).text
+  assert re.search(r'^pwtrain_serve_requests_total\{code="429"\} [1-9]', metrics, re.M)
+  assert re.search(r"^pwtrain_serve_cancelled_total [1-9]", metrics, re.M)
+
+
+def _health(server) -> dict:
+  return httpx.get(f"{server.url}/health").json()
+
+
+def _wait(condition, timeout_s=60):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.02)
+
+
+# -- attached to a training run --------------------------------------------------------------
+
+
+def test_serving_while_training_changes_nothing(trained, tmp_path):
+  """The same run serving its live parameters to a client that sends requests all along (greedy
+  and sampled, streamed and not) trains bitwise as it does without: the same losses, the same
+  final parameters, checkpoints at the same steps. Each response names the step of its newest
+  token's weights; those never decrease, and a completion that outlived steps lists its runs of
+  steps in order."""
+  config, workdir, plain = trained
+  port = _free_port()
+  served_config = small_config(
+    **{**RUN, "serve.enabled": True, "serve.port": port, "serve.max_len": 32,
+       "serve.prefill_chunk": 16, "data.data_dir": str(workdir / "tfds")}
+  )  # fmt: skip
+  done, responses = threading.Event(), []
+  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
+  client.start()
+  try:
+    served = train.run(served_config, str(tmp_path), show_progress=False)
+  finally:
+    done.set()
+    client.join()
+  assert [r["loss"] for r in served.history] == [r["loss"] for r in plain.history]
+  assert [r["grad_norm"] for r in served.history] == [r["grad_norm"] for r in plain.history]
+  same = jax.tree.map(np.array_equal, jax.device_get(served.state), jax.device_get(plain.state))
+  assert all(jax.tree.leaves(same))
+  assert _checkpoints(tmp_path) == _checkpoints(workdir) == [3, 6]
+  ok = [r for r in responses if not isinstance(r, Exception)]
+  assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]  # the end
+  assert len(ok) >= 3, responses
+  steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
+  assert steps == sorted(steps) and steps[-1] > steps[0], steps
+  for r in ok:
+    for choice in r["choices"]:
+      runs = [run["step"] for run in choice["weights"]]
+      assert runs == sorted(set(runs)) and runs[-1] <= steps[-1], choice["weights"]
+
+
+@pytest.mark.slow
+def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, caplog):
+  """2 pods of 2 pipeline stages, fault.elastic: the server serves from pod 1's stage islands
+  (a decode through both, its activations moved between them); pod 1 is lost before step 3 and
+  its work hosted by pod 0, and the server goes on from pod 0's islands; pod 1 rejoins before
+  step 6, and the server serves from it again. Every response but the one the server's end cut
+  is served, and their steps never decrease."""
+  _, workdir, _ = trained
+  port = _free_port()
+  config = small_config(
+    **{
+      **RUN, "train.num_steps": 8, "train.num_microbatches": 2, "parallel.islands": 4,
+      "parallel.stages": 2, "parallel.pods": 2, "fault.elastic": True,
+      "fault.inject": "kill:pod1@step3,rejoin:pod1@step6", "serve.enabled": True,
+      "serve.port": port, "serve.max_len": 32, "serve.prefill_chunk": 16,
+      "data.data_dir": str(workdir / "tfds"),
+    }
+  )  # fmt: skip
+  done, responses = threading.Event(), []
+  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
+  client.start()
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain.serve"):
+      result = train.run(config, str(tmp_path), show_progress=False)
+  finally:
+    done.set()
+    client.join()
+  assert result.final_step == 8
+  ok = [r for r in responses if not isinstance(r, Exception)]
+  assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
+  assert len(ok) >= 3, responses
+  steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
+  assert steps == sorted(steps), steps
+  served_from = [m.split()[-1] for m in caplog.messages if m.startswith("serving from islands")]
+  assert served_from == ["island2,island3", "island0,island1", "island2,island3"], served_from
+
+
+def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
+  """Requests, one after another, until `done`: greedy, sampled and streamed in turn."""
+  url = f"http://127.0.0.1:{port}"
+  while not done.is_set():  # until the run's server is up
+    try:
+      if httpx.get(f"{url}/health").status_code == 200:
+        break
+    except httpx.HTTPError:
+      time.sleep(0.02)
+  kinds = itertools.cycle(
+    [{"temperature": 0}, {"temperature": 0.8, "seed": 3, "n": 2}, {"stream": True}]
+  )
+  with httpx.Client(base_url=url, timeout=60) as http:
+    while not done.is_set():
+      body = {"prompt": "def ", "max_tokens": 8, **next(kinds)}
+      try:
+        if body.get("stream"):
+          got = _streamed(http, body)
+        else:
+          response = http.post("/v1/completions", json=body)
+          response.raise_for_status()
+          got = response.json()
+        responses.append(got)
+      except (httpx.HTTPError, ValueError) as e:
+        responses.append(e)
+        return
+
+
+def _streamed(http, body) -> dict:
+  """A streamed completion as one response: its last chunk's fingerprint, its runs of steps."""
+  runs, fingerprint = [], None
+  with http.stream("POST", "/v1/completions", json=body) as response:
+    response.raise_for_status()
+    for line in response.iter_lines():
+      if not line.startswith("data: {"):
+        continue
+      chunk = json.loads(line.removeprefix("data: "))
+      if "error" in chunk:
+        raise ValueError(chunk["error"]["message"])
+      fingerprint = chunk["system_fingerprint"]
+      step = int(fingerprint.removeprefix("pwtrain-step-"))
+      if not runs or runs[-1]["step"] != step:
+        runs.append({"step": step, "tokens": 0})
+      runs[-1]["tokens"] += 1
+  return {"system_fingerprint": fingerprint, "choices": [{"weights": runs}]}
+
+
+def _checkpoints(workdir) -> list[int]:
+  return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"serve.max_batch": 0}, "serve.max_batch=0 must be a positive integer"),
+    ({"serve.max_len": 1}, "serve.max_len=1 must be >= 2"),
+    ({"serve.port": 70000}, "serve.port=70000 must be a port number"),
+    ({"serve.share": 0.0}, "serve.share=0.0 must be in (0, 1]"),
+    ({"serve.host": ""}, "serve.host='' must be an address"),
+    ({"serve.token_file": "/no/such/token"}, "serve.token_file='/no/such/token' is not a file"),
+    ({"serve.enabled": True, "backend.mode": "distributed"}, "embedded mode only"),
+  ],
+)
+def test_bad_serve_settings_are_one_line(overrides, message):
+  from pwtrain import config as config_lib
+  from pwtrain.errors import ConfigError
+
+  with pytest.raises(ConfigError) as error:
+    config_lib.validate(small_config(**overrides))
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_port_in_use_is_one_line():
+  from pwtrain.errors import ConfigError
+
+  config = small_config(**{"serve.port": 0})
+  with serve.listening(config) as taken:
+    port = taken.getsockname()[1]
+    with pytest.raises(ConfigError, match=f"serve.port={port}: cannot listen there"):
+      with serve.listening(config, port=port):
+        pass
+
+
+# -- pieces without a server ----------------------------------------------------------------
+
+
+def test_a_stream_of_text_holds_back_what_a_later_token_may_change():
+  """Bytes of a character not yet complete, and a tail that may begin a stop string, wait; a
+  stop string ends the text before it."""
+  tokenizer = ByteTokenizer()
+  ids = lambda text: [int(i) for i in tokenizer.encode(text)]
+  stream = TextStream(tokenizer, stop=("END",))
+  sent = []
+  for token in ids("a€bEN"):
+    sent.append(stream.add(token))
+  assert "".join(t for t, _ in sent) == "a€b" and not any(stopped for _, stopped in sent)
+  assert sent[1] == ("", False)  # the euro sign's first byte alone is held back
+  text, stopped = stream.add(ids("D")[0])
+  assert stopped and text == ""
+  other = TextStream(tokenizer, stop=("END",))
+  for token in ids("xE"):
+    other.add(token)
+  assert other.add(ids("x")[0]) == ("Ex", False)
+  assert other.finish() == ""
+
+
+def test_pick_applies_each_row_s_own_settings():
+  """sampling.pick with per-row settings and keys picks, for every row, what next_token picks
+  for that row alone with its settings and key."""
+  logits = jax.random.normal(jax.random.key(0), (3, 50)) * 3
+  settings = [Sampling(0), Sampling(0.8, top_k=5), Sampling(1.2, top_k=3, top_p=0.7)]
+  keys = jax.random.split(jax.random.key(1), 3)
+  picked = jax.jit(pick, static_argnums=5)(
+    logits, keys, np.asarray([s.temperature for s in settings], np.float32),
+    np.asarray([s.top_k for s in settings], np.int32),
+    np.asarray([s.top_p for s in settings], np.float32), 40,
+  )  # fmt: skip
+  alone = jax.jit(next_token, static_argnums=(2, 3))
+  for row, s in enumerate(settings):
+    assert int(picked[row]) == int(alone(logits[row][None], keys[row], s, 40)[0]), row
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
+  """`python -m pwtrain.serve` serves the run's checkpoint (config.json, --port=0); when the run
+  goes on and writes a newer checkpoint, responses come from it (serve.reload). A bad serve.*
+  setting is one line."""
+  config, workdir, _ = trained
+  run = tmp_path / "run"
+  subprocess.run(["cp", "-r", str(workdir), str(run)], check=True)
+  (run / "config.json").write_text(json.dumps(config.to_dict()))
+  command = [sys.executable, "-m", "pwtrain.serve", f"--workdir={run}"]
+  bad = subprocess.run([*command, "--config.serve.share=0"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+  assert bad.returncode != 0
+  assert bad.stderr.strip().splitlines()[-1].startswith("pwtrain.serve: serve.share=0.0 must be")
+  process = subprocess.Popen(
+    [*command, "--port=0", "--config.serve.reload_poll_s=0.2"], cwd=REPO, text=True,
+    stderr=subprocess.PIPE,
+  )  # fmt: skip
+  try:
+    url = _served_url(process)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+    first = client.completions.create(model="m", prompt="def ", max_tokens=3, temperature=0)
+    assert first.system_fingerprint == f"pwtrain-step-{STEPS}"
+    more = small_config(**{"train.num_steps": STEPS + 2, "train.checkpoint_every": STEPS + 2})
+    train.run(more, str(run), show_progress=False)
+    _wait(lambda: client.completions.create(model="m", prompt="def ", max_tokens=1)
+          .system_fingerprint == f"pwtrain-step-{STEPS + 2}")  # fmt: skip
+  finally:
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def _served_url(process) -> str:
+  lines = []
+
+  def read():
+    for line in process.stderr:
+      lines.append(line)
+
+  threading.Thread(target=read, daemon=True).start()
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    for line in lines:
+      if found := re.search(r"serving the model at (http://\S+)/v1", line):
+        return found.group(1)
+    assert process.poll() is None, "".join(lines)[-3000:]
+    time.sleep(0.05)
+  raise AssertionError("".join(lines)[-3000:])
