@@ -2,9 +2,12 @@
 
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
 step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
-are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
-workers answer again; distributed: waits until the process pwtrain.launch started again in the
-pod's place is ready). pwtrain/elastic/ carries them out.
+are SIGKILLed; distributed: its process SIGKILLs itself); `kill:pod1@mid6` while step 6 runs
+(once it is dispatched, before it is confirmed); `kill:pod1@eval6` during the evaluation after
+step 6 (once its batches are dispatched); `rejoin:pod1@step10` brings the pod back before step
+10 (remote: waits until its workers answer again; distributed: waits until the process
+pwtrain.launch started again in the pod's place is ready). Kills at the same place happen
+together (two pods at once). pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -12,17 +15,21 @@ import re
 
 from pwtrain.errors import ConfigError
 
-_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@step(\d+)$")
+_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@(step|mid|eval)(\d+)$")
+# Where a drill's event happens, by step N: before it is dispatched, while it runs, or during
+# the evaluation after it.
+PLACES = ("step", "mid", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
   """One injected event of `fault.inject`: `action` ("kill" or "rejoin") of configured pod
-  `pod` before step `step` (1-based, as metrics rows count) is dispatched."""
+  `pod` at `place` (PLACES) of step `step` (1-based, as metrics rows count)."""
 
   action: str
   pod: int
   step: int
+  place: str = "step"
 
 
 def check(config, plan) -> None:
@@ -90,16 +97,16 @@ def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:
   drills = []
   for item in filter(None, (part.strip() for part in str(text).split(","))):
     match = _DRILL.match(item)
-    if match is None:
+    if match is None or (match.group(1) == "rejoin" and match.group(3) != "step"):
       raise ConfigError(
-        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@step<N>' or "
-        "'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
+        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@<place><N>' (place: step, mid "
+        "or eval) or 'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
       )
-    action, pod, step = match.group(1), int(match.group(2)), int(match.group(3))
+    action, pod, place, step = match[1], int(match[2]), match[3], int(match[4])
     if pod >= num_pods or step < 1:
       raise ConfigError(
         f"fault.inject={text!r}: {item!r} needs a pod below parallel.pods={num_pods} and a step "
         ">= 1"
       )
-    drills.append(Drill(action, pod, step))
+    drills.append(Drill(action, pod, step, place))
   return tuple(drills)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import SGD, assert_close, assert_trees_close, small_config
+from signals import Kill, Killer
 
 from pwtrain import train
 from pwtrain.backend.remote import auth, launcher
@@ -35,6 +36,8 @@ THREE_PODS = {
   "train.num_steps": 10,
   "train.checkpoint_every": 100,
 }
+# With evaluations after steps 4, 8 and 10, of 20 batches (long enough to be hit from outside).
+EVAL = {"train.eval_every": 4, "train.eval_batches": 20}
 
 
 def _rows(workdir):
@@ -45,7 +48,7 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  return train.run(small_config(**THREE_PODS), str(workdir), show_progress=False)
+  return train.run(small_config(**THREE_PODS, **EVAL), str(workdir), show_progress=False)
 
 
 def _losses(result):
@@ -56,21 +59,27 @@ def _losses(result):
 def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(
   uninterrupted, tmp_path, caplog
 ):
-  """Pod 1 is lost at step 3 and rejoins at step 6: the survivors run steps 3-5 with the whole
-  batch (pod 0 hosts pod 1's work: fault.host_lost_pods), no checkpoint is read, each step
-  appears once, and the losses, the final parameters and every pod's gradient norm are the
-  uninterrupted run's."""
-  inject = "kill:pod1@step3,rejoin:pod1@step6"
-  config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
+  """Pod 1 is lost at step 3 and rejoins at step 6; pod 2 is lost during the evaluation after
+  step 4 and rejoins at step 7. The survivors run step 3 again with the whole batch (pod 0
+  hosts pod 1's work: fault.host_lost_pods), then the evaluation, then pods 1 and 2's work;
+  no checkpoint is read, each step appears once, and the losses, the evaluations, the final
+  parameters and every pod's gradient norm are the uninterrupted run's."""
+  inject = "kill:pod1@step3,kill:pod2@eval4,rejoin:pod1@step6,rejoin:pod2@step7"
+  config = small_config(**THREE_PODS, **EVAL, **{"fault.elastic": True, "fault.inject": inject})
   with caplog.at_level(logging.WARNING, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
   assert result.final_step == 10
   _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
-  assert _pods_live(tmp_path) == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
-  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
-  assert line.startswith("pod 1 lost (fault.inject kill:pod1@step3) at step 3: 2 of 3 pods live")
-  assert "compile" in line and "state" in line
-  assert line.endswith("pod 1's work runs on pod 0")
+  assert _pods_live(tmp_path) == [3, 3, 2, 2, 1, 2, 3, 3, 3, 3]
+  lines = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert lines[0].startswith("pod 1 lost (fault.inject kill:pod1@step3) at step 3: 2 of 3 pods")
+  assert "compile" in lines[0] and "state" in lines[0]
+  assert lines[0].endswith("pod 1's work runs on pod 0")
+  assert lines[1].startswith(
+    "pod 2 lost (fault.inject kill:pod2@eval4) during the evaluation after step 4: 1 of 3"
+  )
+  assert lines[1].endswith("the evaluation runs again; pod 1's work runs on pod 0; pod 2's work "
+                           "runs on pod 0")  # fmt: skip
   assert any(r.getMessage().startswith("pod 1 rejoined") for r in caplog.records)
   assert "resumed" not in caplog.text  # no checkpoint read
 
@@ -97,9 +106,12 @@ def _pods_live(workdir) -> list[int]:
 
 
 def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
-  """Each step once in metrics.jsonl; its losses, final parameters and each pod's gradient
-  norm (a hosted pod's too) equal the uninterrupted run's."""
+  """Each step once in metrics.jsonl; its losses, evaluations, final parameters and each pod's
+  gradient norm (a hosted pod's too) equal the uninterrupted run's."""
   assert_close(_losses(result), _losses(uninterrupted), "losses")
+  assert [e["step"] for e in result.evals] == [e["step"] for e in uninterrupted.evals]
+  evals = [[e["eval_loss"] for e in r.evals] for r in (result, uninterrupted)]
+  assert_close(*evals, "evaluations")
   assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
   rows = [row for row in _rows(workdir) if "loss" in row]
   assert [row["step"] for row in rows] == list(range(1, len(_losses(uninterrupted)) + 1))
@@ -212,7 +224,7 @@ def test_below_min_pods_the_loss_stops_the_run_with_one_line(tmp_path, caplog):
   [
     ({"fault.inject": "kill:pod1@step4"}, "has no effect: it is read only with fault.elastic"),
     ({"fault.elastic": True, "fault.inject": "kill:pod7@step4"}, "a pod below parallel.pods=3"),
-    ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@step<N>'"),
+    ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@<place><N>'"),
     ({"fault.elastic": True, "train.global_batch": 6}, "with 2 live pods"),
   ],
 )
@@ -263,21 +275,25 @@ def _remote(**overrides):
 @pytest.mark.slow
 @pytest.mark.processes
 def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, tmp_path, caplog):
-  """3 pods as 3 worker processes the run launches: pod 1's worker is SIGKILLed before step 3.
-  The survivors carry on without a restart; the supervisor relaunches the worker, and pod 1
+  """3 pods as 3 worker processes the run launches: pod 1's worker is SIGKILLed from outside
+  during the evaluation after step 4 (at a seeded random time). The survivors drop it and run
+  the evaluation again, without a restart; the supervisor relaunches the worker, and pod 1
   rejoins once it answers (by step 6: the drill waits for it), given its executables again and
-  pod 0's state worker to worker. The run is the uninterrupted embedded one."""
-  inject = "kill:pod1@step3,rejoin:pod1@step6"
-  config = _remote(**{"backend.launch_workers": True, "fault.inject": inject})
+  pod 0's state worker to worker. The run and its evaluations are the uninterrupted embedded
+  one's."""
+  config = _remote(**EVAL, **{"backend.launch_workers": True, "fault.inject": "rejoin:pod1@step6"})
+  killer = Killer(tmp_path, [Kill(after=4, pid=lambda: _worker(1).pid)], seed=4)
   with caplog.at_level(logging.INFO, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
+  killer.join()
   assert result.final_step == 10
   _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
   live = _pods_live(tmp_path)
-  assert live[:3] == [3, 3, 2] and live[5:] == [3] * 5, live
+  assert live[:4] == [3] * 4 and live[4] == 2 and live[5:] == [3] * 5, live
   messages = [r.getMessage() for r in caplog.records]
   (lost,) = [m for m in messages if m.startswith("pod 1 lost")]
-  assert "at step 3: 2 of 3 pods live" in lost and "s after the fault" in lost, lost
+  assert "during the evaluation after step 4: 2 of 3 pods live" in lost, lost
+  assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
   assert any(
     re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
   )
@@ -285,21 +301,28 @@ def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, t
   assert not any("restart" in m or "resumed" in m for m in messages)
 
 
+def _worker(i: int):
+  """The process of worker i of the workers this process launched (the run's)."""
+  (workers,) = launcher.live()
+  return workers.procs[i]
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog):
+def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog, capfd):
   """2 pods on workers started outside the run: pod 0's worker, which holds the checkpoints'
-  arrays, is SIGKILLed while its asynchronous save of step 3 may still be writing; pod 1 runs on
-  alone (its state through the controller: one pod has no exchange) and saves step 6 by
-  itself; someone starts the worker again and pod 0 rejoins at step 8. Every checkpoint that
-  committed is whole: the step-3 save committed or was discarded, and a plain embedded run
-  resumed from step 6 continues the uninterrupted trajectory."""
+  arrays, is SIGKILLed from outside (at a seeded random time) as its asynchronous save of step
+  3 is queued or being written; pod 1 runs on alone (its state through the controller: one pod
+  has no exchange) and saves step 6 by itself; someone starts the worker again and pod 0
+  rejoins at step 8. Every checkpoint that committed is whole: the step-3 save committed or was
+  discarded (one line, and no Orbax warning), and a plain embedded run resumed from step 6
+  continues the uninterrupted trajectory."""
   two = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
   straight = train.run(
     small_config(**{**THREE_PODS, **two}), str(tmp_path / "a"), show_progress=False
   )
   workdir = tmp_path / "b"
-  config = _remote(**two, **{"fault.inject": "kill:pod0@step4,rejoin:pod0@step8"})
+  config = _remote(**two, **{"fault.inject": "rejoin:pod0@step8"})
   with launcher.launch([2, 2]) as workers:
     os.environ[auth.TOKEN_ENV] = workers.token
     config.backend.workers = tuple(workers.addresses)
@@ -312,15 +335,20 @@ def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog
 
     thread = threading.Thread(target=operator, daemon=True)
     thread.start()
+    killer = Killer(workdir, [Kill(3, lambda: workers.procs[0].pid, within=0.1)], seed=3)
     with caplog.at_level(logging.WARNING, logger="pwtrain"):
       result = train.run(config, str(workdir), show_progress=False)
+    killer.join()
     thread.join(60)
   assert_close(_losses(result), _losses(straight), "losses")
   assert_trees_close(result.state["params"], straight.state["params"], "params")
   live = _pods_live(workdir)  # back by step 8: once the worker answers, or the drill waits
-  assert live[:4] == [2, 2, 2, 1] and live[7:] == [2, 2, 2], live
+  assert live[:3] == [2, 2, 2] and 1 in live[3:7] and live[7:] == [2, 2, 2], live
   committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert committed in ([3, 6, 9, 10], [6, 9, 10]), committed
+  if 3 not in committed:
+    assert any(r.getMessage().startswith("checkpoint 3 discarded") for r in caplog.records)
+  assert "Metadata file does not exist" not in capfd.readouterr().err
   for later in ("9", "10"):
     shutil.rmtree(workdir / "checkpoints" / later)
   resumed = train.run(small_config(**{**THREE_PODS, **two}), str(workdir), show_progress=False)

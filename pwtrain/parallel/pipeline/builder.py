@@ -78,10 +78,12 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   executables = {key: piece.executable for key, piece in pieces.items()}
 
   def build_eval(hosts: dict) -> Program:
-    if not any(kind in ("EF", "EL") for kind, *_ in pieces):  # compiled once, for every hosts
-      for cell in cells.values():
+    # Each cell's eval piece compiled once, at the first program that runs it: a hosted pod's
+    # cells run on their hosts' (elastic pods: a lost remote worker cannot compile).
+    for (p, s), cell in cells.items():
+      if p not in hosts and not {("EF", p, s), ("EL", p, s)} & pieces.keys():
         compute.compile_eval(cell, config.model.z_loss)
-      executables.update({key: piece.executable for key, piece in pieces.items()})
+    executables.update({key: piece.executable for key, piece in pieces.items()})
     return ProgramBuilder(plan, pieces, config, hosts).eval_program()
 
   return PipelineProgram(
