@@ -86,3 +86,15 @@ def child_with_env(parent: int, name: str, value: str) -> int | None:
     if f"{name}={value}".encode() in environment:
       return int(pid)
   return None
+
+
+def logged_at(line: str) -> float:
+  """The time.time() of an absl log line ("W1127 02:29:54.627454 ..." after any "[p0] "
+  prefix), written today (or late yesterday) on this machine."""
+  import datetime
+
+  stamp = line.split("] ", 1)[-1] if line.startswith("[p") else line
+  month_day, clock = stamp[1:5], stamp.split()[1]
+  now = datetime.datetime.now()
+  when = datetime.datetime.strptime(f"{now.year}{month_day} {clock}", "%Y%m%d %H:%M:%S.%f")
+  return when.timestamp()

@@ -23,6 +23,8 @@ from signals import Kill, Killer
 from pwtrain import train
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.errors import ConfigError
+from pwtrain.goodput import Goodput
+from pwtrain.metrics import MetricsLogger
 
 # 3 pods of 2 devices (a 2-way data mesh each): 12 rows split over 3 or 2 pods.
 THREE_PODS = {
@@ -82,6 +84,9 @@ def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_on
                            "runs on pod 0")  # fmt: skip
   assert any(r.getMessage().startswith("pod 1 rejoined") for r in caplog.records)
   assert "resumed" not in caplog.text  # no checkpoint read
+  # The failed step's first run and the drop are badput of steps run again.
+  last = [row for row in _rows(tmp_path) if "goodput" in row][-1]
+  assert last["badput_rerun"] > 0 and last["badput_degraded"] > 0, last  # and the rejoins
 
 
 @pytest.mark.slow
@@ -219,6 +224,29 @@ def test_below_min_pods_the_loss_stops_the_run_with_one_line(tmp_path, caplog):
   assert "pod 1 lost" in line and "2 of 3 pods left" in line
 
 
+def test_steps_slower_while_pods_are_lost_are_degraded_badput(tmp_path):
+  """Each log interval's productive time per step against that of the intervals with every pod
+  live (the first, warming up, left out): steps with pods lost that take longer are badput,
+  `degraded`, by what they take beyond it; as fast, nothing."""
+  goodput = Goodput(start=0.0)
+  goodput.begin_loop(now=0.0)
+  logger = MetricsLogger(
+    str(tmp_path), start_step=0, num_steps=8, log_every=2, tokens_per_step=1, flops_per_token=1,
+    num_devices=1, peak_flops_per_device=None, progress="none", goodput=goodput,
+  )  # fmt: skip
+
+  def interval(first, live, now):
+    logger._count_badput([{"step": first + i, "pods_live": n} for i, n in enumerate(live)], now)
+
+  interval(1, [3, 3], now=4.0)  # warming up: 2 s a step, not the clean step time
+  interval(3, [3, 3], now=6.0)  # every pod live: 1 s a step
+  interval(5, [2, 2], now=9.0)  # pods lost: 1.5 s a step, 0.5 s beyond the clean step time each
+  assert goodput.badput["degraded"] == 1.0
+  interval(7, [2, 3], now=11.0)  # 1 s a step: nothing more
+  assert goodput.badput["degraded"] == 1.0
+  logger.close()
+
+
 @pytest.mark.parametrize(
   "overrides,message",
   [
@@ -291,7 +319,10 @@ def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, t
   live = _pods_live(tmp_path)
   assert live[:4] == [3] * 4 and live[4] == 2 and live[5:] == [3] * 5, live
   messages = [r.getMessage() for r in caplog.records]
-  (lost,) = [m for m in messages if m.startswith("pod 1 lost")]
+  (lost,) = [r for r in caplog.records if r.getMessage().startswith("pod 1 lost")]
+  detection_s = lost.created - killer.kills[0].at  # from the signal to the drop's line
+  assert 0 < detection_s < 3 * 0.5 + 1.0, detection_s  # 3 heartbeats of 0.5 s and a margin
+  lost = lost.getMessage()
   assert "during the evaluation after step 4: 2 of 3 pods live" in lost, lost
   assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
   assert any(

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 from helpers import SGD, assert_close, assert_trees_close, small_config
-from signals import Kill, Killer, child_with_env
+from signals import Kill, Killer, child_with_env, logged_at
 from test_distributed import final_state, launch, process_logs
 
 from pwtrain import train
@@ -82,6 +82,15 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
   (lost,) = [line for line in console if "pod 2 lost" in line]
   assert "process 2 left the run" in lost and "1 of 3 pods live" in lost, lost
+  for kill, pod in zip(killer.kills, (1, 2), strict=True):  # from the signal to the drop's line
+    (lost,) = [line for line in console if f"pod {pod} lost" in line]
+    assert 0 < logged_at(lost) - kill.at < 3 * 1.0 + 1.5, (lost, kill.at)
+  # The failed steps' first run and the drops are badput of steps run again; the steps with
+  # pods lost took longer (pod 0's process ran their work too) and the rejoins took time.
+  last = [row for row in rows if "goodput" in row][-1]
+  assert last["badput_degraded"] > 0, last
+  if any(" lost " in line and " at step " in line for line in console):  # else in evaluations
+    assert last["badput_rerun"] > 0, last
   (back,) = [line for line in console if "pod 1 rejoined" in line]
   assert "at step 6: 2 of 3 pods live" in back, back
   (back,) = [line for line in console if "pod 2 rejoined" in line]

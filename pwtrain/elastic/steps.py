@@ -77,6 +77,7 @@ class _Pending:
   before: dict  # the state it started from
   out: StepOutputs
   metrics: _Metrics  # what the trainer was given: set once the step is confirmed
+  dispatched_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class ElasticSteps:
@@ -84,7 +85,8 @@ class ElasticSteps:
   caller's) closes the controller and the cluster; the others own nothing."""
 
   def __init__(self, config, harness: Harness, goodput=None):
-    """`goodput`: the run's goodput.Goodput, told each drop's and rejoin's seconds (rerun)."""
+    """`goodput`: the run's goodput.Goodput, told what each drop lost (rerun) and each rejoin
+    took (degraded)."""
     self.config = config
     self.goodput = goodput
     self.controller = harness.controller
@@ -104,6 +106,7 @@ class ElasticSteps:
     self._given: dict | None = None
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
     self._steps = 0  # steps dispatched so far: an evaluation's place (after step N)
+    self._confirmed_at = time.perf_counter()  # when the last step was confirmed
     # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
     # pods that a drill brings back at its step, not as soon as they are ready.
     self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
@@ -248,6 +251,7 @@ class ElasticSteps:
       self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
       return
     self._pending.popleft()
+    self._confirmed_at = time.perf_counter()
     pending.metrics.set_result({**values, "pods_live": np.int32(len(self.live))})
 
   # -- drop and rejoin ------------------------------------------------------------------------
@@ -288,6 +292,11 @@ class ElasticSteps:
       again = f"steps {redo[0].step + 1}-{redo[-1].step + 1} run again"
     elif evaluating:
       at, again = f"during the evaluation {at}", "the evaluation runs again"
+    # What the loss cost: from the last step confirmed (or the first failed one's dispatch, if
+    # later) to now, unless a badput block the run is in counts it already (an evaluation).
+    since = max(self._confirmed_at, redo[0].dispatched_at) if redo else start
+    if self.goodput is not None and self.goodput.inside is None:
+      self.goodput.add("rerun", time.perf_counter() - since)
     self._record(
       "drop", lost, cause, at, time.perf_counter() - start, detect_s, again,
       compile_s=compile_s, state_s=moved,
@@ -345,10 +354,10 @@ class ElasticSteps:
 
   def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", **parts):
     """One log line for a drop or a rejoin `at` (where: "at step N", "during the evaluation
-    after step N"); `parts`: its seconds by cause, `again`: what runs again. Its own seconds
-    (not the detection's) are badput of steps run again."""
-    if self.goodput is not None:
-      self.goodput.add("rerun", seconds)
+    after step N"); `parts`: its seconds by cause, `again`: what runs again. A rejoin's seconds
+    are badput of the degraded run it ends (a drop's are counted with what it lost: `_drop`)."""
+    if kind == "rejoin" and self.goodput is not None and self.goodput.inside is None:
+      self.goodput.add("degraded", seconds)
     pods = ",".join(map(str, pods))
     line = f"pod {pods} {'lost' if kind == 'drop' else 'rejoined'} ({cause}) {at}: "
     line += f"{len(self.live)} of {self.num_pods} pods live; "
