@@ -128,16 +128,21 @@ def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
 
 
 @pytest.mark.slow
-def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path):
-  """Pod 0 (whose arrays the checkpoints take) is lost right after an asynchronous save of
-  step 3, and step 6 is saved with two pods: both commit whole, and a run resumed from step 6
-  by the plain three-pod config continues the uninterrupted trajectory."""
+def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path, caplog):
+  """Pod 0 (whose arrays the checkpoints take, and which reports the metrics) is lost right
+  after an asynchronous save of step 3: pod 1 hosts its work and reports, nothing compiles, and
+  step 6 is saved from pod 1's state: both commit whole, and a run resumed from step 6 by the
+  plain three-pod config continues the uninterrupted trajectory."""
   workdir = tmp_path / "run"
   drills = {"fault.elastic": True, "fault.inject": "kill:pod0@step4,rejoin:pod0@step8"}
   config = small_config(
     **{**THREE_PODS, **drills, "train.checkpoint_every": 3, "train.keep_checkpoints": 5}
   )
-  train.run(config, str(workdir), show_progress=False)
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(config, str(workdir), show_progress=False)
+  assert_close(_losses(result), _losses(uninterrupted), "losses")
+  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert "(compile 0.00 s," in line and line.endswith("pod 0's work runs on pod 1"), line
   checkpoints = workdir / "checkpoints"
   assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6, 9, 10]
   for later in ("9", "10"):
@@ -343,11 +348,11 @@ def _worker(i: int):
 def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog, capfd):
   """2 pods on workers started outside the run: pod 0's worker, which holds the checkpoints'
   arrays, is SIGKILLed from outside (at a seeded random time) as its asynchronous save of step
-  3 is queued or being written; pod 1 runs on alone (its state through the controller: one pod
-  has no exchange) and saves step 6 by itself; someone starts the worker again and pod 0
-  rejoins at step 8. Every checkpoint that committed is whole: the step-3 save committed or was
-  discarded (one line, and no Orbax warning), and a plain embedded run resumed from step 6
-  continues the uninterrupted trajectory."""
+  3 is queued or being written; pod 1 runs on alone, hosting pod 0's work (nothing compiles)
+  and reporting the metrics, and saves step 6 by itself; someone starts the worker again and
+  pod 0 rejoins at step 8. Every checkpoint that committed is whole: the step-3 save committed
+  or was discarded (one line, and no Orbax warning), and a plain embedded run resumed from step
+  6 continues the uninterrupted trajectory."""
   two = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
   straight = train.run(
     small_config(**{**THREE_PODS, **two}), str(tmp_path / "a"), show_progress=False
@@ -379,6 +384,8 @@ def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog
   assert committed in ([3, 6, 9, 10], [6, 9, 10]), committed
   if 3 not in committed:
     assert any(r.getMessage().startswith("checkpoint 3 discarded") for r in caplog.records)
+  (lost,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pod 0 lost")]
+  assert "(compile 0.00 s," in lost and lost.endswith("pod 0's work runs on pod 1"), lost
   assert "Metadata file does not exist" not in capfd.readouterr().err
   for later in ("9", "10"):
     shutil.rmtree(workdir / "checkpoints" / later)

@@ -8,8 +8,9 @@ A set's harness is one of two kinds:
            trajectory is the uninterrupted run's. The lost pods' microbatches are shared out
            over the live pods: with at least as many microbatches as live pods each takes
            about an equal share; with fewer, some live pods take one more microbatch each.
-           Used where it can be: `fault.host_lost_pods`, the global batch kept, pod 0 live (it
-           reports the metrics), and the pods' states equal (not DiLoCo, no error feedback).
+           Used where it can be: `fault.host_lost_pods`, the global batch kept, and the pods'
+           states equal (not DiLoCo, no error feedback); any pod may be hosted, pod 0 too (the
+           lowest live pod then reports the metrics, with pieces compiled for it at the start).
   rebuilt  a plan and step program laid out for the live pods alone, numbered 0, 1, ... in
            pod order on their own islands, each taking an equal share of the batch: compiled
            the first time the set is used, then cached.
@@ -64,7 +65,6 @@ class PodSets:
     if not (
       fault.host_lost_pods
       and fault.keep_global_batch
-      and 0 in live
       and getattr(self._full.step_program, "can_host", False)
     ):
       return None

@@ -105,7 +105,8 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
 def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int) -> None:
   """Every piece of one cell: init, zeros, the stage's F/B/FB, the exchange's, emb, finish,
-  apply, and on pod 0's last stage norms."""
+  apply, and on the last stage of the pods that may report the metrics norms (pod 0's; with
+  elastic pods every pod's, any of which reports when pod 0 is hosted)."""
   stage, num_stages = cell.stage, cell.num_stages
   cell.compile("init", lambda: to_stage(whole_init(), stage), {}, out_shardings=cell.shardings)
 
@@ -171,7 +172,7 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
     out_shardings=(cell.shardings, cell.replicated, cell.replicated),
     donate=("state",),
   )
-  if cell.key == (0, num_stages - 1):  # the cell that reports the step's metrics
+  if cell.key[1] == num_stages - 1 and (pod == 0 or config.fault.elastic):  # may report
     sums = cell.pieces[("apply", *cell.key)].out_abstract[2]
     cell.compile(
       "norms",
