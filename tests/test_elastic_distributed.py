@@ -34,6 +34,8 @@ PODS = {
   "train.checkpoint_every": 4,
   "train.eval_every": 0,
 }
+# Islands of 2 devices (a 2-way data mesh), one per process: 12 rows over 3 or fewer pods.
+SEVERAL = {"parallel.devices_per_island": 2, "parallel.data": -1, "train.global_batch": 12}
 # Elastic pods with a short heartbeat: a dead process is found after 3 s.
 ELASTIC = {"fault.elastic": True, "fault.heartbeat_s": 1.0}
 
@@ -41,21 +43,22 @@ ELASTIC = {"fault.elastic": True, "fault.heartbeat_s": 1.0}
 @pytest.mark.slow
 @pytest.mark.processes
 def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupted_one(tmp_path):
-  """Processes SIGKILLed from outside at seeded random times: process 1 during the evaluation
-  after step 2, process 2 as the checkpoint of step 4 is being saved. The others find each gone,
-  drop its pod (pod 0's process runs its microbatch: nothing compiles) and run what failed again
-  (the evaluation, or the step); process 0 saves step 4 alone (no save waits for another
-  process); the launcher starts both again, and they rejoin before steps 6 and 7 (their state
-  pulled from pod 0's). No restart, each step once in metrics.jsonl, and the losses, the
-  evaluations and the parameter norms are the uninterrupted run's. Both checkpoints are whole
-  and hold that run's data positions (the lost pods' streams included: the survivors read their
-  rows); each restores in embedded mode to that run's state at its step, and the one written
-  degraded also on a full restart of the processes."""
-  evals = {"train.eval_every": 2, "train.eval_batches": 10}
-  straight = train.run(small_config(**{**PODS, **evals}), str(tmp_path / "a"), show_progress=False)
+  """Pods of 2 devices, each on a process of its own (an island's collectives are Gloo's, within
+  its process). Processes SIGKILLed from outside at seeded random times: process 1 during the
+  evaluation after step 2, process 2 as the checkpoint of step 4 is being saved. The others find
+  each gone, drop its pod (pod 0's process runs its microbatch: nothing compiles) and run what
+  failed again (the evaluation, or the step); process 0 saves step 4 alone (no save waits for
+  another process); the launcher starts both again, and they rejoin before steps 6 and 7 (their
+  state pulled from pod 0's; their Gloo contexts made anew). No restart, each step once in
+  metrics.jsonl, and the losses, the evaluations and the parameter norms are the uninterrupted
+  run's. Both checkpoints are whole and hold that run's data positions (the lost pods' streams
+  included: the survivors read their rows); each restores in embedded mode to that run's state
+  at its step, and the one written degraded also on a full restart of the processes."""
+  pods = {**PODS, **SEVERAL, "train.eval_every": 2, "train.eval_batches": 10}
+  straight = train.run(small_config(**pods), str(tmp_path / "a"), show_progress=False)
   workdir = tmp_path / "b"
-  drill = {**ELASTIC, **evals, "fault.inject": "rejoin:pod1@step6,rejoin:pod2@step7"}
-  run = launch(workdir, 3, {**PODS, **drill}, devices=1, background=True)
+  drill = {**ELASTIC, "fault.inject": "rejoin:pod1@step6,rejoin:pod2@step7"}
+  run = launch(workdir, 3, {**pods, **drill}, devices=2, background=True)
   process = lambda i: lambda: child_with_env(run.pid, "PWTRAIN_PROCESS_ID", str(i))
   killer = Killer(workdir, [Kill(2, process(1)), Kill(4, process(2))], seed=2)
   stdout = run.communicate(timeout=300)[0].decode()
@@ -101,18 +104,18 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   assert "Fatal" not in logs and "Terminating process" not in logs  # every process left cleanly
   for step in (4, 8):  # the data positions the uninterrupted run saved
     assert _data_position(workdir, step) == _data_position(tmp_path / "a", step), step
-  restored = final_state(small_config(**PODS), workdir)
+  restored = final_state(small_config(**pods), workdir)
   assert restored.start_step == 8
   assert_trees_close(restored.state, straight.state, "final state")
   # Step 4, written by process 0 alone, as the latest checkpoint of a 4-step run.
-  four = {**PODS, "train.num_steps": 4}
+  four = {**pods, "train.num_steps": 4}
   for done in (tmp_path / "a", workdir):
     shutil.rmtree(done / "checkpoints" / "8")
   want = final_state(small_config(**four), tmp_path / "a").state
   restored = final_state(small_config(**four), workdir)
   assert restored.start_step == 4
   assert_trees_close(restored.state, want, "state at step 4")
-  again = launch(workdir, 3, {**four, **ELASTIC}, devices=1, timeout=120)
+  again = launch(workdir, 3, {**four, **ELASTIC}, devices=2, timeout=120)
   assert again.returncode == 0, again.stdout[-3000:]
   assert "nothing to train" in again.stdout and "holds step 4" in again.stdout
 

@@ -183,6 +183,8 @@ class Agreement:
     ready, waits for the live processes' handover (`welcome`), takes on their counts (program
     numbers, `processes.next_key`'s, Orbax's) and meets them. Returns the handover."""
     me = jax.process_index()
+    # Its islands' collectives (islands of several devices) make their Gloo contexts again.
+    processes.forget_collectives(d.id for d in jax.local_devices())
     self.controller.serve_pulls()
     processes.tell(_ready(me), "ready")
     handover = processes.hear(_handover(me), timeout_s)
