@@ -64,10 +64,14 @@ class LocalDispatcher:
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
     serial = threading.Lock() if serialize_execution else None
-    self._schedulers = {i.name: IslandScheduler(i.name, trace, serial) for i in cluster.islands}
+    # The devices of lost islands: reading an array deleted with one is that island's loss.
+    self._lost_devices: dict = {}
+    self._schedulers = {
+      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices) for i in cluster.islands
+    }
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
-    self._cross = IslandScheduler(CROSS, trace, None)
+    self._cross = IslandScheduler(CROSS, trace, None, self._lost_devices)
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
     # node leaves a stand-in (an array with no data here) that a transfer can read from.
@@ -84,12 +88,21 @@ class LocalDispatcher:
     self._pull_watcher = CompletionWatcher("pulls") if traced else None
 
   def lose(self, island: str, cause: str) -> None:
-    """Marks `island` lost: from now on its work fails with IslandLost, unlaunched."""
-    self._schedulers[island].lost = IslandLost(island, cause)
+    """Marks `island` lost: from now on its work fails with IslandLost, unlaunched; and in one
+    process (embedded mode, whose losses are drills), every array its work made is deleted, as
+    a real loss leaves them: whatever reads one then fails with this IslandLost
+    (faults.read_of_lost), so nothing can be copied from a lost island."""
+    scheduler = self._schedulers[island]
+    lost = scheduler.lost = IslandLost(island, cause)
+    self._lost_devices.update(dict.fromkeys(self.cluster[island].devices, lost))
+    if not self._distributed:
+      scheduler.delete_made()
 
   def restore(self, island: str) -> None:
     """`island` runs again (its devices are back)."""
     self._schedulers[island].lost = None
+    for device in self.cluster[island].devices:
+      self._lost_devices.pop(device, None)
 
   def lost(self) -> dict[str, str]:
     return {name: s.lost.cause for name, s in self._schedulers.items() if s.lost is not None}

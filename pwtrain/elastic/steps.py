@@ -37,6 +37,7 @@ The drills and the checks of fault.* are pwtrain/drills.py.
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 
@@ -44,7 +45,8 @@ import jax
 import numpy as np
 
 from pwtrain import processes
-from pwtrain.backend.faults import IslandLost
+from pwtrain.backend import run_mode
+from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells
 from pwtrain.elastic.agreement import Agreement
@@ -152,9 +154,8 @@ class ElasticSteps:
     start = time.perf_counter()
     handover = self._agreement.join()
     survivors, welcomed = tuple(handover["live"]), handover["pods"]  # its own among them
-    built = time.perf_counter()
     self.pods.harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
-    compile_s = time.perf_counter() - built
+    compile_s = self.pods.compiled_s
     self.pods.live = survivors
     live = tuple(sorted({*survivors, *welcomed}))  # pods still lost stay lost
     more_s, state = self.pods.move(live, cells.stand_ins(self.step_program))
@@ -207,9 +208,25 @@ class ElasticSteps:
         self._drill(self._steps, "eval")
         if self._agreement is not None:
           return eval_sums(self._agreement.evaluate(futures, self.live))
-        return eval_sums(jax.device_get([f.result() for f in futures]))
+        return eval_sums(self._read([f.result() for f in futures]))
       except IslandLost as e:
-        self._drop(e, given, evaluating=True)
+        self._drop(e, given, during="the evaluation", again="the evaluation runs again")
+
+  def _read(self, value, fetch: bool = True):
+    """`value` on the host (or, not `fetch`ed, once computed); an array deleted with a lost
+    island (embedded: as a real loss leaves them) is that island's IslandLost."""
+    try:
+      return jax.device_get(value) if fetch else jax.block_until_ready(value)
+    except RuntimeError as e:
+      lost = self.controller.lost
+      devices = {
+        d: IslandLost(i.name, lost[i.name])
+        for islands in self._islands.values()
+        for i in islands
+        if i.name in lost
+        for d in i.devices
+      }
+      raise read_of_lost(value, devices) or e from None
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
     host_metrics = self._agreement is None  # distributed: read once the processes agree
@@ -244,7 +261,7 @@ class ElasticSteps:
     pending = self._pending[0]
     try:
       if self._agreement is None:
-        values = jax.device_get(pending.out.metrics.result())
+        values = self._read(pending.out.metrics.result())
       else:
         values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
@@ -256,16 +273,18 @@ class ElasticSteps:
 
   # -- drop and rejoin ------------------------------------------------------------------------
 
-  def _drop(self, error: IslandLost, given: dict | None = None, evaluating: bool = False) -> None:
+  def _drop(self, error: IslandLost, given: dict | None = None, during="", again="") -> None:
     """Drops the lost pods and runs every pending step again on the survivors (the last one's
-    state becomes the head). With no step pending (`evaluating`: an evaluation failed), the
-    state moved is the one of `given` (the trainer's), which then stands for it."""
+    state becomes the head). With no step pending (a loss `during` an evaluation, or a rejoin;
+    `again`: what runs again), the state moved is the one of `given` (the trainer's), which
+    then stands for it."""
     start = time.perf_counter()
     self.controller.wait()  # every dispatched step has run or failed
     lost_islands = self.controller.lost or {error.island: error.cause}
     lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
     live = tuple(p for p in self.live if p not in lost)
-    cause = lost_islands.get(self._islands[lost[0]][0].name, error.cause) if lost else error.cause
+    causes = [lost_islands.get(self._islands[p][0].name, error.cause) for p in lost]
+    cause = "; ".join(dict.fromkeys(causes)) or error.cause  # each lost pod's, once
     if len(live) < max(self.config.fault.min_pods, 1):
       log.error(
         "pod %s lost (%s): %d of %d pods left, fewer than fault.min_pods=%d; stopping",
@@ -286,12 +305,10 @@ class ElasticSteps:
     if not redo:  # the trainer's state is now this one (`_current`)
       self._given, self._head = given, state
     moved = time.perf_counter() - start - compile_s
-    at, again = f"after step {self._steps}", ""
+    at = f"during {during} after step {self._steps}" if during else f"after step {self._steps}"
     if redo:
       at = f"at step {redo[0].step + 1}"
       again = f"steps {redo[0].step + 1}-{redo[-1].step + 1} run again"
-    elif evaluating:
-      at, again = f"during the evaluation {at}", "the evaluation runs again"
     # What the loss cost: from the last step confirmed (or the first failed one's dispatch, if
     # later) to now, unless a badput block the run is in counts it already (an evaluation).
     since = max(self._confirmed_at, redo[0].dispatched_at) if redo else start
@@ -320,14 +337,33 @@ class ElasticSteps:
     for p in pods:
       for island in self._islands[p]:
         self.controller.restore(island.name)
-    live = tuple(sorted(set(self.live) | set(pods)))
-    compile_s, state = self.pods.move(live, state)
+    was = self.live
+    drill = functools.partial(self._drill, step + 1, "copy")  # once the copies' sources are set
+    compile_s, moved = self.pods.move(tuple(sorted({*was, *pods})), state, before_copy=drill)
+    try:
+      self._copied(moved)
+    except IslandLost as e:  # a pod lost while the state was copied: the pods live before go on
+      self.pods.live = was
+      gone = {self._pod_of[i] for i in self.controller.lost}
+      if gone & set(was):
+        what = f"pod {','.join(map(str, pods))}'s rejoin"
+        self._drop(e, state, during=what, again="the rejoin copies from a live pod")
+      self._rejoining.update(p for p in pods if p not in gone)  # again, at once
+      state = self._current(state)
+      return self._rejoin(state, step, data_position) if self._rejoining else state
     seconds = time.perf_counter() - start
     self._record(
       "rejoin", pods, "its islands run again", f"at step {step + 1}", seconds,
       compile_s=compile_s, state_s=seconds - compile_s,
     )  # fmt: skip
-    return state
+    return moved
+
+  def _copied(self, state: dict) -> None:
+    """Waits until the state copied onto returning pods has arrived (embedded mode; a copy
+    from a pod lost meanwhile fails with its IslandLost). Remote workers' copies are found
+    failed, if they are, at the next step; distributed mode's processes agree on the rejoin."""
+    if self._agreement is None and not self.controller.cluster.remote:
+      self._read(run_mode.results(state), fetch=False)
 
   def _drill(self, step: int, place: str) -> None:
     """The injected faults of `fault.inject` due at `place` (drills.PLACES) of step `step`
