@@ -207,7 +207,7 @@ RULES = (
   _rule(("fault.max_restarts",), _is("backend.mode", "remote", "distributed")),
   _rule(
     ("fault.heartbeat_s",),
-    _any(_is("backend.mode", "remote"), _is("fault.elastic", True)),
+    _any(_is("backend.mode", "remote", "distributed"), _is("fault.elastic", True)),
   ),
   _rule(
     ("fault.keep_global_batch", "fault.min_pods", "fault.host_lost_pods", "fault.inject"),

@@ -2,9 +2,14 @@
 
 A drill is a fault a user (or a test) asks for: `kill:pod1@step6` loses pod 1's islands before
 step 6 is dispatched (embedded: as if their devices had failed; remote: their workers' processes
-are SIGKILLed); `rejoin:pod1@step10` brings them back before step 10 (remote: waits until their
-workers answer again; distributed: waits until the process pwtrain.launch started again in the
-pod's place is ready). pwtrain/elastic/ carries them out.
+are SIGKILLed; distributed: its process SIGKILLs itself); `kill:pod1@mid6` while step 6 runs
+(once it is dispatched, before it is confirmed); `kill:pod1@eval6` during the evaluation after
+step 6 (once its batches are dispatched); `kill:pod0@copy10` while a rejoin before step 10
+copies the live pods' state (embedded mode); `rejoin:pod1@step10` brings the pod back before
+step 10 (remote: waits until its workers answer again; distributed: waits until the process
+pwtrain.launch started again in the pod's place is ready). Kills at the same place happen
+together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
+real loss leaves them. pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -12,17 +17,21 @@ import re
 
 from pwtrain.errors import ConfigError
 
-_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@step(\d+)$")
+_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@(step|mid|eval|copy)(\d+)$")
+# Where a drill's event happens, by step N: before it is dispatched, while it runs, during the
+# evaluation after it, or while a rejoin before it copies the live pods' state (embedded).
+PLACES = ("step", "mid", "eval", "copy")
 
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
   """One injected event of `fault.inject`: `action` ("kill" or "rejoin") of configured pod
-  `pod` before step `step` (1-based, as metrics rows count) is dispatched."""
+  `pod` at `place` (PLACES) of step `step` (1-based, as metrics rows count)."""
 
   action: str
   pod: int
   step: int
+  place: str = "step"
 
 
 def check(config, plan) -> None:
@@ -70,6 +79,11 @@ def _check_distributed(config, plan, drills) -> None:
       "dead process out; overlapped and diloco are not built there)"
     )
   for drill in drills:
+    if drill.place == "copy":
+      raise ConfigError(
+        f"fault.inject={config.fault.inject!r}: {where} takes no drill at a rejoin's copy "
+        "(@copy<N>: embedded mode's; the processes agree on a rejoin before its copy)"
+      )
     if drill.pod == 0:
       raise ConfigError(
         f"fault.inject={config.fault.inject!r}: {where} takes drills of pods P >= 1 "
@@ -90,16 +104,16 @@ def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:
   drills = []
   for item in filter(None, (part.strip() for part in str(text).split(","))):
     match = _DRILL.match(item)
-    if match is None:
+    if match is None or (match.group(1) == "rejoin" and match.group(3) != "step"):
       raise ConfigError(
-        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@step<N>' or "
-        "'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
+        f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@<place><N>' (place: step, mid, "
+        "eval or copy) or 'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
       )
-    action, pod, step = match.group(1), int(match.group(2)), int(match.group(3))
+    action, pod, place, step = match[1], int(match[2]), match[3], int(match[4])
     if pod >= num_pods or step < 1:
       raise ConfigError(
         f"fault.inject={text!r}: {item!r} needs a pod below parallel.pods={num_pods} and a step "
         ">= 1"
       )
-    drills.append(Drill(action, pod, step))
+    drills.append(Drill(action, pod, step, place))
   return tuple(drills)

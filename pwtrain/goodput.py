@@ -9,10 +9,15 @@ is the rest, by cause, each a fraction of the wall time (they and the goodput su
   checkpoint  handing a checkpoint to the writer (save's synchronous part: copies to the host)
   eval        evaluations
   data_wait   waiting for the next batch
-  rerun       steps run again: after a rollback the abandoned steps, after a lost pod the steps
-              that failed with it and the drop itself, after a restart (a resume, or a start
-              after a lost worker) the steps that an earlier start had trained and logged past
-              the checkpoint it resumed from (metrics.MetricsLogger: metrics.jsonl says which)
+  rerun       steps run again: after a rollback the abandoned steps; after a lost pod the time
+              from the last step confirmed before the loss to the end of the drop (the failed
+              steps' first run, the detection, the drop itself; elastic/steps.py); after a
+              restart (a resume, or a start after a lost worker) the steps that an earlier start
+              had trained and logged past the checkpoint it resumed from
+              (metrics.MetricsLogger: metrics.jsonl says which)
+  degraded    elastic pods: the time steps took beyond the clean step time while pods were lost
+              (metrics.MetricsLogger, from each interval's productive time per step against that
+              of intervals with every pod live), and the rejoins that ended it
   other       everything else: start-up (data preparation, restore), and the end
 
 A run that restarts in the same process (remote mode, after a lost worker) has one Goodput for
@@ -25,7 +30,7 @@ import resource
 import sys
 import time
 
-CAUSES = ("compile", "checkpoint", "eval", "data_wait", "rerun", "other")
+CAUSES = ("compile", "checkpoint", "eval", "data_wait", "rerun", "degraded", "other")
 
 
 class Goodput:
@@ -37,6 +42,7 @@ class Goodput:
     self.badput: dict[str, float] = collections.defaultdict(float)
     self._looped = 0.0  # seconds in the step loops of earlier starts
     self._loop_began: float | None = None  # when this start's step loop began, while it runs
+    self.inside: str | None = None  # the cause of the `bad` block the run is in, if any
 
   def begin_loop(self, now: float | None = None) -> None:
     """A start's step loop starts: everything before it that was not compiling is `other`."""
@@ -54,10 +60,11 @@ class Goodput:
   def bad(self, cause: str):
     """Counts the time inside as badput of `cause`."""
     assert cause in CAUSES, cause
-    begin = time.perf_counter()
+    begin, outer, self.inside = time.perf_counter(), self.inside, cause
     try:
       yield
     finally:
+      self.inside = outer
       self.badput[cause] += time.perf_counter() - begin
 
   def add(self, cause: str, seconds: float) -> None:

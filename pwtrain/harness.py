@@ -228,16 +228,21 @@ class Harness:
     host `batches`, from the forward-only program (compiled on first use); waits for them.
 
     The state is read, not donated: a step dispatched afterwards may take it. Partial sums are
-    added on the host in float64, in program-output order.
+    added on the host in float64, in program-output order (`eval_sums`).
     """
-    sp = self.step_program
-    outs = [self.controller.run(sp.eval_program, {**state, **sp.feed(b)}) for b in batches]
-    futures = [f for out in outs for f in out.values()]
+    futures = self.dispatch_eval(state, batches)
     if processes.active():  # in order with the steps' metrics (the same thread and count)
       parts = [self._host.submit(self._to_host, f, "eval").result() for f in futures]
     else:
       parts = jax.device_get([f.result() for f in futures])
-    return {k: float(sum(np.float64(part[k]) for part in parts)) for k in step_lib.EVAL_KEYS}
+    return eval_sums(parts)
+
+  def dispatch_eval(self, state: dict, batches: Iterable[dict]) -> list:
+    """`evaluate`'s programs dispatched, one per batch: the futures of their partial sums, in
+    program-output order, none waited on."""
+    sp = self.step_program
+    outs = [self.controller.run(sp.eval_program, {**state, **sp.feed(b)}) for b in batches]
+    return [f for out in outs for f in out.values()]
 
   def with_controller(self, controller: Controller) -> "Harness":
     """This compiled step dispatched by `controller` (e.g. one with a Trace), on the same
@@ -259,6 +264,11 @@ class Harness:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def eval_sums(parts: list[dict]) -> dict[str, float]:
+  """The evaluation's partial sums (host values, in program-output order) added in float64."""
+  return {k: float(sum(np.float64(part[k]) for part in parts)) for k in step_lib.EVAL_KEYS}
 
 
 def _close(controller: Controller | None, cluster: Cluster | None) -> None:

@@ -14,6 +14,7 @@ import logging as std_logging
 import math
 import os
 import sys
+import time
 import traceback
 
 from pwtrain import platforms
@@ -29,6 +30,7 @@ from pwtrain import (  # noqa: E402
   console,  # noqa: E402
   dryrun,
   train,
+  watch,
 )
 from pwtrain import workdir as workdir_lib  # noqa: E402
 from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
@@ -86,20 +88,31 @@ def _connect_pathways() -> None:
 
 def _join_distributed(config) -> None:
   """backend.mode='distributed': join the run's other processes on JAX's runtime before JAX
-  starts (backend/distributed.py); a bad setting or an unreachable coordinator is one line."""
+  starts (backend/distributed.py); a bad setting or an unreachable coordinator is one line. A
+  process started by hand or by a scheduler (not pwtrain.launch) runs as a watched child of
+  itself (pwtrain/watch.py), so that a dead peer is one line."""
   if config.backend.mode != "distributed":
     return
   from pwtrain.backend import distributed
 
-  distributed.die_with_launcher()
-  if "PWTRAIN_LAUNCHER_PID" not in os.environ and not flags.FLAGS["verbosity"].present:
+  launched = "PWTRAIN_LAUNCHER_PID" in os.environ
+  if not launched and not watch.watched():
+    raise SystemExit(watch.run(sys.argv[1:]))
+  distributed.die_with_parent()
+  if not launched and not flags.FLAGS["verbosity"].present:
     console.drop_native_notices()  # this process's console is its own: no Gloo notices on it
-  # Elastic pods: a process silent for 3 heartbeats is lost, and the others go on without it.
-  heartbeat = math.ceil(3 * config.fault.heartbeat_s) if config.fault.elastic else None
+  # A process silent for 3 heartbeats is lost: the run stops (the launcher or watch.py names
+  # it), or with elastic pods the others go on without it (recoverable).
   try:
-    distributed.initialize(config.backend, heartbeat)
+    distributed.initialize(config.backend, _heartbeat_timeout_s(config), config.fault.elastic)
   except UserError as e:
     raise SystemExit(f"error: {e}") from None
+
+
+def _heartbeat_timeout_s(config) -> int:
+  """3 x fault.heartbeat_s in whole seconds: how long JAX's coordination service waits for a
+  silent process before it takes it for dead."""
+  return math.ceil(3 * config.fault.heartbeat_s)
 
 
 def main(argv):
@@ -146,6 +159,8 @@ def main(argv):
     # A failed process exits at once: an orderly exit would wait for threads blocked on the
     # other processes and for jax.distributed's shutdown barrier, which they never reach.
     if not isinstance(e, SystemExit):
+      if watch.watched():  # a peer's death fails a step at once: JAX names it within this
+        time.sleep(_heartbeat_timeout_s(_CONFIG.value) + 1.0)
       traceback.print_exc()
     elif not isinstance(e.code, int):
       print(e.code, file=sys.stderr)

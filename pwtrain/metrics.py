@@ -9,7 +9,10 @@ step N, or rolls back to it, the rows of steps after N (steps that will run agai
 metrics.jsonl to metrics.rolled_back.jsonl (kept, not deleted), and TensorBoard is told to purge
 its events of those steps (`purge_step`). The steps a resume so runs again (an earlier start
 trained and logged them, then stopped before its next checkpoint) are badput, `rerun`: each
-interval moves the productive time of its re-run steps there (goodput.py).
+interval moves the productive time of its re-run steps there (goodput.py). With elastic pods
+(rows with `pods_live`), the time steps take while pods are lost beyond the productive time per
+step of the intervals with every pod live (the clean step time; the first interval, warming up,
+left out) is badput, `degraded`.
 
 Evaluation rows ({"step", "eval_loss", "eval_perplexity", "eval_bits_per_byte", ...}) go to the
 same file, after the step's own rows, and to TensorBoard under eval/.
@@ -114,6 +117,9 @@ class MetricsLogger:
     self._start_step = self._last_step = start_step
     self._data_wait = 0.0  # seconds waiting for batches in this interval
     self._step_time_s = 0.0
+    self._clean = [0.0, 0]  # productive seconds and steps of intervals with every pod live
+    self._most_live = 0  # the most pods live in a row so far (every pod, at the start)
+    self._intervals = 0
     self.steps_run = 0  # steps of the kept trajectory logged by this start
     self.history: list[dict] = []
     self.evals: list[dict] = []  # one row per evaluation: {"step", "eval_loss", ...}
@@ -171,7 +177,7 @@ class MetricsLogger:
     speed["data_wait_s"], self._data_wait = self._data_wait, 0.0
     speed.update(goodput_lib.memory_row(self.devices) if self.devices else {})
     if self.goodput is not None:
-      self._count_reruns(steps, now)
+      self._count_badput(self.history[-len(steps) :], now)
       speed.update(self.goodput.row(now))
     for k, x in speed.items():
       self._tb.add_scalar(f"perf/{k}", x, steps[-1])
@@ -187,13 +193,27 @@ class MetricsLogger:
     if self.progress == "lines":
       print(self._line(steps[-1], speed), flush=True)
 
-  def _count_reruns(self, steps: list[int], now: float) -> None:
+  def _count_badput(self, rows: list[dict], now: float) -> None:
     """Moves the share of this interval's productive time that went to steps an earlier start
-    had already trained (`rerun_through`) to the `rerun` badput."""
-    productive = self.goodput.productive_s(now)
-    rerun = sum(1 for s in steps if s <= self.rerun_through)
+    had already trained (`rerun_through`) to the `rerun` badput, and, with elastic pods, what
+    its steps with pods lost took beyond the clean step time to the `degraded` badput."""
+    per_step = (self.goodput.productive_s(now) - self._productive) / len(rows)
+    rerun = sum(1 for row in rows if row["step"] <= self.rerun_through)
     if rerun:
-      self.goodput.add("rerun", (productive - self._productive) * rerun / len(steps))
+      self.goodput.add("rerun", per_step * rerun)
+    live = [
+      row["pods_live"] for row in rows if "pods_live" in row and row["step"] > self.rerun_through
+    ]
+    self._intervals += 1
+    if live:
+      self._most_live = max(self._most_live, *live)
+      degraded = sum(1 for n in live if n < self._most_live)
+      if not degraded and self._intervals > 1:
+        self._clean[0] += per_step * len(live)
+        self._clean[1] += len(live)
+      elif degraded and self._clean[1]:
+        clean = self._clean[0] / self._clean[1]
+        self.goodput.add("degraded", max(per_step - clean, 0.0) * degraded)
     self._productive = self.goodput.productive_s(now)
 
   def _line(self, step: int, speed: dict) -> str:

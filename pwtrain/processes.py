@@ -155,6 +155,21 @@ def agree(key: str, value, among) -> dict[int, tuple[int, object]]:
   }
 
 
+def forget_collectives(device_ids) -> list[str]:
+  """Deletes what Gloo (the CPU collectives of a run of several processes) left in the
+  key-value store for its contexts over any of `device_ids` ("cpu:gloo/<ids>/<n>"), which a
+  process started in a dead one's place makes again: Gloo refuses to set a key that exists
+  ("Gloo context initialization failed: ALREADY_EXISTS"). Returns the keys deleted."""
+  client, ids = _client(), {str(i) for i in device_ids}
+  gone = []
+  for key, _ in client.key_value_dir_get_bytes("cpu:gloo/"):
+    group = key.removeprefix("cpu:gloo/").split("/")[0]
+    if ids & set(group.split(",")):
+      client.key_value_delete(key)
+      gone.append(key)
+  return gone
+
+
 _COUNTS: collections.Counter = collections.Counter()
 
 

@@ -141,14 +141,16 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   steps = ElasticSteps(config, harness, goodput) if config.fault.elastic else harness
   # A process started in a dead one's place (elastic pods) joins the others at a step boundary.
   joined = steps.join() if processes.rejoining() else None
+  writer = mode.sole_writer(config.fault.elastic)  # elastic, distributed: process 0 saves alone
   ckpt = Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.train.keep_checkpoints,
     every=config.train.checkpoint_every,
     async_save=config.train.async_checkpoint,
-    part_writer=mode.part_writer(plan.islands),
+    part_writer=mode.part_writer(plan.islands) if writer is None else None,
     # Elastic pods: a save whose worker was lost is discarded; the run goes on without the pod.
     discard_if=(lambda e: isinstance(e, IslandLost)) if config.fault.elastic else None,
+    writer=writer,
   )
   if joined is None:
     state, start = _restore_or_init(config, ckpt, step_program, batches)
@@ -224,7 +226,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
           with goodput.bad("checkpoint"):
             state = steps.settle(state)
             whole = steps.step_program.to_checkpoint(mode.saveable(state))
-            ckpt.save(step, whole, _data_state(batches))
+            ckpt.save(step, whole, _data_state(batches, config.fault.elastic))
         if stopping:
           log.warning("stop requested: checkpointed step %d and stopping", step)
           break
@@ -328,13 +330,16 @@ def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
   return batches
 
 
-def _data_state(batches: TrainBatches) -> dict:
+def _data_state(batches: TrainBatches, elastic: bool) -> dict:
   """The data position to checkpoint, every stream's: in distributed mode each process reads
-  only some streams, so their positions are gathered from the live processes. With elastic pods
-  every process reads every stream (`_train_batches`), and a dropped pod's stream goes on with
-  the others: the survivors read its rows each step (and train on them, or with
+  only some streams, so their positions are gathered from the processes. With elastic pods
+  every process reads every stream (`_train_batches`), so its own position is every stream's
+  (nothing is gathered: no process waits for one that may be dead), and a dropped pod's stream
+  goes on with the others: the survivors read its rows each step (and train on them, or with
   fault.keep_global_batch=False skip them), so the position saved while degraded is the
   uninterrupted run's, and a resume reads the batches that run reads."""
+  if elastic:
+    return batches.get_state()
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 

@@ -53,7 +53,10 @@ SETTINGS = {
   "backend.mode='remote'": ({}, {"backend.mode": "remote"}),
   "backend.mode='distributed'": ({}, {"backend.mode": "distributed"}),
   "backend.mode='remote' or 'distributed'": ({}, {"backend.mode": "remote"}),
-  "(backend.mode='remote') or (fault.elastic=True)": ({}, {"fault.elastic": True}),
+  "(backend.mode='remote' or 'distributed') or (fault.elastic=True)": (
+    {},
+    {"fault.elastic": True},
+  ),
   "fault.elastic=True": ({}, {"fault.elastic": True}),
   "metrics.wandb_project set": ({}, {"metrics.wandb_project": "p"}),
 }

@@ -22,8 +22,10 @@ import jax
 import numpy as np
 import pytest
 from helpers import REPO, SGD, assert_close, assert_trees_close, small_config
+from signals import Kill, Killer, child_with_env
 
 from pwtrain import train
+from pwtrain.launch import free_port
 
 # One data stream per pod: each process reads only its pod's rows (data/loader.py).
 PODS = {"parallel.islands": 2, "parallel.pods": 2, "data.streams": 2}
@@ -256,24 +258,59 @@ def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
   ), line
 
 
-def run_main(workdir, env: dict, overrides: dict, timeout=120):
-  """One pwtrain.main process with the distributed settings in `env`."""
-  return subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pwtrain.main",
-      f"--config={REPO / 'configs' / 'palm_tiny.py'}",
-      f"--workdir={workdir}",
-      "--config.backend.mode=distributed",
-      *flags_of(overrides),
-    ],
-    cwd=REPO,
-    env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env},
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+def run_main(workdir, env: dict, overrides: dict, timeout=120, background=False):
+  """One pwtrain.main process with the distributed settings in `env`, as a cluster scheduler
+  starts it (its Popen, with `background`)."""
+  command = [
+    sys.executable,
+    "-m",
+    "pwtrain.main",
+    f"--config={REPO / 'configs' / 'palm_tiny.py'}",
+    f"--workdir={workdir}",
+    "--config.backend.mode=distributed",
+    *flags_of(overrides),
+  ]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env}
+  if background:
+    return subprocess.Popen(
+      command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_dead_peer_of_processes_started_by_hand_is_one_line(tmp_path):
+  """Two runs of two processes started as a cluster scheduler starts them (the coordinator, the
+  process count and the ids in the environment; no launcher), side by side: in one, process 1
+  is SIGKILLed from outside at a seeded random time; in the other, process 0, which runs JAX's
+  coordination service. Each survivor says so in one pwtrain line naming the dead process and
+  exits with status 1, within the heartbeat timeout (3 x fault.heartbeat_s) of the kill and a
+  margin for JAX's checks: no traceback, no C++ stack, no dump of threads."""
+  run = {**PODS, "train.num_steps": 400, "train.log_every": 1, "fault.heartbeat_s": 1.0}
+  runs = {}
+  for victim in (1, 0):
+    workdir, coordinator = tmp_path / f"without{victim}", f"127.0.0.1:{free_port()}"
+    env = {"PWTRAIN_COORDINATOR": coordinator, "PWTRAIN_NUM_PROCESSES": "2"}
+    procs = [
+      run_main(workdir, {**env, "PWTRAIN_PROCESS_ID": str(i)}, run, background=True)
+      for i in range(2)
+    ]
+    trains = lambda parent=procs[victim].pid: child_with_env(parent, "PWTRAIN_WATCHED", "1")
+    runs[victim] = procs, Killer(workdir, [Kill(3, trains, within=0.5)], seed=victim)
+  for victim, (procs, killer) in runs.items():
+    survivor = procs[1 - victim]
+    err = survivor.communicate(timeout=300)[1].decode(errors="replace")
+    ended = time.time()
+    killer.join()
+    procs[victim].wait(timeout=60)
+    assert survivor.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: process {victim} of the run is gone"), err[-3000:]
+    assert last.endswith("this process stops"), last
+    for noise in ("Traceback", "Check failure", "Fatal Python", "Thread 0x", "coordination_"):
+      assert noise not in err, err[-3000:]
+    assert ended - killer.kills[0].at < 3 * 1.0 + 2.0, ended - killer.kills[0].at
 
 
 @pytest.mark.slow

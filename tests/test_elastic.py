@@ -18,10 +18,13 @@ import jax
 import numpy as np
 import pytest
 from helpers import SGD, assert_close, assert_trees_close, small_config
+from signals import Kill, Killer
 
 from pwtrain import train
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.errors import ConfigError
+from pwtrain.goodput import Goodput
+from pwtrain.metrics import MetricsLogger
 
 # 3 pods of 2 devices (a 2-way data mesh each): 12 rows split over 3 or 2 pods.
 THREE_PODS = {
@@ -35,6 +38,8 @@ THREE_PODS = {
   "train.num_steps": 10,
   "train.checkpoint_every": 100,
 }
+# With evaluations after steps 4, 8 and 10, of 20 batches (long enough to be hit from outside).
+EVAL = {"train.eval_every": 4, "train.eval_batches": 20}
 
 
 def _rows(workdir):
@@ -45,7 +50,7 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  return train.run(small_config(**THREE_PODS), str(workdir), show_progress=False)
+  return train.run(small_config(**THREE_PODS, **EVAL), str(workdir), show_progress=False)
 
 
 def _losses(result):
@@ -53,26 +58,50 @@ def _losses(result):
 
 
 @pytest.mark.slow
-def test_a_killed_pod_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(
+def test_pods_lost_at_any_moment_are_dropped_rejoin_and_the_run_equals_the_uninterrupted_one(
   uninterrupted, tmp_path, caplog
 ):
-  """Pod 1 is lost at step 3 and rejoins at step 6: the survivors run steps 3-5 with the whole
-  batch (pod 0 hosts pod 1's work: fault.host_lost_pods), no checkpoint is read, each step
-  appears once, and the losses, the final parameters and every pod's gradient norm are the
-  uninterrupted run's."""
-  inject = "kill:pod1@step3,rejoin:pod1@step6"
-  config = small_config(**THREE_PODS, **{"fault.elastic": True, "fault.inject": inject})
+  """Losses as they come, each deleting the lost pod's arrays (a real loss's): pods 1 and 2
+  while step 2 runs (two at once); pod 1 rejoins at step 4; pod 0, the source of pod 2's state,
+  while that state is copied at step 6 (the copy fails, pod 0 is dropped, pod 1 hosts its work
+  and reports, and pod 2 copies from pod 1 instead); pod 1 during the evaluation after step 8
+  (pod 2 hosts both others and the evaluation runs again); pods 0 and 1 rejoin at step 9. No
+  checkpoint is read, no drop compiles, each step appears once, and the losses, evaluations,
+  final parameters and every pod's gradient norm are the uninterrupted run's."""
+  inject = (
+    "kill:pod1@mid2,kill:pod2@mid2,rejoin:pod1@step4,rejoin:pod2@step6,kill:pod0@copy6,"
+    "kill:pod1@eval8,rejoin:pod0@step9,rejoin:pod1@step9"
+  )
+  config = small_config(**THREE_PODS, **EVAL, **{"fault.elastic": True, "fault.inject": inject})
   with caplog.at_level(logging.WARNING, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
   assert result.final_step == 10
   _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
-  assert _pods_live(tmp_path) == [3, 3, 2, 2, 2, 3, 3, 3, 3, 3]
-  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
-  assert line.startswith("pod 1 lost (fault.inject kill:pod1@step3) at step 3: 2 of 3 pods live")
-  assert "compile" in line and "state" in line
-  assert line.endswith("pod 1's work runs on pod 0")
-  assert any(r.getMessage().startswith("pod 1 rejoined") for r in caplog.records)
+  live = _pods_live(tmp_path)  # the loss while step 2 runs may fail step 1, still in flight
+  assert live[2:5] == [1, 2, 2] and live[5:8] == [2, 2, 2] and live[8:] == [3, 3], live
+  lost = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert len(lost) == 3 and all("(compile 0.00 s," in line for line in lost), lost
+  assert lost[0].startswith(
+    "pod 1,2 lost (fault.inject kill:pod1@mid2; fault.inject kill:pod2@mid2) at step "
+  ), lost[0]  # both named
+  assert "1 of 3 pods live" in lost[0] and "-2 run again" in lost[0], lost[0]
+  assert lost[0].endswith("pod 1's work runs on pod 0; pod 2's work runs on pod 0"), lost[0]
+  assert lost[1].startswith(
+    "pod 0 lost (fault.inject kill:pod0@copy6) during pod 2's rejoin after step 5: 1 of 3 pods"
+  ), lost[1]
+  assert lost[1].endswith("pod 0's work runs on pod 1; pod 2's work runs on pod 1"), lost[1]
+  assert lost[2].startswith(
+    "pod 1 lost (fault.inject kill:pod1@eval8) during the evaluation after step 8: 1 of 3 pods"
+  ), lost[2]
+  rejoined = [r.getMessage() for r in caplog.records if " rejoined " in r.getMessage()]
+  assert [line.split(" (")[0] for line in rejoined] == [
+    "pod 1 rejoined", "pod 2 rejoined", "pod 0,1 rejoined"
+  ], rejoined  # fmt: skip
+  assert "at step 6: 2 of 3 pods live" in rejoined[1], rejoined[1]  # pods 1 and 2
   assert "resumed" not in caplog.text  # no checkpoint read
+  # The failed steps' first run and the drops are badput of steps run again.
+  last = [row for row in _rows(tmp_path) if "goodput" in row][-1]
+  assert last["badput_rerun"] > 0 and last["badput_degraded"] > 0, last  # and the rejoins
 
 
 @pytest.mark.slow
@@ -97,9 +126,12 @@ def _pods_live(workdir) -> list[int]:
 
 
 def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
-  """Each step once in metrics.jsonl; its losses, final parameters and each pod's gradient
-  norm (a hosted pod's too) equal the uninterrupted run's."""
+  """Each step once in metrics.jsonl; its losses, evaluations, final parameters and each pod's
+  gradient norm (a hosted pod's too) equal the uninterrupted run's."""
   assert_close(_losses(result), _losses(uninterrupted), "losses")
+  assert [e["step"] for e in result.evals] == [e["step"] for e in uninterrupted.evals]
+  evals = [[e["eval_loss"] for e in r.evals] for r in (result, uninterrupted)]
+  assert_close(*evals, "evaluations")
   assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
   rows = [row for row in _rows(workdir) if "loss" in row]
   assert [row["step"] for row in rows] == list(range(1, len(_losses(uninterrupted)) + 1))
@@ -111,16 +143,21 @@ def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
 
 
 @pytest.mark.slow
-def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path):
-  """Pod 0 (whose arrays the checkpoints take) is lost right after an asynchronous save of
-  step 3, and step 6 is saved with two pods: both commit whole, and a run resumed from step 6
-  by the plain three-pod config continues the uninterrupted trajectory."""
+def test_checkpoints_written_while_degraded_are_whole_and_resume(uninterrupted, tmp_path, caplog):
+  """Pod 0 (whose arrays the checkpoints take, and which reports the metrics) is lost right
+  after an asynchronous save of step 3: pod 1 hosts its work and reports, nothing compiles, and
+  step 6 is saved from pod 1's state: both commit whole, and a run resumed from step 6 by the
+  plain three-pod config continues the uninterrupted trajectory."""
   workdir = tmp_path / "run"
   drills = {"fault.elastic": True, "fault.inject": "kill:pod0@step4,rejoin:pod0@step8"}
   config = small_config(
     **{**THREE_PODS, **drills, "train.checkpoint_every": 3, "train.keep_checkpoints": 5}
   )
-  train.run(config, str(workdir), show_progress=False)
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(config, str(workdir), show_progress=False)
+  assert_close(_losses(result), _losses(uninterrupted), "losses")
+  (line,) = [r.getMessage() for r in caplog.records if " lost " in r.getMessage()]
+  assert "(compile 0.00 s," in line and line.endswith("pod 0's work runs on pod 1"), line
   checkpoints = workdir / "checkpoints"
   assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6, 9, 10]
   for later in ("9", "10"):
@@ -207,12 +244,35 @@ def test_below_min_pods_the_loss_stops_the_run_with_one_line(tmp_path, caplog):
   assert "pod 1 lost" in line and "2 of 3 pods left" in line
 
 
+def test_steps_slower_while_pods_are_lost_are_degraded_badput(tmp_path):
+  """Each log interval's productive time per step against that of the intervals with every pod
+  live (the first, warming up, left out): steps with pods lost that take longer are badput,
+  `degraded`, by what they take beyond it; as fast, nothing."""
+  goodput = Goodput(start=0.0)
+  goodput.begin_loop(now=0.0)
+  logger = MetricsLogger(
+    str(tmp_path), start_step=0, num_steps=8, log_every=2, tokens_per_step=1, flops_per_token=1,
+    num_devices=1, peak_flops_per_device=None, progress="none", goodput=goodput,
+  )  # fmt: skip
+
+  def interval(first, live, now):
+    logger._count_badput([{"step": first + i, "pods_live": n} for i, n in enumerate(live)], now)
+
+  interval(1, [3, 3], now=4.0)  # warming up: 2 s a step, not the clean step time
+  interval(3, [3, 3], now=6.0)  # every pod live: 1 s a step
+  interval(5, [2, 2], now=9.0)  # pods lost: 1.5 s a step, 0.5 s beyond the clean step time each
+  assert goodput.badput["degraded"] == 1.0
+  interval(7, [2, 3], now=11.0)  # 1 s a step: nothing more
+  assert goodput.badput["degraded"] == 1.0
+  logger.close()
+
+
 @pytest.mark.parametrize(
   "overrides,message",
   [
     ({"fault.inject": "kill:pod1@step4"}, "has no effect: it is read only with fault.elastic"),
     ({"fault.elastic": True, "fault.inject": "kill:pod7@step4"}, "a pod below parallel.pods=3"),
-    ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@step<N>'"),
+    ({"fault.elastic": True, "fault.inject": "explode"}, "is not 'kill:pod<P>@<place><N>'"),
     ({"fault.elastic": True, "train.global_batch": 6}, "with 2 live pods"),
   ],
 )
@@ -263,21 +323,28 @@ def _remote(**overrides):
 @pytest.mark.slow
 @pytest.mark.processes
 def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, tmp_path, caplog):
-  """3 pods as 3 worker processes the run launches: pod 1's worker is SIGKILLed before step 3.
-  The survivors carry on without a restart; the supervisor relaunches the worker, and pod 1
+  """3 pods as 3 worker processes the run launches: pod 1's worker is SIGKILLed from outside
+  during the evaluation after step 4 (at a seeded random time). The survivors drop it and run
+  the evaluation again, without a restart; the supervisor relaunches the worker, and pod 1
   rejoins once it answers (by step 6: the drill waits for it), given its executables again and
-  pod 0's state worker to worker. The run is the uninterrupted embedded one."""
-  inject = "kill:pod1@step3,rejoin:pod1@step6"
-  config = _remote(**{"backend.launch_workers": True, "fault.inject": inject})
+  pod 0's state worker to worker. The run and its evaluations are the uninterrupted embedded
+  one's."""
+  config = _remote(**EVAL, **{"backend.launch_workers": True, "fault.inject": "rejoin:pod1@step6"})
+  killer = Killer(tmp_path, [Kill(after=4, pid=lambda: _worker(1).pid)], seed=4)
   with caplog.at_level(logging.INFO, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
+  killer.join()
   assert result.final_step == 10
   _assert_the_uninterrupted_run(result, uninterrupted, tmp_path)
   live = _pods_live(tmp_path)
-  assert live[:3] == [3, 3, 2] and live[5:] == [3] * 5, live
+  assert live[:4] == [3] * 4 and live[4] == 2 and live[5:] == [3] * 5, live
   messages = [r.getMessage() for r in caplog.records]
-  (lost,) = [m for m in messages if m.startswith("pod 1 lost")]
-  assert "at step 3: 2 of 3 pods live" in lost and "s after the fault" in lost, lost
+  (lost,) = [r for r in caplog.records if r.getMessage().startswith("pod 1 lost")]
+  detection_s = lost.created - killer.kills[0].at  # from the signal to the drop's line
+  assert 0 < detection_s < 3 * 0.5 + 1.0, detection_s  # 3 heartbeats of 0.5 s and a margin
+  lost = lost.getMessage()
+  assert "during the evaluation after step 4: 2 of 3 pods live" in lost, lost
+  assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
   assert any(
     re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
   )
@@ -285,21 +352,28 @@ def test_remote_pod_killed_carries_on_is_relaunched_and_rejoins(uninterrupted, t
   assert not any("restart" in m or "resumed" in m for m in messages)
 
 
+def _worker(i: int):
+  """The process of worker i of the workers this process launched (the run's)."""
+  (workers,) = launcher.live()
+  return workers.procs[i]
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog):
+def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog, capfd):
   """2 pods on workers started outside the run: pod 0's worker, which holds the checkpoints'
-  arrays, is SIGKILLed while its asynchronous save of step 3 may still be writing; pod 1 runs on
-  alone (its state through the controller: one pod has no exchange) and saves step 6 by
-  itself; someone starts the worker again and pod 0 rejoins at step 8. Every checkpoint that
-  committed is whole: the step-3 save committed or was discarded, and a plain embedded run
-  resumed from step 6 continues the uninterrupted trajectory."""
+  arrays, is SIGKILLed from outside (at a seeded random time) as its asynchronous save of step
+  3 is queued or being written; pod 1 runs on alone, hosting pod 0's work (nothing compiles)
+  and reporting the metrics, and saves step 6 by itself; someone starts the worker again and
+  pod 0 rejoins at step 8. Every checkpoint that committed is whole: the step-3 save committed
+  or was discarded (one line, and no Orbax warning), and a plain embedded run resumed from step
+  6 continues the uninterrupted trajectory."""
   two = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
   straight = train.run(
     small_config(**{**THREE_PODS, **two}), str(tmp_path / "a"), show_progress=False
   )
   workdir = tmp_path / "b"
-  config = _remote(**two, **{"fault.inject": "kill:pod0@step4,rejoin:pod0@step8"})
+  config = _remote(**two, **{"fault.inject": "rejoin:pod0@step8"})
   with launcher.launch([2, 2]) as workers:
     os.environ[auth.TOKEN_ENV] = workers.token
     config.backend.workers = tuple(workers.addresses)
@@ -312,15 +386,22 @@ def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog
 
     thread = threading.Thread(target=operator, daemon=True)
     thread.start()
+    killer = Killer(workdir, [Kill(3, lambda: workers.procs[0].pid, within=0.1)], seed=3)
     with caplog.at_level(logging.WARNING, logger="pwtrain"):
       result = train.run(config, str(workdir), show_progress=False)
+    killer.join()
     thread.join(60)
   assert_close(_losses(result), _losses(straight), "losses")
   assert_trees_close(result.state["params"], straight.state["params"], "params")
   live = _pods_live(workdir)  # back by step 8: once the worker answers, or the drill waits
-  assert live[:4] == [2, 2, 2, 1] and live[7:] == [2, 2, 2], live
+  assert live[:3] == [2, 2, 2] and 1 in live[3:7] and live[7:] == [2, 2, 2], live
   committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert committed in ([3, 6, 9, 10], [6, 9, 10]), committed
+  if 3 not in committed:
+    assert any(r.getMessage().startswith("checkpoint 3 discarded") for r in caplog.records)
+  (lost,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pod 0 lost")]
+  assert "(compile 0.00 s," in lost and lost.endswith("pod 0's work runs on pod 1"), lost
+  assert "Metadata file does not exist" not in capfd.readouterr().err
   for later in ("9", "10"):
     shutil.rmtree(workdir / "checkpoints" / later)
   resumed = train.run(small_config(**{**THREE_PODS, **two}), str(workdir), show_progress=False)

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 from helpers import SGD, assert_close, assert_trees_close, small_config
+from signals import Kill, Killer, child_with_env, logged_at
 from test_distributed import final_state, launch, process_logs
 
 from pwtrain import train
@@ -33,60 +34,88 @@ PODS = {
   "train.checkpoint_every": 4,
   "train.eval_every": 0,
 }
+# Islands of 2 devices (a 2-way data mesh), one per process: 12 rows over 3 or fewer pods.
+SEVERAL = {"parallel.devices_per_island": 2, "parallel.data": -1, "train.global_batch": 12}
 # Elastic pods with a short heartbeat: a dead process is found after 3 s.
 ELASTIC = {"fault.elastic": True, "fault.heartbeat_s": 1.0}
 
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_a_killed_process_is_dropped_rejoins_and_the_run_equals_the_uninterrupted_one(tmp_path):
-  """Pod 1's process SIGKILLs itself before step 3: the others find it gone, drop its pod and run
-  step 3 again with the whole batch (pod 0's process runs pod 1's microbatch: nothing
-  compiles), and checkpoint step 4 over themselves alone; the launcher
-  starts process 1 again, and it rejoins before step 6 (its state pulled from pod 0's). No
-  restart, each step once in metrics.jsonl, and the losses and parameter norms are the
-  uninterrupted run's. Both checkpoints are whole and hold that run's data positions (pod 1's
-  stream included: the survivors read its rows); each restores in embedded mode to that run's
-  state at its step, and the one written degraded also on a full restart of the processes."""
-  straight = train.run(small_config(**PODS), str(tmp_path / "a"), show_progress=False)
+def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupted_one(tmp_path):
+  """Pods of 2 devices, each on a process of its own (an island's collectives are Gloo's, within
+  its process). Processes SIGKILLed from outside at seeded random times: process 1 during the
+  evaluation after step 2, process 2 as the checkpoint of step 4 is being saved. The others find
+  each gone, drop its pod (pod 0's process runs its microbatch: nothing compiles) and run what
+  failed again (the evaluation, or the step); process 0 saves step 4 alone (no save waits for
+  another process); the launcher starts both again, and they rejoin before steps 6 and 7 (their
+  state pulled from pod 0's; their Gloo contexts made anew). No restart, each step once in
+  metrics.jsonl, and the losses, the evaluations and the parameter norms are the uninterrupted
+  run's. Both checkpoints are whole and hold that run's data positions (the lost pods' streams
+  included: the survivors read their rows); each restores in embedded mode to that run's state
+  at its step, and the one written degraded also on a full restart of the processes."""
+  pods = {**PODS, **SEVERAL, "train.eval_every": 2, "train.eval_batches": 10}
+  straight = train.run(small_config(**pods), str(tmp_path / "a"), show_progress=False)
   workdir = tmp_path / "b"
-  drill = {**ELASTIC, "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
-  done = launch(workdir, 3, {**PODS, **drill}, devices=1, timeout=240)
+  drill = {**ELASTIC, "fault.inject": "rejoin:pod1@step6,rejoin:pod2@step7"}
+  run = launch(workdir, 3, {**pods, **drill}, devices=2, background=True)
+  process = lambda i: lambda: child_with_env(run.pid, "PWTRAIN_PROCESS_ID", str(i))
+  killer = Killer(workdir, [Kill(2, process(1)), Kill(4, process(2))], seed=2)
+  stdout = run.communicate(timeout=300)[0].decode()
+  killer.join()
   logs = process_logs(workdir)
-  assert done.returncode == 0, done.stdout[-3000:] + logs[-3000:]
+  assert run.returncode == 0, stdout[-3000:] + logs[-3000:]
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  rows = [row for row in rows if "loss" in row]
-  assert [row["step"] for row in rows] == list(range(1, 9))
-  assert [row["pods_live"] for row in rows] == [3, 3, 2, 2, 2, 3, 3, 3]
+  steps = [row for row in rows if "loss" in row]
+  assert [row["step"] for row in steps] == list(range(1, 9))
+  live = [row["pods_live"] for row in steps]
+  assert live[:3] == [3, 3, 2] and live[4] == 1 and live[6:] == [3, 3], live
   want = [r for r in straight.history if "loss" in r]
-  assert_close([row["loss"] for row in rows], [r["loss"] for r in want], "losses")
-  assert_close([r["param_norm"] for r in rows], [r["param_norm"] for r in want], "param norms")
-  assert "process 1 " in done.stdout and "go on without its pod" in done.stdout
-  assert "process 1 started again" in done.stdout
-  console = [line for line in done.stdout.splitlines() if line.startswith("[p0]")]
+  assert_close([row["loss"] for row in steps], [r["loss"] for r in want], "losses")
+  assert_close([r["param_norm"] for r in steps], [r["param_norm"] for r in want], "param norms")
+  got = [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
+  assert [step for step, _ in got] == [e["step"] for e in straight.evals] == [2, 4, 6, 8]
+  assert_close([v for _, v in got], [e["eval_loss"] for e in straight.evals], "evaluations")
+  for i in (1, 2):
+    assert f"process {i} " in stdout and f"process {i} started again" in stdout
+  console = [line for line in stdout.splitlines() if line.startswith("[p0]")]
   (lost,) = [line for line in console if "pod 1 lost" in line]
-  assert "process 1 left the run" in lost and "at step 3: 2 of 3 pods live" in lost, lost
-  assert "s after the fault" in lost and lost.endswith("pod 1's work runs on pod 0"), lost
+  assert "process 1 left the run" in lost, lost
+  assert "during the evaluation after step 2: 2 of 3 pods live" in lost, lost
+  assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
+  (lost,) = [line for line in console if "pod 2 lost" in line]
+  assert "process 2 left the run" in lost and "1 of 3 pods live" in lost, lost
+  for kill, pod in zip(killer.kills, (1, 2), strict=True):  # from the signal to the drop's line
+    (lost,) = [line for line in console if f"pod {pod} lost" in line]
+    assert 0 < logged_at(lost) - kill.at < 3 * 1.0 + 1.5, (lost, kill.at)
+  # The failed steps' first run and the drops are badput of steps run again; the steps with
+  # pods lost took longer (pod 0's process ran their work too) and the rejoins took time.
+  last = [row for row in rows if "goodput" in row][-1]
+  assert last["badput_degraded"] > 0, last
+  if any(" lost " in line and " at step " in line for line in console):  # else in evaluations
+    assert last["badput_rerun"] > 0, last
   (back,) = [line for line in console if "pod 1 rejoined" in line]
-  assert "at step 6: 3 of 3 pods live" in back, back
+  assert "at step 6: 2 of 3 pods live" in back, back
+  (back,) = [line for line in console if "pod 2 rejoined" in line]
+  assert "at step 7: 3 of 3 pods live" in back, back
   assert "pod 1 rejoined (this process started again) at step 6" in logs
-  assert "latest checkpoint: step 8" in done.stdout
-  assert "restart" not in done.stdout and "resumed" not in logs
+  assert "latest checkpoint: step 8" in stdout
+  assert "restart" not in stdout and "resumed" not in logs
   assert "Fatal" not in logs and "Terminating process" not in logs  # every process left cleanly
   for step in (4, 8):  # the data positions the uninterrupted run saved
     assert _data_position(workdir, step) == _data_position(tmp_path / "a", step), step
-  restored = final_state(small_config(**PODS), workdir)
+  restored = final_state(small_config(**pods), workdir)
   assert restored.start_step == 8
   assert_trees_close(restored.state, straight.state, "final state")
-  # Step 4, written by the survivors alone, as the latest checkpoint of a 4-step run.
-  four = {**PODS, "train.num_steps": 4}
-  for run in (tmp_path / "a", workdir):
-    shutil.rmtree(run / "checkpoints" / "8")
+  # Step 4, written by process 0 alone, as the latest checkpoint of a 4-step run.
+  four = {**pods, "train.num_steps": 4}
+  for done in (tmp_path / "a", workdir):
+    shutil.rmtree(done / "checkpoints" / "8")
   want = final_state(small_config(**four), tmp_path / "a").state
   restored = final_state(small_config(**four), workdir)
   assert restored.start_step == 4
   assert_trees_close(restored.state, want, "state at step 4")
-  again = launch(workdir, 3, {**four, **ELASTIC}, devices=1, timeout=120)
+  again = launch(workdir, 3, {**four, **ELASTIC}, devices=2, timeout=120)
   assert again.returncode == 0, again.stdout[-3000:]
   assert "nothing to train" in again.stdout and "holds step 4" in again.stdout
 

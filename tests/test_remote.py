@@ -220,6 +220,35 @@ def test_parts_written_but_never_committed_are_not_a_checkpoint(stored, tmp_path
   again.close()
 
 
+def test_a_save_lost_with_a_worker_is_discarded_once_the_others_parts_are_written(tmp_path):
+  """Worker 0 is SIGKILLed before a save reaches it: the save is discarded (elastic pods), but
+  only once worker 1 has written its part (32 MiB: still writing when the loss is known), so
+  that the pending directory is removed with nothing writing into it (removed under an Orbax
+  save, it made worker 1 warn "Metadata file does not exist"), and nothing of it is left."""
+  from pwtrain.backend.faults import IslandLost
+
+  with launcher.launch([1, 1], log_dir=str(tmp_path / "logs")) as w:
+    clients = [WorkerClient(a, w.token) for a in w.addresses]
+    values = {"a": np.arange(4, dtype=np.float32), "b": np.zeros((8, 1 << 20), np.float32)}
+    refs = {}
+    for (name, x), client in zip(values.items(), clients, strict=True):
+      client.put_async(name, [x]).result()
+      refs[name] = saves.LeafRef(client, name, 0, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    w.kill(0)
+    ckpt = Checkpointer(
+      str(tmp_path / "ckpt"), keep=3, every=1, part_writer=saves.PendingSave,
+      discard_if=lambda e: isinstance(e, IslandLost),
+    )  # fmt: skip
+    ckpt.save(1, refs, {"position": 1})
+    ckpt.wait()
+    assert ckpt.all_steps() == [] and os.listdir(ckpt.pending_root) == []
+    ckpt.close()
+    with open(tmp_path / "logs" / "island1.log") as f:
+      log = f.read()
+  assert "async_save" in log  # it wrote its part
+  assert "Metadata file does not exist" not in log, log[-2000:]
+
+
 # -- the controller in remote mode ------------------------------------------------------------
 
 

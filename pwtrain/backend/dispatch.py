@@ -24,6 +24,7 @@ from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend import saved as saved_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.futures import resolved, select
 from pwtrain.backend.policy import PriorityPolicy
 from pwtrain.backend.program import Executable, Node, Program, Transfer
 from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work, stamp
@@ -65,12 +66,16 @@ class LocalDispatcher:
     if serialize_execution is None:
       serialize_execution = any(d.platform == "cpu" for i in cluster.islands for d in i.devices)
     serial = threading.Lock() if serialize_execution else None
-    self._schedulers = {i.name: IslandScheduler(i.name, trace, serial) for i in cluster.islands}
+    # The devices of lost islands: reading an array deleted with one is that island's loss.
+    self._lost_devices: dict = {}
+    self._schedulers = {
+      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices) for i in cluster.islands
+    }
     self.policy = PriorityPolicy()  # where priority programs go (backend/policy.py)
     self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
-    self._cross = IslandScheduler(CROSS, trace, None)
+    self._cross = IslandScheduler(CROSS, trace, None, self._lost_devices)
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
     # node leaves a stand-in (an array with no data here) that a transfer can read from.
@@ -87,12 +92,21 @@ class LocalDispatcher:
     self._pull_watcher = CompletionWatcher("pulls") if traced else None
 
   def lose(self, island: str, cause: str) -> None:
-    """Marks `island` lost: from now on its work fails with IslandLost, unlaunched."""
-    self._schedulers[island].lost = IslandLost(island, cause)
+    """Marks `island` lost: from now on its work fails with IslandLost, unlaunched; and in one
+    process (embedded mode, whose losses are drills), every array its work made is deleted, as
+    a real loss leaves them: whatever reads one then fails with this IslandLost
+    (faults.read_of_lost), so nothing can be copied from a lost island."""
+    scheduler = self._schedulers[island]
+    lost = scheduler.lost = IslandLost(island, cause)
+    self._lost_devices.update(dict.fromkeys(self.cluster[island].devices, lost))
+    if not self._distributed:
+      scheduler.delete_made()
 
   def restore(self, island: str) -> None:
     """`island` runs again (its devices are back)."""
     self._schedulers[island].lost = None
+    for device in self.cluster[island].devices:
+      self._lost_devices.pop(device, None)
 
   def lost(self) -> dict[str, str]:
     return {name: s.lost.cause for name, s in self._schedulers.items() if s.lost is not None}
@@ -204,7 +218,7 @@ class LocalDispatcher:
       if isinstance(ref, str):
         return inputs[ref]
       node_name, index = ref
-      return _select(futures[node_name], index)
+      return select(futures[node_name], index)
 
     island_of = {n.name: n.island for n in program.nodes}
     order, puts, pulls = self._prepared(program)
@@ -212,7 +226,7 @@ class LocalDispatcher:
       scheduler = None  # the island's
       if isinstance(node, Node):
         if not self._here[node.island]:  # another process runs it
-          futures[node.name] = _resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
+          futures[node.name] = resolved(jax.tree.map(_stand_in, node.executable.compiled.out_info))
           continue
         launch = node.executable.compiled
         args = [resolve(r) for r in node.args]
@@ -223,7 +237,7 @@ class LocalDispatcher:
           continue
         host_value = isinstance(node.src, str)
         if not self._here[node.island] and host_value:
-          futures[node.name] = _resolved(None)  # a host value: its island's process puts it
+          futures[node.name] = resolved(None)  # a host value: its island's process puts it
           continue
         # A cross-process transfer goes to the one queue of such transfers and never holds the
         # CPU lock. Every process issues every one of them, in program order, including those
@@ -344,7 +358,7 @@ class LocalDispatcher:
         self._puller.offer(uuid, computed)
 
       self._enqueue(node.name, island_of[node.src[0]], offer, [], step, computes=False)
-    return _resolved(jax.tree.map(stand_in, pull.spec))
+    return resolved(jax.tree.map(stand_in, pull.spec))
 
   def _enqueue(
     self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True,
@@ -377,24 +391,3 @@ def _stand_in(info):
   """sharding.stand_in, or None for an output whose sharding is unknown here (outline.KEPT: no
   transfer reads it, outline.check_reads)."""
   return None if info.sharding is None else stand_in(info)
-
-
-def _resolved(value) -> concurrent.futures.Future:
-  out: concurrent.futures.Future = concurrent.futures.Future()
-  out.set_result(value)
-  return out
-
-
-def _select(future: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
-  """A future for output `index` of a node's (tuple) result."""
-  out: concurrent.futures.Future = concurrent.futures.Future()
-
-  def done(f):
-    if f.exception() is not None:
-      out.set_exception(f.exception())
-    else:
-      value = f.result()
-      out.set_result(value[index] if isinstance(value, tuple) else value)
-
-  future.add_done_callback(done)
-  return out

@@ -93,20 +93,22 @@ def _integer(value, where: str) -> tuple[int, str]:
     raise ConfigError(f"{where}={value!r} is not an integer") from None
 
 
-def initialize(backend, heartbeat_timeout_s: int | None = None) -> Place:
+def initialize(backend, heartbeat_timeout_s: int | None = None, recoverable: bool = False) -> Place:
   """Joins the run's processes (blocks until all have joined, at most
   `backend.connect_timeout_s`); returns this process's place. Must run before JAX initialises
   a backend. A coordinator that cannot be reached is one clear error, not a wall of logs.
 
-  `heartbeat_timeout_s` (elastic pods): JAX's fault-tolerant runtime (`jax_enable_recoverability`)
-  with that heartbeat timeout: a process that dies is found after at most that long by the
-  others' live-nodes barrier (processes.agree), and they go on without it instead of aborting.
-  None: JAX's defaults (a dead process ends the others)."""
+  `heartbeat_timeout_s`: how long JAX's coordination service waits for a silent process before
+  it takes it for dead (None: JAX's default, 100 s); then JAX ends the others (the launcher or
+  pwtrain/watch.py says which process died), unless `recoverable` (elastic pods): JAX's
+  fault-tolerant runtime (`jax_enable_recoverability`), in which the others' live-nodes barrier
+  (processes.agree) finds it gone and they go on without it."""
   place = resolve(backend)
-  recoverable = {}
-  if heartbeat_timeout_s is not None:
+  if recoverable:
     jax.config.update("jax_enable_recoverability", True)
-    recoverable = {"heartbeat_timeout_seconds": heartbeat_timeout_s}
+  heartbeat = {}
+  if heartbeat_timeout_s is not None:
+    heartbeat = {"heartbeat_timeout_seconds": heartbeat_timeout_s}
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update(
     "jax_cross_host_transfer_socket_address", os.environ.get(TRANSFER_ENV) or _free_address()
@@ -122,7 +124,7 @@ def initialize(backend, heartbeat_timeout_s: int | None = None) -> Place:
     )
   try:
     if place is None:
-      jax.distributed.initialize(initialization_timeout=timeout, **recoverable)
+      jax.distributed.initialize(initialization_timeout=timeout, **heartbeat)
       place = Place("", jax.process_count(), jax.process_index())
     else:
       jax.distributed.initialize(
@@ -130,7 +132,7 @@ def initialize(backend, heartbeat_timeout_s: int | None = None) -> Place:
         place.num_processes,
         place.process_id,
         initialization_timeout=timeout,
-        **recoverable,
+        **heartbeat,
       )
   except (RuntimeError, ValueError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -186,11 +188,12 @@ def _free_address() -> str:
     return f"{socket.gethostname()}:{s.getsockname()[1]}"
 
 
-def die_with_launcher() -> None:
-  """In a process `python -m pwtrain.launch` started: ask Linux to SIGKILL it when the launcher
-  dies, so a launcher killed without a chance to stop its processes (SIGKILL, a timeout) leaves
-  no orphans behind holding the coordinator's port and the machine's cores."""
-  launcher = os.environ.get("PWTRAIN_LAUNCHER_PID")
+def die_with_parent() -> None:
+  """In a process `python -m pwtrain.launch` started, or one pwtrain/watch.py watches: ask Linux
+  to SIGKILL it when that parent dies, so a parent killed without a chance to stop its
+  processes (SIGKILL, a timeout) leaves no orphans behind holding the coordinator's port and the
+  machine's cores."""
+  launcher = os.environ.get("PWTRAIN_LAUNCHER_PID") or os.environ.get("PWTRAIN_WATCHER_PID")
   if not launcher or not sys.platform.startswith("linux"):
     return
   pr_set_pdeathsig = 1

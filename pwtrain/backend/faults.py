@@ -28,3 +28,17 @@ class IslandLost(RuntimeError):
     super().__init__(f"island {island} lost: {cause}")
     self.island = island
     self.cause = cause
+
+
+def read_of_lost(value, lost: dict) -> "IslandLost | None":
+  """The loss behind a failed read of `value` (arrays, or trees of them): the IslandLost of a
+  lost island (`lost`: {island's device: its IslandLost}) one of whose arrays is gone (deleted
+  with its island, as a real loss leaves it), else None."""
+  import jax  # the array type only
+
+  for x in jax.tree.leaves(value):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      for device in x.sharding.device_set:
+        if device in lost:
+          return lost[device]
+  return None

@@ -32,6 +32,12 @@ class Distributed(RunMode):
       return None
     return ProcessParts
 
+  def sole_writer(self, elastic: bool) -> int | None:
+    """Elastic pods: process 0, whose pod 0 holds the whole model's replica (the pods are
+    data-parallel, drills.check) and which reads every data stream, saves alone (checkpoint/
+    managers.py), so that no save waits for a process that may die meanwhile."""
+    return 0 if elastic and jax.process_count() > 1 else None
+
 
 def for_backend(backend) -> RunMode:
   """The mode of the config's `backend` section (backend.mode, checked by config.validate)."""

@@ -20,6 +20,12 @@ class RunMode:
     del islands
     return None
 
+  def sole_writer(self, elastic: bool) -> int | None:
+    """The one process that saves checkpoints for the run, if one does (distributed mode with
+    elastic pods); None: every process saves, as `part_writer` says."""
+    del elastic
+    return None
+
   def saveable(self, state: dict) -> dict:
     return results(state)
 

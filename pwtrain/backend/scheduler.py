@@ -14,15 +14,17 @@ the value before the donation: the controller's way of reading live training sta
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
 
-from pwtrain.backend.faults import IslandLost, is_device_loss
+from pwtrain.backend.faults import IslandLost, is_device_loss, read_of_lost
 from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
 from pwtrain.backend.trace import Event, Trace
@@ -92,7 +94,9 @@ class OrderedQueue:
 class IslandScheduler:
   """One thread, one queue of `Work`: launches the island's work strictly in queue order."""
 
-  def __init__(self, name: str, trace: Trace | None, serial):
+  def __init__(self, name: str, trace: Trace | None, serial, lost_devices: dict | None = None):
+    """`lost_devices`: {device: IslandLost} of the lost islands (the dispatcher's): a work whose
+    input was deleted with one of them fails with its IslandLost."""
     self.name = name
     self.trace = trace
     self.serial = serial
@@ -101,6 +105,8 @@ class IslandScheduler:
     self.lost: IslandLost | None = None
     self.published: dict[str, Any] = {}  # name -> the newest value published here
     self.clock = IslandClock()  # its busy time, the priority client's apart (policy.py)
+    self._lost_devices = {} if lost_devices is None else lost_devices
+    self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
     # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
@@ -122,6 +128,7 @@ class IslandScheduler:
         continue
       if work.after is not None:  # see Controller._dispatch_local
         concurrent.futures.wait([work.after])
+      values = []
       try:
         values = [self._value(a) for a in work.args]
         if not work.computes:  # offers, pulls, publications: return at once, no lock
@@ -159,7 +166,14 @@ class IslandScheduler:
         if is_device_loss(e):  # this island's devices are gone: every node of it is lost
           self.lost = IslandLost(self.name, str(e).splitlines()[0])
           e = self.lost
+        elif self._lost_devices:  # it read an array that a lost island took with it
+          e = read_of_lost(values, self._lost_devices) or e
         work.out.set_exception(e)
+        continue
+      self._remember(result)
+      if self.lost is not None and work.computes:  # lost while it ran: its outputs go too
+        self.delete_made()
+        work.out.set_exception(self.lost)
         continue
       work.out.set_result(result)
       del values, result  # held no longer than the work: a published value's old copy goes
@@ -188,6 +202,23 @@ class IslandScheduler:
       self._last_done = now
 
     self._clock_watcher.watch(result, lambda: done(time.perf_counter()))
+
+  def _remember(self, result) -> None:
+    for x in jax.tree.leaves(result):
+      if isinstance(x, jax.Array):
+        key = id(x)
+        self._made[key] = weakref.ref(x, lambda _, key=key: self._made.pop(key, None))
+
+  def delete_made(self) -> None:
+    """Deletes every array this island's work made that is still alive (its loss, embedded:
+    the arrays a real loss takes with it). Serialized execution (CPU): while no computation
+    runs, since one reading an array deleted under it would crash; otherwise deleting under
+    a running transfer's read is a real loss's race."""
+    with self.serial if self.serial is not None else contextlib.nullcontext():
+      for ref in list(self._made.values()):
+        x = ref()
+        if x is not None and not x.is_deleted():
+          x.delete()
 
   def stop(self):
     self.queue.put(None)  # after everything queued: see _order

@@ -5,8 +5,8 @@ checkpointer   `Checkpointer`: asynchronous atomic saves, restore onto any layou
 integrity      array paths, fingerprints, compatibility, damage and (distributed) agreement
 parts          a state saved in parts, one per island: the format, and the `PartWriter`
                protocol of who writes them (remote workers, or a distributed run's processes)
-process_parts  distributed mode's part writer, its reads on the host, and Orbax's count of save
-               operations (which a process started again takes on)
+process_parts  distributed mode's part writer and its reads on the host
+managers       Orbax's manager of the directory: every process's, or one writer's alone
 """
 
 from pwtrain.checkpoint.checkpointer import Checkpointer

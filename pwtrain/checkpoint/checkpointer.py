@@ -14,7 +14,6 @@ for another model (its saved shapes differ from this config's) is an error inste
 falling back past it would silently train something else.
 """
 
-import contextlib
 import logging
 import os
 import shutil
@@ -27,8 +26,8 @@ import orbax.checkpoint as ocp
 from absl import flags
 
 from pwtrain import processes
+from pwtrain.checkpoint import managers, process_parts, quiet
 from pwtrain.checkpoint import parts as checkpoint_parts
-from pwtrain.checkpoint import process_parts, quiet
 from pwtrain.checkpoint.integrity import (
   CorruptCheckpoint,
   IncompatibleCheckpoint,
@@ -56,9 +55,9 @@ class Checkpointer:
   island workers) always, and this process's arrays when the writer says it writes those
   (distributed mode's processes). Without one, states this process holds are saved whole.
 
-  In distributed mode a save spans the run's live processes (processes.live): every process,
-  or the survivors once elastic pods left a dead one out, for whom Orbax's manager is opened
-  again (`_opened`), and again once a process started in a dead one's place was taken back.
+  In distributed mode a save spans every process of the run, unless one `writer` saves alone
+  (elastic pods: pod 0's process holds the whole model and every data stream's position, and
+  no save waits for another process); the others then save nothing (managers.py).
   """
 
   def __init__(
@@ -71,11 +70,14 @@ class Checkpointer:
     part_writer: PartWriter | None = None,
     read_only: bool = False,
     discard_if=None,
+    writer: int | None = None,
   ):
     """`read_only`: a reader beside a possibly running job (sampling): it neither removes
     uncommitted parts nor moves damaged checkpoints aside (it skips them), and cannot save.
     `discard_if(error)`: whether a save that failed with `error` is only discarded (one line;
-    elastic pods: a worker holding its arrays was lost) rather than raised."""
+    elastic pods: a worker holding its arrays was lost) rather than raised. `writer`: the one
+    process that saves (distributed mode, elastic pods: 0), its state's arrays all its own;
+    `save` elsewhere does nothing."""
     if jax.process_count() > 1:
       # Orbax's default barrier between processes is a collective over every device, which
       # would run beside the islands' own computations and deadlock on CPU; this flag makes it
@@ -89,8 +91,8 @@ class Checkpointer:
     self._part_writer = part_writer
     self._keep, self._async_save = keep, async_save
     self._manager: ocp.CheckpointManager | None = None
-    self._opened_for: tuple | None = None  # the live processes it spans (`_opened`)
-    if not processes.rejoining():  # which opens it with the others at its first save
+    self._writer = writer
+    if writer is None or not processes.rejoining():  # Orbax's opening barrier: every process
       self._opened()
     # Parts of remote saves that were never committed (a crash between the phases) are garbage.
     self.pending_root = f"{self.directory}.pending"
@@ -102,59 +104,29 @@ class Checkpointer:
     self._discard_if = discard_if or (lambda error: False)
 
   def _opened(self) -> ocp.CheckpointManager:
-    """Orbax's manager of this directory for the live processes (processes.live): opened on
-    first use, and again (its saves so far finished) once they changed (elastic pods). Every
-    live process makes the same calls here, so they open it at the same call, which Orbax's
-    opening barrier needs."""
-    live = (processes.generation(), processes.live())
-    if live != self._opened_for:
-      if self._manager is not None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-      self._manager, self._opened_for = self._open(*live), live
+    """Orbax's manager of this directory (managers.py), opened on first use."""
+    if self._manager is None:
+      self._manager = managers.open_manager(
+        self.directory,
+        keep=self._keep,
+        async_save=self._async_save,
+        read_only=self.read_only,
+        writer=self._writer,
+      )
     return self._manager
 
-  def _open(self, generation: int, live: tuple[int, ...]) -> ocp.CheckpointManager:
-    """Orbax's manager of this directory, its barriers among processes `live`: every process of
-    the run, with Orbax's defaults, until the live processes first change (`generation` 0);
-    then (elastic pods in distributed mode) process 0 primary, barrier keys prefixed by the
-    generation, so that none waits for a dead process nor meets a key of another generation."""
-    first = generation == 0
-    with quiet.read_only_notice_dropped() if self.read_only else contextlib.nullcontext():
-      return self._manager_for(first, generation, live)
-
-  def _manager_for(self, first: bool, generation: int, live: tuple[int, ...]):
-    return ocp.CheckpointManager(
-      self.directory,
-      # Named handlers let a fresh manager read metadata before anything was saved in it.
-      item_handlers={
-        "state": ocp.StandardCheckpointHandler(),
-        "data": ocp.JsonCheckpointHandler(),
-        "integrity": ocp.JsonCheckpointHandler(),
-        "parts": checkpoint_parts.PartsHandler(),  # a remote state, written by its workers
-      },
-      options=ocp.CheckpointManagerOptions(
-        # A reader keeps and saves nothing (Orbax would say it set these itself).
-        max_to_keep=None if self.read_only else self._keep,
-        save_interval_steps=0 if self.read_only else 1,  # the trainer decides when: should_save
-        enable_async_checkpointing=self._async_save,
-        # Orbax creates the directory only with every process; a later generation finds it.
-        create=not self.read_only and first,
-        read_only=self.read_only,
-        multiprocessing_options=ocp.options.MultiprocessingOptions()
-        if first
-        else ocp.options.MultiprocessingOptions(
-          primary_host=0,
-          active_processes=set(live),
-          barrier_sync_key_prefix=f"pwtrain-live{generation}",
-        ),
-      ),
-    )
+  @property
+  def _saves_here(self) -> bool:
+    return self._writer is None or self._writer == jax.process_index()
 
   def latest_step(self) -> int | None:
+    if not self._saves_here:  # what the writer committed since
+      self._opened().reload()
     return self._opened().latest_step()
 
   def all_steps(self) -> list[int]:
+    if not self._saves_here:
+      self._opened().reload()
     return sorted(self._opened().all_steps())
 
   def should_save(self, step: int, last_step: int) -> bool:
@@ -166,17 +138,22 @@ class Checkpointer:
     save is raised here or by `wait`."""
     if self.read_only:
       raise RuntimeError(f"{self.directory} was opened read-only: no saves")
+    if not self._saves_here:  # another process saves alone
+      return
     refs = not all(isinstance(x, _LOCAL) for x in jax.tree.leaves(state))  # workers' arrays
     if refs or (self._part_writer is not None and self._part_writer.local_arrays):
       self._save_parts(step, state, data_state)
       return
     self._join_commit()
+    fingerprints = fingerprint(state, here=self._writer is not None)
+    if self._writer is not None:  # its arrays on the host, written by this process alone
+      state = jax.tree.map(np.asarray, state)
     self._opened().save(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
-        integrity=ocp.args.JsonSave({"fingerprint": fingerprint(state)}),
+        integrity=ocp.args.JsonSave({"fingerprint": fingerprints}),
       ),
     )
 

@@ -7,12 +7,10 @@ so each island's arrays are one part (checkpoint_parts' format, committed by pro
 island of one process writes its arrays as host arrays with an Orbax checkpointer of that
 process alone, an island spanning processes with an Orbax checkpointer of those processes (each
 writes its shards). Any checkpoint, parts or a whole-state item, is read on the host and each
-array put onto its island. A process started in a dead one's place (elastic pods) takes on the
-others' count of Orbax's save operations (`operations`, `adopt_operations`).
+array put onto its island.
 """
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -194,20 +192,3 @@ class ProcessParts:
     if jax.process_index() == 0:
       self.parts = {name: os.path.join(self.pending, name) for name in os.listdir(self.pending)}
     return self._fingerprints
-
-
-def operations() -> int:
-  """Orbax's count of this process's save operations, which names the signals its processes
-  exchange during a save (synchronization.OperationIdGenerator): a process started in a dead
-  one's place takes on the others' (`adopt_operations`), as it does every count they pair by."""
-  from orbax.checkpoint._src.futures import synchronization
-
-  return int(synchronization.OperationIdGenerator.get_current_operation_id())
-
-
-def adopt_operations(count: int) -> None:
-  from orbax.checkpoint._src.futures import synchronization
-
-  ids = synchronization.OperationIdGenerator
-  ids._operation_id_counter = itertools.count(count + 1)
-  ids._operation_id = count

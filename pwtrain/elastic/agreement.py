@@ -21,23 +21,25 @@ backend/distributed.py), so a process that dies does not take the others with it
   no loss   steps compile without donating their inputs (Harness: `Controller(donate=False)`),
             so every survivor still holds the state each unconfirmed step started from, also
             where the step finished there.
-  saves     the gone processes are left out of the run's live processes (processes.leave_out),
-            so the survivors' checkpoints are ordinary ones: their barriers, the data positions'
-            gather and Orbax's manager span the survivors (checkpoint/checkpointer.py).
+  saves     process 0 saves alone (RunMode.sole_writer): pod 0 holds the whole model's replica
+            and it reads every data stream, so no save waits for another process, and one that
+            dies while a save is written changes nothing of it. The gone processes are left out
+            of the run's live processes (processes.leave_out): barriers span the survivors.
   rejoin    pwtrain.launch starts a dead process again (same id, $PWTRAIN_REJOIN) once the
             others have left it out. It builds its programs, starts its transfer server (its
             address replaces its predecessor's), says it is ready (`join`) and waits. Process 0
             tells the live processes so in the next `confirm`, and at the next step boundary
             (before the batch is read) they hand it, through the key-value store, everything
             they pair by counting: the program number (which names every pull), every
-            `processes.next_key` count, the live processes' generation, Orbax's count of save
-            operations, the step, the live pods and the data position (`welcome`); it takes
+            `processes.next_key` count, the live processes' generation, the step, the live pods
+            and the data position (`welcome`); it takes
             them on, all meet in one `processes.agree` of every process (its new incarnation
             taken), its pod's state is pulled from a live pod's process (cells.hand_over), and
             every pod runs again. It never enters a barrier its predecessor passed (one it
             would wait at alone), nor sets a key its predecessor set without deleting it first.
   drill     `kill:podP@stepN`: pod P's process SIGKILLs itself before step N is dispatched, once
-            every earlier step is confirmed; the others find it gone as a real fault.
+            every earlier step is confirmed (`@midN`: once step N is dispatched; `@evalN`: once
+            the evaluation after it is); the others find it gone as a real fault.
             `rejoin:podP@stepN`: the live processes wait at step N until its new process is
             ready (and do not take it back earlier), then welcome it there.
   never     process 0 serves JAX's coordination service: if it dies the others cannot go on,
@@ -51,12 +53,12 @@ import signal
 import time
 
 import jax
+import numpy as np
 
 from pwtrain import console, processes
 from pwtrain.backend import distributed
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.scheduler import here_only
-from pwtrain.checkpoint import process_parts
 from pwtrain.harness import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -90,26 +92,50 @@ class Agreement:
     if jax.process_index() == 0:
       lost = [p for p in self.process_of if p not in live]
       said["ready"] = [p for p in lost if processes.told(_ready(self.process_of[p])) == "ready"]
-    key = processes.next_key("elastic/step")
-    told = processes.agree(key, said, [self.process_of[p] for p in live])
+    told = self._agree("elastic/step", said, live)
+    if 0 in told:
+      self.returning.update(told[0][1]["ready"])
+    return processes.to_host(out.metrics.result(), processes.next_key("metrics"))
+
+  def evaluate(self, futures: list, live: tuple[int, ...]) -> list[dict]:
+    """The host partial sums of an evaluation dispatched over pods `live` (`futures`, in
+    program-output order; Harness.dispatch_eval), once every live pod's process has told the
+    sums its own islands computed: each reads its own and tells them in one `processes.agree`
+    (no process waits for another's value: a dead one is left out by the barrier). Raises
+    `IslandLost` when processes are gone, as `confirm` does."""
+    said = {"error": "", "parts": {}}
+    try:
+      for i, future in enumerate(futures):
+        value = future.result()
+        if all(here_only(x) for x in jax.tree.leaves(value)):  # computed on this process
+          said["parts"][i] = {k: float(np.asarray(v)) for k, v in value.items()}
+    except Exception as e:  # noqa: BLE001 - told to the others, who decide together
+      said["error"] = _first_line(e)
+    told = self._agree("elastic/eval", said, live)
+    parts = {int(i): part for _, (_, their) in told.items() for i, part in their["parts"].items()}
+    return [parts[i] for i in range(len(futures))]
+
+  def _agree(self, what: str, said: dict, live: tuple[int, ...]) -> dict:
+    """`processes.agree` of the live pods' processes on `said` (with its "error": "" where this
+    process's share ran); raises `IslandLost` (after `controller.lose` of every lost pod's
+    islands) when processes are gone, or the error when one failed while every one is live."""
+    told = processes.agree(processes.next_key(what), said, [self.process_of[p] for p in live])
     gone = [
       p
       for p in live
       if told.get(self.process_of[p], (None,))[0] != self._incarnations[self.process_of[p]]
     ]
-    failed = {i: said["error"] for i, (_, said) in told.items() if said["error"]}
-    if 0 in told:
-      self.returning.update(told[0][1]["ready"])
+    failed = {i: their["error"] for i, (_, their) in told.items() if their["error"]}
     if gone:
       raise self._lost(gone, told, failed)
     if failed:
-      detail = "; ".join(f"process {i}: {said}" for i, said in failed.items())
-      raise RuntimeError(f"a step failed while every process is live ({detail})")
-    return processes.to_host(out.metrics.result(), processes.next_key("metrics"))
+      detail = "; ".join(f"process {i}: {error}" for i, error in failed.items())
+      raise RuntimeError(f"{what} failed while every process is live ({detail})")
+    return told
 
   def _lost(self, pods: list[int], told: dict, failed: dict) -> IslandLost:
     seen = next(iter(failed.values()), "")
-    # From now on the run's barriers (checkpoints' included) wait for the survivors only.
+    # From now on the run's barriers wait for the survivors only.
     processes.leave_out(self.process_of[p] for p in pods if self.process_of[p] != 0)
     for p in pods:
       i = self.process_of[p]
@@ -143,7 +169,6 @@ class Agreement:
       **handover,
       "membership": processes.membership(),
       "program": self.controller.program_number,
-      "orbax_operations": process_parts.operations(),
     }
     if jax.process_index() == 0:
       for i in new:
@@ -158,6 +183,8 @@ class Agreement:
     ready, waits for the live processes' handover (`welcome`), takes on their counts (program
     numbers, `processes.next_key`'s, Orbax's) and meets them. Returns the handover."""
     me = jax.process_index()
+    # Its islands' collectives (islands of several devices) make their Gloo contexts again.
+    processes.forget_collectives(d.id for d in jax.local_devices())
     self.controller.serve_pulls()
     processes.tell(_ready(me), "ready")
     handover = processes.hear(_handover(me), timeout_s)
@@ -169,7 +196,6 @@ class Agreement:
       os._exit(0)
     processes.adopt(handover["membership"])
     self.controller.program_number = handover["program"]
-    process_parts.adopt_operations(handover["orbax_operations"])
     self._meet([me])
     return handover
 
@@ -188,12 +214,12 @@ class Agreement:
     processes.take_back(new)
     self.returning.difference_update(p for p, i in self.process_of.items() if i in new)
 
-  def kill(self, pod: int, step: int) -> None:
-    """The drill `kill:pod<pod>@step<step>`: that pod's process SIGKILLs itself; elsewhere
+  def kill(self, pod: int, drill: str) -> None:
+    """The drill `drill` ("kill:pod<pod>@..."): that pod's process SIGKILLs itself; elsewhere
     nothing happens (the others find it gone)."""
     if jax.process_index() != self.process_of[pod]:
       return
-    log.warning("fault.inject kill:pod%d@step%d: this process SIGKILLs itself", pod, step)
+    log.warning("fault.inject %s: this process SIGKILLs itself", drill)
     logging.shutdown()
     time.sleep(0.1)  # the launcher's echo reads the line before the process is gone
     os.kill(os.getpid(), signal.SIGKILL)
@@ -229,7 +255,12 @@ def _local_error(out: StepOutputs) -> str:
       value = future.result() if hasattr(future, "result") else future
       jax.block_until_ready(here_only(value))
   except Exception as e:  # noqa: BLE001 - told to the others, who decide together
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    # A failed pull's error, as every computation downstream of it repeats it.
-    return _REPEATED.sub("", text)[:300]
+    return _first_line(e)
   return ""
+
+
+def _first_line(error: Exception) -> str:
+  """An error's first line, as the processes tell it to each other: a failed pull's error
+  without the prefix every computation downstream of it repeats."""
+  text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return _REPEATED.sub("", text)[:300]

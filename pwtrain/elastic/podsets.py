@@ -8,8 +8,9 @@ A set's harness is one of two kinds:
            trajectory is the uninterrupted run's. The lost pods' microbatches are shared out
            over the live pods: with at least as many microbatches as live pods each takes
            about an equal share; with fewer, some live pods take one more microbatch each.
-           Used where it can be: `fault.host_lost_pods`, the global batch kept, pod 0 live (it
-           reports the metrics), and the pods' states equal (not DiLoCo, no error feedback).
+           Used where it can be: `fault.host_lost_pods`, the global batch kept, and the pods'
+           states equal (not DiLoCo, no error feedback); any pod may be hosted, pod 0 too (the
+           lowest live pod then reports the metrics, with pieces compiled for it at the start).
   rebuilt  a plan and step program laid out for the live pods alone, numbered 0, 1, ... in
            pod order on their own islands, each taking an equal share of the batch: compiled
            the first time the set is used, then cached.
@@ -18,7 +19,6 @@ A set's harness is one of two kinds:
 import copy
 import dataclasses
 import functools
-import time
 
 import jax
 
@@ -39,6 +39,7 @@ class PodSets:
     self._agreement = agreement
     self.live = tuple(range(self.num_pods))
     self._harnesses = {self.live: harness}
+    self.compiled_s = 0.0  # what the last harness_for compiled
     # Pod set -> {configured pod: its pod number in that set's program}.
     self._numbers = {self.live: {p: p for p in self.live}}
 
@@ -64,7 +65,6 @@ class PodSets:
     if not (
       fault.host_lost_pods
       and fault.keep_global_batch
-      and 0 in live
       and getattr(self._full.step_program, "can_host", False)
     ):
       return None
@@ -76,7 +76,9 @@ class PodSets:
     return {q: tuple(pods) for q, pods in hosts.items()}
 
   def harness_for(self, live: tuple) -> Harness:
-    """The harness of pod set `live`: hosted, or rebuilt (compiled the first time), cached."""
+    """The harness of pod set `live`: hosted, or rebuilt (compiled the first time), cached;
+    `compiled_s` is what this call compiled (0: hosted, or cached)."""
+    self.compiled_s = 0.0
     if live in self._harnesses:
       return self._harnesses[live]
     hosts = self.hosts(live)
@@ -95,19 +97,21 @@ class PodSets:
       cluster = Cluster(tuple(i for p in live for i in self._islands[p]))
       controller = self.harness.controller
       harness = Harness.build(config, cluster=cluster, controller=controller)
+      self.compiled_s = harness.compile_s
       self._numbers[live] = {p: i for i, p in enumerate(live)}
     self._harnesses[live] = harness
     return harness
 
-  def move(self, live: tuple, state: dict) -> tuple[float, dict]:
-    """(seconds compiling, `state` of the current pod set laid out on pod set `live`), which
+  def move(self, live: tuple, state: dict, before_copy=None) -> tuple[float, dict]:
+    """(seconds compiling (0 unless a rebuilt pod set is made), `state` of the current pod set
+    laid out on pod set `live`), which
     then becomes the current one. A pod in both keeps its cells' state where it is (nothing
-    moves); a returning pod gets a copy of the first live pod's, device to device. Where the
-    cells differ (down to one pod, whose exchange carries nothing), the state goes through
-    the whole-model form instead (`from_checkpoint`)."""
-    start = time.perf_counter()
+    moves); a returning pod gets a copy of the first live pod's, device to device
+    (`before_copy()` is called first: a drill). Where the cells differ (down to one pod, whose
+    exchange carries nothing), the state goes through the whole-model form instead
+    (`from_checkpoint`)."""
     harness = self.harness_for(live)
-    compile_s = time.perf_counter() - start
+    compile_s = self.compiled_s
     old, new = self.step_program, harness.step_program
     was, now = self._numbers[self.live], self._numbers[live]
     first = was[self.live[0]]
@@ -115,6 +119,8 @@ class PodSets:
     same = {now[p]: p in self.live for p in live}
     moved = cells.keep_cells(old, new, state, sources, same)
     if moved is not None:  # the returning pods' cells: copied from a live pod's islands
+      if before_copy is not None and any(isinstance(v, cells.Copy) for v in moved.values()):
+        before_copy()
       moved = self._copy_cells(harness.plan, moved)
     else:
       whole = self._whole(state, keep=sorted(set(sources.values())))

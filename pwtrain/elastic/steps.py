@@ -37,6 +37,7 @@ The drills and the checks of fault.* are pwtrain/drills.py.
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 
@@ -44,12 +45,13 @@ import jax
 import numpy as np
 
 from pwtrain import processes
-from pwtrain.backend.faults import IslandLost
+from pwtrain.backend import run_mode
+from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.drills import parse_inject
-from pwtrain.elastic import cells
+from pwtrain.elastic import cells, report
 from pwtrain.elastic.agreement import Agreement
 from pwtrain.elastic.podsets import PodSets
-from pwtrain.harness import Harness, StepOutputs
+from pwtrain.harness import Harness, StepOutputs, eval_sums
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class _Pending:
   before: dict  # the state it started from
   out: StepOutputs
   metrics: _Metrics  # what the trainer was given: set once the step is confirmed
+  dispatched_at: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class ElasticSteps:
@@ -84,7 +87,8 @@ class ElasticSteps:
   caller's) closes the controller and the cluster; the others own nothing."""
 
   def __init__(self, config, harness: Harness, goodput=None):
-    """`goodput`: the run's goodput.Goodput, told each drop's and rejoin's seconds (rerun)."""
+    """`goodput`: the run's goodput.Goodput, told what each drop lost (rerun) and each rejoin
+    took (degraded)."""
     self.config = config
     self.goodput = goodput
     self.controller = harness.controller
@@ -103,6 +107,8 @@ class ElasticSteps:
     self._fatal: IslandLost | None = None
     self._given: dict | None = None
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
+    self._steps = 0  # steps dispatched so far: an evaluation's place (after step N)
+    self._confirmed_at = time.perf_counter()  # when the last step was confirmed
     # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
     # pods that a drill brings back at its step, not as soon as they are ready.
     self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
@@ -129,7 +135,7 @@ class ElasticSteps:
     before every `step`): the drills due there, and the lost pods whose islands can run again
     rejoin (remote: their workers answer; distributed: their new processes are ready).
     `data_position()`: the data position here, handed to a rejoining process."""
-    self._drill(step + 1)
+    self._drill(step + 1, "step")
     answering = self.controller.answering()
     for p in range(self.num_pods):
       if p not in self.live and all(i.name in answering for i in self._islands[p]):
@@ -147,16 +153,15 @@ class ElasticSteps:
     it starts at, the data position there)."""
     start = time.perf_counter()
     handover = self._agreement.join()
-    everyone, survivors = self.live, tuple(handover["live"])
-    built = time.perf_counter()
+    survivors, welcomed = tuple(handover["live"]), handover["pods"]  # its own among them
     self.pods.harness_for(survivors)  # its islands are not theirs: nothing of its own compiles
-    compile_s = time.perf_counter() - built
+    compile_s = self.pods.compiled_s
     self.pods.live = survivors
-    more_s, state = self.pods.move(everyone, cells.stand_ins(self.step_program))
+    live = tuple(sorted({*survivors, *welcomed}))  # pods still lost stay lost
+    more_s, state = self.pods.move(live, cells.stand_ins(self.step_program))
     seconds, step = time.perf_counter() - start, handover["step"]
-    mine = [p for p in everyone if p not in survivors]
     self._record(
-      "rejoin", mine, "this process started again", step + 1, seconds,
+      "rejoin", welcomed, "this process started again", f"at step {step + 1}", seconds,
       compile_s=compile_s + more_s, state_s=seconds - compile_s - more_s,
     )  # fmt: skip
     return state, step, handover["data"]
@@ -167,10 +172,13 @@ class ElasticSteps:
     may be replaced by the state of their run again after a drop."""
     self._confirm(keep=self.config.backend.max_inflight_steps)
     state, metrics = self._current(state), _Metrics(self)
+    self._steps = step + 1
     try:
       pending = self._dispatch(state, batch, step, metrics)
+      self._drill(step + 1, "mid")
     except IslandLost as e:  # remote: a lost worker refused the step
-      self._pending.append(_Pending(step, batch, state, None, metrics))
+      if not self._pending or self._pending[-1].step != step:
+        self._pending.append(_Pending(step, batch, state, None, metrics))
       self._drop(e)
       pending = self._pending[-1]
     self._given = pending.out.state
@@ -187,7 +195,38 @@ class ElasticSteps:
     return self._head if state is self._given and self._head is not None else state
 
   def evaluate(self, state: dict, batches) -> dict[str, float]:
-    return self.harness.evaluate(state, batches)
+    """Harness.evaluate on the live pods: a pod lost while the evaluation runs (its nodes fail
+    with IslandLost: remote, a dead worker refuses it; distributed, its process is found gone
+    as in a step's agreement) is dropped as after a failed step, and the evaluation runs again
+    on the survivors, whose sums are the uninterrupted run's (a hosted pod's batches run on its
+    host; a rebuilt pod set's pods take its rows). Waits for it."""
+    given, batches = state, list(batches)
+    while True:
+      state = self._current(given)
+      try:
+        futures = self.harness.dispatch_eval(state, batches)
+        self._drill(self._steps, "eval")
+        if self._agreement is not None:
+          return eval_sums(self._agreement.evaluate(futures, self.live))
+        return eval_sums(self._read([f.result() for f in futures]))
+      except IslandLost as e:
+        self._drop(e, given, during="the evaluation", again="the evaluation runs again")
+
+  def _read(self, value, fetch: bool = True):
+    """`value` on the host (or, not `fetch`ed, once computed); an array deleted with a lost
+    island (embedded: as a real loss leaves them) is that island's IslandLost."""
+    try:
+      return jax.device_get(value) if fetch else jax.block_until_ready(value)
+    except RuntimeError as e:
+      lost = self.controller.lost
+      devices = {
+        d: IslandLost(i.name, lost[i.name])
+        for islands in self._islands.values()
+        for i in islands
+        if i.name in lost
+        for d in i.devices
+      }
+      raise read_of_lost(value, devices) or e from None
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
     host_metrics = self._agreement is None  # distributed: read once the processes agree
@@ -222,26 +261,30 @@ class ElasticSteps:
     pending = self._pending[0]
     try:
       if self._agreement is None:
-        values = jax.device_get(pending.out.metrics.result())
+        values = self._read(pending.out.metrics.result())
       else:
         values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
       self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
       return
     self._pending.popleft()
+    self._confirmed_at = time.perf_counter()
     pending.metrics.set_result({**values, "pods_live": np.int32(len(self.live))})
 
   # -- drop and rejoin ------------------------------------------------------------------------
 
-  def _drop(self, error: IslandLost) -> None:
+  def _drop(self, error: IslandLost, given: dict | None = None, during="", again="") -> None:
     """Drops the lost pods and runs every pending step again on the survivors (the last one's
-    state becomes the head)."""
+    state becomes the head). With no step pending (a loss `during` an evaluation, or a rejoin;
+    `again`: what runs again), the state moved is the one of `given` (the trainer's), which
+    then stands for it."""
     start = time.perf_counter()
     self.controller.wait()  # every dispatched step has run or failed
     lost_islands = self.controller.lost or {error.island: error.cause}
     lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
     live = tuple(p for p in self.live if p not in lost)
-    cause = lost_islands.get(self._islands[lost[0]][0].name, error.cause) if lost else error.cause
+    causes = [lost_islands.get(self._islands[p][0].name, error.cause) for p in lost]
+    cause = "; ".join(dict.fromkeys(causes)) or error.cause  # each lost pod's, once
     if len(live) < max(self.config.fault.min_pods, 1):
       log.error(
         "pod %s lost (%s): %d of %d pods left, fewer than fault.min_pods=%d; stopping",
@@ -255,21 +298,26 @@ class ElasticSteps:
       raise error
     detect_s = None if self._killed_at is None else start - self._killed_at  # a drill's
     self._killed_at = None
-    compile_s, state = self.pods.move(live, self._pending[0].before)
+    before = self._pending[0].before if self._pending else self._current(given)
+    compile_s, state = self.pods.move(live, before)
     redo = list(self._pending)
     self._pending.clear()
+    if not redo:  # the trainer's state is now this one (`_current`)
+      self._given, self._head = given, state
     moved = time.perf_counter() - start - compile_s
+    at = f"during {during} after step {self._steps}" if during else f"after step {self._steps}"
+    if redo:
+      at = f"at step {redo[0].step + 1}"
+      again = f"steps {redo[0].step + 1}-{redo[-1].step + 1} run again"
+    # What the loss cost: from the last step confirmed (or the first failed one's dispatch, if
+    # later) to now, unless a badput block the run is in counts it already (an evaluation).
+    since = max(self._confirmed_at, redo[0].dispatched_at) if redo else start
+    if self.goodput is not None and self.goodput.inside is None:
+      self.goodput.add("rerun", time.perf_counter() - since)
     self._record(
-      "drop",
-      lost,
-      cause,
-      redo[0].step + 1,
-      time.perf_counter() - start,
-      detect_s,
-      compile_s=compile_s,
-      state_s=moved,
-      rerun_steps=len(redo),
-    )
+      "drop", lost, cause, at, time.perf_counter() - start, detect_s, again,
+      compile_s=compile_s, state_s=moved,
+    )  # fmt: skip
     for i, pending in enumerate(redo):
       try:
         state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
@@ -284,56 +332,69 @@ class ElasticSteps:
     pods = sorted(self._rejoining)
     self._rejoining.clear()
     if self._agreement is not None:  # their processes take on the live ones' counts
-      handover = {"step": step, "live": list(self.live), "data": data_position()}
+      handover = {"step": step, "live": list(self.live), "pods": pods, "data": data_position()}
       self._agreement.welcome(pods, handover)  # which clears their `returning`
     for p in pods:
       for island in self._islands[p]:
         self.controller.restore(island.name)
-    live = tuple(sorted(set(self.live) | set(pods)))
-    compile_s, state = self.pods.move(live, state)
+    was = self.live
+    drill = functools.partial(self._drill, step + 1, "copy")  # once the copies' sources are set
+    compile_s, moved = self.pods.move(tuple(sorted({*was, *pods})), state, before_copy=drill)
+    try:
+      self._copied(moved)
+    except IslandLost as e:  # a pod lost while the state was copied: the pods live before go on
+      self.pods.live = was
+      gone = {self._pod_of[i] for i in self.controller.lost}
+      if gone & set(was):
+        what = f"pod {','.join(map(str, pods))}'s rejoin"
+        self._drop(e, state, during=what, again="the rejoin copies from a live pod")
+      self._rejoining.update(p for p in pods if p not in gone)  # again, at once
+      state = self._current(state)
+      return self._rejoin(state, step, data_position) if self._rejoining else state
     seconds = time.perf_counter() - start
     self._record(
-      "rejoin", pods, "its islands run again", step + 1, seconds, compile_s=compile_s,
-      state_s=seconds - compile_s,
+      "rejoin", pods, "its islands run again", f"at step {step + 1}", seconds,
+      compile_s=compile_s, state_s=seconds - compile_s,
     )  # fmt: skip
-    return state
+    return moved
 
-  def _drill(self, step: int) -> None:
-    """The injected faults of `fault.inject` due before step `step` (1-based)."""
+  def _copied(self, state: dict) -> None:
+    """Waits until the state copied onto returning pods has arrived (embedded mode; a copy
+    from a pod lost meanwhile fails with its IslandLost). Remote workers' copies are found
+    failed, if they are, at the next step; distributed mode's processes agree on the rejoin."""
+    if self._agreement is None and not self.controller.cluster.remote:
+      self._read(run_mode.results(state), fetch=False)
+
+  def _drill(self, step: int, place: str) -> None:
+    """The injected faults of `fault.inject` due at `place` (drills.PLACES) of step `step`
+    (1-based): before it is dispatched, while it runs, or during the evaluation after it."""
     for drill in self._drills:
-      if drill.step != step:
+      if drill.step != step or drill.place != place:
         continue
       if drill.action == "kill" and drill.pod in self.live:
-        self._confirm(keep=0)  # the fault hits this step, not one still in flight
-        self.controller.wait()
+        if place == "step":  # the fault hits this step, not one still in flight
+          self._confirm(keep=0)
+          self.controller.wait()
         self._killed_at = time.perf_counter()
+        name = f"kill:pod{drill.pod}@{place}{step}"
         if self._agreement is not None:  # its process dies; the others find it gone
-          self._agreement.kill(drill.pod, step)
+          self._agreement.kill(drill.pod, name)
           continue
         for island in self._islands[drill.pod]:
-          self.controller.lose(island.name, f"fault.inject kill:pod{drill.pod}@step{step}")
+          self.controller.lose(island.name, f"fault.inject {name}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
         if self._agreement is not None:  # its new process: at this step, once it is ready
           self._agreement.await_ready(drill.pod)
           self._rejoin_drills.discard(drill.pod)
         self._rejoining.add(drill.pod)
 
-  def _record(self, kind, pods, cause, step, seconds, detect_s=None, rerun_steps=0, **parts):
-    """One log line for a drop or a rejoin (`parts`: its seconds by cause); its own seconds
-    (not the detection's) are badput of steps run again."""
-    if self.goodput is not None:
-      self.goodput.add("rerun", seconds)
-    pods = ",".join(map(str, pods))
-    line = f"pod {pods} {'lost' if kind == 'drop' else 'rejoined'} ({cause}) at step {step}: "
-    line += f"{len(self.live)} of {self.num_pods} pods live; "
-    if detect_s is not None:  # a drill's: from the kill to the drop
-      line += f"found {detect_s:.2f} s after the fault; "
-    detail = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in parts.items())
-    line += f"took {seconds:.2f} s ({detail})"
-    if rerun_steps:
-      line += f"; steps {step}-{step + rerun_steps - 1} run again"
+  def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", **parts):
+    """One log line for a drop or a rejoin (report.line). A rejoin's seconds are badput of the
+    degraded run it ends (a drop's are counted with what it lost: `_drop`)."""
+    if kind == "rejoin" and self.goodput is not None and self.goodput.inside is None:
+      self.goodput.add("degraded", seconds)
     hosts = getattr(self.step_program, "hosts", {}) if kind == "drop" else {}
-    for pod, on in hosts.items():  # podsets.py: hosted, nothing compiled
-      on = sorted(set(on))
-      line += f"; pod {pod}'s work runs on pod{'s' * (len(on) > 1)} {','.join(map(str, on))}"
-    log.warning("%s", line)
+    live = (len(self.live), self.num_pods)
+    log.warning(
+      "%s", report.line(kind, pods, cause, at, live, seconds, detect_s, again, parts, hosts)
+    )

@@ -161,14 +161,17 @@ class RemoteDispatcher:
       )
       outputs.append((treedef, avals))
     unique = f"{name}#{self._session}.{next(self._names)}"
-    worker.compile(
-      unique,
-      bytes(exported.serialize()),
-      mesh,
-      donate,
-      [len(a) for _, a in outputs],
-      traced.get("shardings"),
-    )
+    try:
+      worker.compile(
+        unique,
+        bytes(exported.serialize()),
+        mesh,
+        donate,
+        [len(a) for _, a in outputs],
+        traced.get("shardings"),
+      )
+    except grpc.RpcError as e:  # a dead worker's island is lost (WorkerLost), as in dispatch
+      raise rpc_error(worker, e, frozenset({island})) from None
     remote = RemoteExecutable(worker, unique, tuple(outputs))
     return Executable(name, island, local, len(top), remote, tuple(donate_argnums))
 

@@ -73,31 +73,55 @@ class PendingSave:
       save = pb.Save(directory=self.parts[worker.island], items=list(items.values()))
       save.ticket = self.ticket
       calls.append((worker, worker.enqueue_async([pb.Op(name="save", save=save)])))
+    self._workers, lost = [], None
     for worker, call in calls:  # queued before the next step's ops can donate the arrays
       try:
         call.result()
+        self._workers.append(worker)
       except grpc.RpcError as e:
-        raise WorkerLost(worker.island, f"save not queued: {e.details()}") from None
-    self._workers = list(per_worker)
+        lost = lost or WorkerLost(worker.island, f"save not queued: {e.details()}")
+    if lost is not None:  # the saves queued elsewhere end before their directory is removed
+      self._outcomes()
+      raise lost
 
   def wait(self) -> dict:
-    """{array path: fingerprint} once every worker has written its part."""
-    futures = [(w, w.await_save(self.ticket)) for w in self._workers]
-    fingerprints, errors = {}, []
+    """{array path: fingerprint} once every worker has written its part. A worker lost on the
+    way is raised (WorkerLost) only once every other worker has ended its own part: the caller
+    then removes the pending directory, which no save may still be writing into (an Orbax save
+    whose directory is removed under it warns "Metadata file does not exist")."""
+    replies, errors, lost = self._outcomes()
+    if lost is not None:
+      raise lost
+    if errors:
+      raise SaveFailed("; ".join(errors))
+    fingerprints = {}
+    for reply in replies:
+      fingerprints.update(zip(reply.names, reply.fingerprints, strict=True))
+    return fingerprints
+
+  def _outcomes(self) -> tuple[list, list[str], WorkerLost | None]:
+    """(the SaveReplies of the workers whose part is written, the errors of those that failed
+    writing it, the first loss of a worker), once every queued save has ended."""
+    futures, replies, errors, lost = [], [], [], None
+    for worker in self._workers:
+      try:
+        futures.append((worker, worker.await_save(self.ticket)))
+      except WorkerLost as e:  # already known to be lost
+        lost = lost or e
     for worker, future in futures:
       try:
         reply = future.result()
       except grpc.FutureCancelledError:  # by the health monitor: the worker is lost
-        raise worker.lost_error() from None
+        lost = lost or worker.lost_error()
+        continue
       except grpc.RpcError as e:
-        lost = rpc_error(worker, e, frozenset({worker.island}))
-        if isinstance(lost, WorkerLost):  # the worker is gone, not only its save
-          raise lost from None
-        errors.append(f"{worker.address} ({worker.island}): {e.code().name}: {e.details()}")
+        error = rpc_error(worker, e, frozenset({worker.island}))
+        if isinstance(error, WorkerLost):  # the worker is gone, not only its save
+          lost = lost or error
+        else:
+          errors.append(f"{worker.address} ({worker.island}): {e.code().name}: {e.details()}")
         continue
       if reply.error:
         errors.append(reply.error)
-      fingerprints.update(zip(reply.names, reply.fingerprints, strict=True))
-    if errors:
-      raise SaveFailed("; ".join(errors))
-    return fingerprints
+      replies.append(reply)
+    return replies, errors, lost

@@ -5,8 +5,8 @@ the (decoded) gradients of all pods, its own too, in pod order, so the pods' par
 bitwise identical. With `exchange.compression` the gradients travel encoded; with
 `exchange.error_feedback` what the encoding lost is kept per pod (the `residual` state entry)
 and added to the next step's gradients before encoding (the residuals differ per pod, so
-checkpoints then hold every pod's state). Pod 0's last cell also reports each pod's gradient
-norm.
+checkpoints then hold every pod's state). The reporting pod's last cell (pod 0's; with elastic
+pods hosting pod 0, the lowest live pod's) also reports each pod's gradient norm.
 """
 
 import jax
@@ -24,6 +24,9 @@ class Sync(Exchange):
     super().__init__(config)
     self.feedback = self.compression != "none" and self.cfg.error_feedback
     self.per_pod_state = self.feedback
+    # Elastic pods: any pod's last cell can report (the lowest live pod does), so that a pod
+    # set hosting pod 0 runs with the pieces it has (PipelineProgram.hosted).
+    self.any_pod_reports = config.fault.elastic
 
   def init_state(self, params) -> dict:
     if self.feedback:
@@ -77,14 +80,15 @@ class Sync(Exchange):
     inputs = {}
     if self.feedback:
       inputs["residual"] = cell.grads_abs
-    if self._reports_pod_norms(cell.key, cell.num_stages):
+    if self.reports(cell.key, cell.num_stages):
       norm = jax.ShapeDtypeStruct((self.num_pods,), jnp.float32, sharding=cell.replicated)
       inputs["pod_norms"] = [norm] * cell.num_stages
     return inputs
 
-  @staticmethod
-  def _reports_pod_norms(key: tuple, num_stages: int) -> bool:
-    return key == (0, num_stages - 1)
+  def reports(self, key: tuple, num_stages: int) -> bool:
+    """Whether cell `key`'s apply takes every pod's gradient norm, for the metrics: pod 0's last
+    cell, or with elastic pods every pod's (any may report)."""
+    return key[1] == num_stages - 1 and (key[0] == 0 or self.any_pod_reports)
 
   # -- nodes ----------------------------------------------------------------------------------
 
@@ -115,9 +119,11 @@ class Sync(Exchange):
     refs = {}
     if self.feedback:
       refs["residual"] = (f"{p}:enc{s}", 1)
-    if self._reports_pod_norms(cell, builder.num_stages):
+    if self.reports(cell, builder.num_stages):
       refs["pod_norms"] = [
-        (f"0:reduce{t}", 1) if t == s else builder.move(cell, f"0:pn{t}", (f"0:reduce{t}", 1), ())
+        (f"{p}:reduce{t}", 1)
+        if t == s
+        else builder.move(cell, f"{p}:pn{t}", (f"{p}:reduce{t}", 1), ())
         for t in range(builder.num_stages)
       ]
     return refs

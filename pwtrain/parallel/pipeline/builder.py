@@ -79,10 +79,12 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   executables = {key: piece.executable for key, piece in pieces.items()}
 
   def build_eval(hosts: dict) -> Program:
-    if not any(kind in ("EF", "EL") for kind, *_ in pieces):  # compiled once, for every hosts
-      for cell in cells.values():
+    # Each cell's eval piece compiled once, at the first program that runs it: a hosted pod's
+    # cells run on their hosts' (elastic pods: a lost remote worker cannot compile).
+    for (p, s), cell in cells.items():
+      if p not in hosts and not {("EF", p, s), ("EL", p, s)} & pieces.keys():
         compute.compile_eval(cell, config.model.z_loss)
-      executables.update({key: piece.executable for key, piece in pieces.items()})
+    executables.update({key: piece.executable for key, piece in pieces.items()})
     return ProgramBuilder(plan, pieces, config, hosts).eval_program()
 
   return PipelineProgram(
@@ -104,7 +106,8 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
 
 def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int) -> None:
   """Every piece of one cell: init, zeros, the stage's F/B/FB, the exchange's, emb, finish,
-  apply, and on pod 0's last stage norms."""
+  apply, and on the last stage of the pods that may report the metrics norms (pod 0's; with
+  elastic pods every pod's, any of which reports when pod 0 is hosted)."""
   stage, num_stages = cell.stage, cell.num_stages
   cell.compile("init", lambda: to_stage(whole_init(), stage), {}, out_shardings=cell.shardings)
 
@@ -171,7 +174,7 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
     out_shardings=(cell.shardings, cell.replicated, cell.replicated),
     donate=("state",),
   )
-  if cell.key == (0, num_stages - 1):  # the cell that reports the step's metrics
+  if cell.key[1] == num_stages - 1 and (pod == 0 or config.fault.elastic):  # may report
     sums = cell.pieces[("apply", *cell.key)].out_abstract[2]
     cell.compile(
       "norms",

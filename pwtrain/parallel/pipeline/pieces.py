@@ -8,9 +8,9 @@ wires its node into the step use the same names, so no one slices arguments by p
 The stage's own computation per microbatch (F, B, FB, W) and at evaluation (EF, EL) is
 compute.py's; besides those a cell has, once per step: init, zeros (the running sums), emb (the
 shared embedding's gradient half), finish (tie the embedding halves; the squared norm), apply
-(the optimizer update; the stage's share of the parameter and update norms), norms (pod 0's
-last stage: the step's metrics with those norms, from every stage's share), plus the exchange's
-own pieces (exchange/*.py).
+(the optimizer update; the stage's share of the parameter and update norms), norms (the
+reporting pod's last stage: the step's metrics with those norms, from every stage's share; pod
+0's, or with elastic pods every pod's), plus the exchange's own pieces (exchange/*.py).
 """
 
 import dataclasses

@@ -68,15 +68,16 @@ class PipelineProgram:
     return self.num_pods > 1 and not self.exchange.per_pod_state
 
   def hosted(self, hosts: dict[int, tuple]) -> "PipelineProgram":
-    """This program with each pod of `hosts` ({pod: its host pod for each microbatch}; not pod
-    0, which reports the metrics) run by live pods: host m's islands run the pod's microbatch
-    m with their own executables on their own state, the pod's running sums follow its
-    microbatches, and its gradients and statistics are summed as its own would be, in pod
-    order (pipeline/wiring.py). Nothing is compiled, and the trajectory is the one of every pod
-    running. The hosted pods keep no state: `state_keys`, `to_checkpoint` and `from_checkpoint`
-    cover the others. Only where `can_host`."""
+    """This program with each pod of `hosts` ({pod: its host pod for each microbatch}) run by
+    live pods: host m's islands run the pod's microbatch m with their own executables on their
+    own state, the pod's running sums follow its microbatches, and its gradients and
+    statistics are summed as its own would be, in pod order (pipeline/wiring.py); the lowest
+    pod with state reports the metrics (pod 0's are the same: the pods' states are). Nothing is
+    compiled (elastic pods compile every pod's reporting pieces), and the trajectory is the one
+    of every pod running. The hosted pods keep no state: `state_keys`, `to_checkpoint` and
+    `from_checkpoint` cover the others. Only where `can_host`."""
     used = {h for pods in hosts.values() for h in pods}
-    assert self.can_host and 0 not in hosts and not used & set(hosts)
+    assert self.can_host and not used & set(hosts) and len(hosts) < self.num_pods
     assert all(len(pods) == self.num_micro for pods in hosts.values())
     return dataclasses.replace(
       self,
@@ -112,7 +113,8 @@ class PipelineProgram:
   def to_checkpoint(self, state: dict) -> dict:
     if self.per_pod_checkpoint:
       return {"pods": [self.pod_whole(state, p) for p in range(self.num_pods)]}
-    return self.pod_whole(state, 0)  # pods hold identical states
+    first = min(p for p, _ in self.cell_shardings)  # pod 0, unless it is hosted
+    return self.pod_whole(state, first)  # pods hold identical states
 
   def from_checkpoint(self, whole: dict) -> dict:
     out = {}

@@ -4,8 +4,9 @@ each island's schedule order, merged into one Program.
 Cell (p, s) is stage s of pod p, on the island the plan gives it. Besides the stage's pieces
 (pieces.py) the step moves activations forward, activation gradients backward, the shared
 embedding's gradient halves between the first and last stage, the loss statistics and squared
-norms to every cell, each of pod 0's stages' share of the parameter and update norms to its
-last stage (which reports the metrics), and whatever the exchange sends between pods
+norms to every cell, each of the reporting pod's stages' share of the parameter and update
+norms to its last stage (which reports the metrics: pod 0, or the lowest live pod where pod 0 is
+hosted), and whatever the exchange sends between pods
 (exchange/*.py). Node names are prefixed with the pod ("1:F0.3"); transfers are named for what
 they carry ("1:act2.0", "0>1:g1" from pod 0 to pod 1). Each island's nodes follow the schedule
 (schedule.py; interleaved: several chunks' cells per island), and each island's scheduler
@@ -44,7 +45,6 @@ class ProgramBuilder:
   def __init__(self, plan, pieces: dict, config, hosts: dict | None = None):
     self.plan, self.pieces, self.exchange = plan, pieces, plan.exchange
     self.hosts = hosts or {}
-    assert 0 not in self.hosts, "pod 0 reports the metrics: it cannot be hosted"
     self._micro = None  # the microbatch being emitted: where a hosted cell's node runs
     self.cells = list(plan.cells)  # every pod's: each one runs its microbatches
     self.owners = [c for c in self.cells if c[0] not in self.hosts]  # apply an update
@@ -138,16 +138,18 @@ class ProgramBuilder:
     norm_sums = {c: (f"{c[0]}:apply{c[1]}", 2) for c in self.owners}
     if kind != "step":
       final, norm_sums = self.exchange.outer_nodes(self, final, norm_sums)
-    # Pod 0's last stage reports the metrics: the parameter and update norms of pod 0's model,
-    # its stages' shares added as the gradient norm's are.
-    reporter = (0, last)
+    # The first pod with state (pod 0, unless it is hosted) reports the metrics: the parameter
+    # and update norms of its model, its stages' shares added as the gradient norm's are. The
+    # pods' states and metrics are the same, so any reports what pod 0 would.
+    r = min(p for p, _ in self.owners)
+    reporter = (r, last)
     sums = [
-      norm_sums[(0, t)]
+      norm_sums[(r, t)]
       if t == last
-      else self.move(reporter, f"0:norms{t}to{last}", norm_sums[(0, t)], ())
+      else self.move(reporter, f"{r}:norms{t}to{last}", norm_sums[(r, t)], ())
       for t in range(self.num_stages)
     ]
-    metrics = self.node(reporter, "norms", metrics=(f"0:apply{last}", 1), sums=sums)
+    metrics = self.node(reporter, "norms", metrics=(f"{r}:apply{last}", 1), sums=sums)
     return Program(
       nodes=interleave(list(self.queues.values())),
       outputs={**{state_key(c): ref for c, ref in final.items()}, "metrics": (metrics, 0)},
