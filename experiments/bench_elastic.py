@@ -33,8 +33,10 @@ faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each
          from run to run: outside the span; a restart's are inside it). Goodput = (steps x the
          clean run's median step time) / wall time, process start to exit, on every side; and
          each run's own goodput and badput by cause (its last interval row; a restart's, of its
-         last start). Detection, remote and distributed: from the SIGKILL to the drop line (the
-         line's log time); embedded: the drill's own figure ("found X s after the fault").
+         last start). Detection, remote and distributed: from the SIGKILL to the drop's start
+         (its line's log time less the seconds it took); embedded: the drill's own figure
+         ("found X s after the fault"). In distributed mode a process started again must reach
+         the coordinator before the run ends (with fault_offset near --steps it may not).
 first    time to first step (process start to the first metrics row) of palm_tiny and of
          palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
          in a fresh workdir; and a restart in that workdir, all reading one corpus built first
@@ -117,7 +119,7 @@ class Watch:
   across every process started there."""
 
   def __init__(self, workdir: str):
-    self.workdir, self.seen, self.steps, self.last, self._stat = workdir, {}, [], {}, None
+    self.workdir, self.seen, self.steps, self.pods_live, self._stat = workdir, {}, [], None, None
 
   def poll(self) -> list[int]:
     """The steps logged; the file is read again only when it changed (the poll shares the
@@ -130,7 +132,8 @@ class Watch:
     if stat != self._stat:
       written = rows(self.workdir)
       self._stat, self.steps = stat, [row["step"] for row in written if "loss" in row]
-      self.last = written[-1] if written else {}
+      live = [row["pods_live"] for row in written if "pods_live" in row]
+      self.pods_live = live[-1] if live else None  # not every row has it (an interval's)
     for step in self.steps:
       self.seen.setdefault(step, time.perf_counter())
     return self.steps
@@ -213,7 +216,7 @@ def kill_pod1(args, proc, watch: Watch, steps: list[int], elastic: bool) -> list
     def due(seen, n=n):
       if n not in seen:
         return False
-      return not elastic or watch.last.get("pods_live", 3) == 3
+      return not elastic or watch.pods_live == 3
 
     watch.wait(proc, until=due)
     pid = pod1(args, proc) if proc.poll() is None else None
@@ -225,16 +228,19 @@ def kill_pod1(args, proc, watch: Watch, steps: list[int], elastic: bool) -> list
 
 
 def detections(out: str, kills: list[float]) -> list[float]:
-  """Seconds from each kill to the next drop line's log time (absl's "W1127 03:31:26.4277")."""
+  """Seconds from each kill to the start of the next drop: its line's log time (absl's
+  "W1127 03:31:26.4277"; the line is written once the drop is done) less the drop's own seconds
+  (its "took")."""
   year = datetime.datetime.now().year
   times = []
   for line in out.splitlines():
-    if " lost (" not in line or not re.search(r"pod \d+ lost", line):
+    if " lost (" not in line or not re.search(r"pod [\d,]+ lost", line):
       continue
     m = re.search(r"[IWEF](\d{4}) (\d\d:\d\d:\d\d\.\d+)", line)
-    if m:
+    took = re.search(r"took ([\d.]+) s", line)
+    if m and took:
       stamp = datetime.datetime.strptime(f"{year}{m[1]} {m[2]}", "%Y%m%d %H:%M:%S.%f")
-      times.append(stamp.timestamp())
+      times.append(stamp.timestamp() - float(took[1]))
   found = []
   for kill in kills:
     after = [t for t in times if t >= kill]
@@ -388,7 +394,7 @@ def report(args, blocks: list[dict]) -> dict:
     for key in ("compile_s", "state_s"):
       print(f"  {name} drops, {key}: {', '.join(f'{d[key]:.2f}' for d in drops)}")
     detect = [s for block in blocks for s in block[name]["detect_s"]]
-    source = "from the SIGKILL to the drop line" if args.mode != "embedded" else "the drills'"
+    source = "from the SIGKILL to the drop" if args.mode != "embedded" else "the drills'"
     print(f"  {name} detection ({source}), s: {', '.join(f'{s:.2f}' for s in detect)}")
     print(f"  {name} steps run again per drop: {sorted({d['rerun'] for d in drops})}")
     rejoins = [s for block in blocks for s in block[name]["rejoins_s"]]
