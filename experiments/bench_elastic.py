@@ -3,35 +3,40 @@ with a cold and a warm compilation cache.
 
   python experiments/bench_elastic.py                       # both sections
   python experiments/bench_elastic.py --sections=faults --steps=200 --fault_every=50 \
-    --fault_offset=25 --rejoin_after=10
+    --fault_offset=25 --checkpoint_every=50 --rejoin_after=10
   python experiments/bench_elastic.py --sections=faults --mode=remote
+  python experiments/bench_elastic.py --sections=faults --mode=distributed --steps=120 \
+    --fault_every=60 --fault_offset=30 --checkpoint_every=60
 
-faults   3 pods of palm_tiny (2 devices each, sync exchange, --microbatches microbatches each,
-         --global_batch rows a step) train --steps steps in --mode
-         (embedded, or remote: one worker process per pod, launched by the run), and pod 1 is
-         lost every --fault_every steps (--fault_offset into each interval), four sides run
-         one after another, after a short warm-up run that fills the cache:
+faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each, --global_batch
+         rows a step) train --steps steps in --mode: embedded; remote (a worker process per
+         pod, launched by the run); distributed (a process per pod, started by pwtrain.launch:
+         the pods compute at once, each on its own process). Every side checkpoints every
+         --checkpoint_every steps. Pod 1 is lost every --fault_every steps (--fault_offset into
+         each interval). Four sides run one after another in each block, after a short warm-up
+         run that fills the compilation cache:
            clean    no fault (the reference step time)
-           elastic  fault.elastic=True and the drill `kill:pod1@stepN`; embedded: the pod's
-                    islands fail, and `rejoin:pod1@stepN+R` (R = --rejoin_after) brings them
-                    back; remote: pod 1's worker process is SIGKILLed, the supervisor relaunches
-                    it and the pod rejoins once it answers. The run drops the pod and carries on,
-                    pod 0 hosting pod 1's work (fault.host_lost_pods)
+           elastic  fault.elastic, the lost pod hosted by the others. Embedded (no process to
+                    kill): the drill kill:pod1@midN (its islands fail while step N runs, their
+                    arrays deleted) and rejoin:pod1@stepN+R (R = --rejoin_after). Remote and
+                    distributed: this script SIGKILLs pod 1's worker or process once step N's
+                    metrics row is written (and only while pod 1 is live); the supervisor or the
+                    launcher starts it again and it rejoins once it is ready
            rebuilt  the same with fault.host_lost_pods=False: the survivors' own program
-           restart  without fault.elastic: resuming from the last checkpoint
-                    (train.checkpoint_every) with a warm compilation cache: embedded, the
-                    process is SIGKILLed once step N is logged and started again; remote, pod
-                    1's worker is SIGKILLed and the supervisor restarts every worker and resumes
-                    (fault.max_restarts)
-         --fault_blocks blocks of the four sides, medians over the blocks. Goodput = (kept
-         steps x the clean run's median step time) / wall time, where wall time runs from the
-         first process start to the last exit; seconds lost per fault = (span - the block's
-         clean span) / faults, where a span runs from the first step's metrics row to the last
-         one's (process starts vary by a second or more from run to run: outside the span;
-         a restart's are inside it). The elastic sides' breakdown (detection, compile, state
-         move) is read from their drop lines: detection is from the drill's kill to the drop
-         (embedded: the kill is at a step boundary; the steps in flight are confirmed first);
-         the steps run again are counted from the log.
+           restart  no fault.elastic, the same SIGKILLs (embedded: of the process, which this
+                    script starts again; remote: of the worker, the supervisor restarting every
+                    worker; distributed: of process 1, the launcher restarting every process),
+                    each start resuming from the last checkpoint
+         --fault_blocks blocks, medians over the blocks. One method for every side: seconds lost
+         per fault = (span - the same block's clean span) / faults, a span running from the
+         first step's metrics row to the last one's (process starts vary by a second or more
+         from run to run: outside the span; a restart's are inside it). Goodput = (steps x the
+         clean run's median step time) / wall time, process start to exit, on every side; and
+         each run's own goodput and badput by cause (its last interval row; a restart's, of its
+         last start). Detection, remote and distributed: from the SIGKILL to the drop's start
+         (its line's log time less the seconds it took); embedded: the drill's own figure
+         ("found X s after the fault"). In distributed mode a process started again must reach
+         the coordinator before the run ends (with fault_offset near --steps it may not).
 first    time to first step (process start to the first metrics row) of palm_tiny and of
          palm_tiny_pipeline: with an empty compilation cache; with the cache the first run left
          in a fresh workdir; and a restart in that workdir, all reading one corpus built first
@@ -39,6 +44,7 @@ first    time to first step (process start to the first metrics row) of palm_tin
 """
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -73,15 +79,20 @@ THREE_PODS = {
 }
 
 
-def start(workdir: str, config: str, overrides: dict, cache: str) -> subprocess.Popen:
-  """pwtrain.main on `config`, its output into `workdir`.log (read with `output`)."""
+def start(workdir: str, config: str, overrides: dict, cache: str, launch=None):
+  """pwtrain.main on `config`, its output into `workdir`.log (read with `output`); with
+  `launch` (pwtrain.launch's flags), its processes under the launcher."""
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  command = [
-    sys.executable, "-m", "pwtrain.main", f"--config={REPO / 'configs' / config}",
-    f"--workdir={workdir}", f"--config.train.compile_cache_dir={cache}", *flags,
+  main = [
+    f"--config={REPO / 'configs' / config}", f"--workdir={workdir}",
+    f"--config.train.compile_cache_dir={cache}", *flags,
   ]  # fmt: skip
+  if launch is None:
+    command = [sys.executable, "-m", "pwtrain.main", *main]
+  else:
+    command = [sys.executable, "-m", "pwtrain.launch", *launch, "--", *main]
   with open(f"{workdir}.log", "a") as log:
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -91,12 +102,16 @@ def output(workdir: str) -> str:
     return f.read()
 
 
-def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
+def rows(workdir: str, name: str = "metrics.jsonl") -> list[dict]:
   path = os.path.join(workdir, name)
   if not os.path.isfile(path):
     return []
   with open(path) as f:
-    return [json.loads(line)["step"] for line in f if '"loss"' in line]
+    return [json.loads(line) for line in f if line.endswith("\n")]  # not a row half written
+
+
+def logged_steps(workdir: str, name: str = "metrics.jsonl") -> list[int]:
+  return [row["step"] for row in rows(workdir, name) if "loss" in row]
 
 
 class Watch:
@@ -104,13 +119,24 @@ class Watch:
   across every process started there."""
 
   def __init__(self, workdir: str):
-    self.workdir, self.seen = workdir, {}
+    self.workdir, self.seen, self.steps, self.pods_live, self._stat = workdir, {}, [], None, None
 
   def poll(self) -> list[int]:
-    steps = logged_steps(self.workdir)
-    for step in steps:
+    """The steps logged; the file is read again only when it changed (the poll shares the
+    CPU with the run it times)."""
+    try:
+      info = os.stat(os.path.join(self.workdir, "metrics.jsonl"))
+      stat = (info.st_size, info.st_mtime_ns, info.st_ino)
+    except OSError:
+      stat = None
+    if stat != self._stat:
+      written = rows(self.workdir)
+      self._stat, self.steps = stat, [row["step"] for row in written if "loss" in row]
+      live = [row["pods_live"] for row in written if "pods_live" in row]
+      self.pods_live = live[-1] if live else None  # not every row has it (an interval's)
+    for step in self.steps:
       self.seen.setdefault(step, time.perf_counter())
-    return steps
+    return self.steps
 
   def wait(self, proc: subprocess.Popen, until=None) -> None:
     """Polls until `proc` exits, or until `until(steps)` holds."""
@@ -131,21 +157,22 @@ class Watch:
 
 
 def pods(args) -> dict:
-  """The three pods' settings in --mode, with --microbatches and --global_batch."""
-  batch = {"train.num_microbatches": args.microbatches, "train.global_batch": args.global_batch}
+  """The three pods' settings in --mode, with --microbatches, --global_batch and
+  --checkpoint_every (every side's)."""
+  batch = {
+    "train.num_microbatches": args.microbatches, "train.global_batch": args.global_batch,
+    "train.checkpoint_every": args.checkpoint_every, "train.num_steps": args.steps,
+  }  # fmt: skip
   if args.mode == "remote":
     return {**THREE_PODS, **batch, "backend.mode": "remote", "backend.launch_workers": True}
   return {**THREE_PODS, **batch}
 
 
-def run_clean(root: str, args, cache: str) -> dict:
-  workdir = os.path.join(root, "clean")
-  begin, watch = time.perf_counter(), Watch(workdir)
-  proc = start(workdir, "palm_tiny.py", {**pods(args), "train.num_steps": args.steps}, cache)
-  watch.wait(proc)
-  assert proc.returncode == 0, output(workdir)[-3000:]
-  wall = time.perf_counter() - begin
-  return {"wall_s": wall, "span_s": watch.span_s(), "step_s": watch.step_s(), "faults": 0}
+def launch_flags(args, restarts: int = 0) -> list[str] | None:
+  """Distributed mode: pwtrain.launch's flags (3 processes of 2 devices)."""
+  if args.mode != "distributed":
+    return None
+  return ["--nproc=3", "--devices_per_process=2", f"--max_restarts={restarts}"]
 
 
 def fault_steps(args) -> list[int]:
@@ -154,116 +181,153 @@ def fault_steps(args) -> list[int]:
   return list(range(args.fault_offset, args.steps, args.fault_every))
 
 
-def run_elastic(root: str, args, cache: str, name: str = "elastic", host: bool = True) -> dict:
-  workdir = os.path.join(root, name)
-  steps, rejoin = args.steps, args.rejoin_after
-  drills = []
-  for n in fault_steps(args):
-    drills.append(f"kill:pod1@step{n}")
-    if args.mode == "embedded":  # remote: the relaunched worker rejoins once it answers
-      drills.append(f"rejoin:pod1@step{min(n + rejoin, steps)}")
-  overrides = {
-    **pods(args), "train.num_steps": steps, "fault.elastic": True,
-    "fault.inject": ",".join(drills), "fault.host_lost_pods": host,
-  }  # fmt: skip
-  begin, watch = time.perf_counter(), Watch(workdir)
-  proc = start(workdir, "palm_tiny.py", overrides, cache)
-  watch.wait(proc)
-  out = output(workdir)
-  assert proc.returncode == 0, out[-3000:]
-  wall = time.perf_counter() - begin
-  pattern = (
-    r"lost .*?(?:found ([\d.]+) s after the fault; )?took ([\d.]+) s \(compile ([\d.]+) s, "
-    r"state ([\d.]+) s\); steps (\d+)-(\d+)"
-  )
-  drops = [
-    {"detect_s": float(m[0] or 0), "seconds": float(m[1]), "compile_s": float(m[2]),
-     "state_s": float(m[3]), "rerun": int(m[5]) - int(m[4]) + 1}
-    for m in re.findall(pattern, out)
-  ]  # fmt: skip
-  rejoins = [float(s) for s in re.findall(r"rejoined .* took ([\d.]+) s", out)]
-  return {
-    "wall_s": wall, "span_s": watch.span_s(), "faults": len(drops), "drops": drops,
-    "rejoins_s": rejoins,
-  }  # fmt: skip
+def own_goodput(workdir: str) -> dict:
+  """The run's own goodput and badput by cause: its last interval row's."""
+  last = [row for row in rows(workdir) if "goodput" in row]
+  return {k: v for k, v in last[-1].items() if k == "goodput" or k.startswith("badput_")}
 
 
-def worker_pid(proc: subprocess.Popen, island: str) -> int | None:
-  """The pid of the run's worker process of `island` (remote mode), if it runs."""
-  ps = subprocess.run(
+def pod1(args, proc: subprocess.Popen) -> int | None:
+  """The pid of pod 1's worker (remote) or process (distributed), if it runs."""
+  children = subprocess.run(
     ["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True
-  )
-  for line in ps.stdout.splitlines():
+  ).stdout.splitlines()
+  for line in children:
     pid, command = line.strip().split(None, 1)
-    if "pwtrain.backend.remote.worker" in command and f"--island={island}" in command:
-      return int(pid)
+    if args.mode == "remote":
+      if "pwtrain.backend.remote.worker" in command and "--island=island1" in command:
+        return int(pid)
+      continue
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if b"PWTRAIN_PROCESS_ID=1" in f.read().split(b"\0"):
+          return int(pid)
+    except OSError:
+      continue
   return None
 
 
-def run_restart_remote(root: str, args, cache: str) -> dict:
-  """Remote mode's restart path: pod 1's worker is SIGKILLed once step N is logged; the
-  supervisor restarts every worker and resumes from the last checkpoint, in the same process."""
-  workdir = os.path.join(root, "restart")
-  kills = fault_steps(args)
-  overrides = {
-    **pods(args), "train.num_steps": args.steps, "train.checkpoint_every": args.fault_every,
-    "fault.max_restarts": len(kills),
-  }  # fmt: skip
-  begin, watch = time.perf_counter(), Watch(workdir)
-  proc = start(workdir, "palm_tiny.py", overrides, cache)
-  done = 0
-  while done < len(kills):
-    watch.wait(proc, until=lambda steps, n=kills[done]: n in steps)
-    if proc.poll() is not None:
+def kill_pod1(args, proc, watch: Watch, steps: list[int], elastic: bool) -> list[float]:
+  """SIGKILLs pod 1's worker or process once each step of `steps` has its row (elastic: only
+  while pod 1 is live, as the rows' pods_live say), until `proc` exits; the kills' times."""
+  kills = []
+  for n in steps:
+
+    def due(seen, n=n):
+      if n not in seen:
+        return False
+      return not elastic or watch.pods_live == 3
+
+    watch.wait(proc, until=due)
+    pid = pod1(args, proc) if proc.poll() is None else None
+    if pid is None:
       break
-    pid = worker_pid(proc, "island1")
-    if pid is not None:
-      os.kill(pid, signal.SIGKILL)
-      done += 1
+    os.kill(pid, signal.SIGKILL)
+    kills.append(time.time())
+  return kills
+
+
+def detections(out: str, kills: list[float]) -> list[float]:
+  """Seconds from each kill to the start of the next drop: its line's log time (absl's
+  "W1127 03:31:26.4277"; the line is written once the drop is done) less the drop's own seconds
+  (its "took")."""
+  year = datetime.datetime.now().year
+  times = []
+  for line in out.splitlines():
+    if " lost (" not in line or not re.search(r"pod [\d,]+ lost", line):
+      continue
+    m = re.search(r"[IWEF](\d{4}) (\d\d:\d\d:\d\d\.\d+)", line)
+    took = re.search(r"took ([\d.]+) s", line)
+    if m and took:
+      stamp = datetime.datetime.strptime(f"{year}{m[1]} {m[2]}", "%Y%m%d %H:%M:%S.%f")
+      times.append(stamp.timestamp() - float(took[1]))
+  found = []
+  for kill in kills:
+    after = [t for t in times if t >= kill]
+    if after:
+      found.append(min(after) - kill)
+  return found
+
+
+DROP = (
+  r"lost .*?(?:found ([\d.]+) s after the fault; )?took ([\d.]+) s \(compile ([\d.]+) s, "
+  r"state ([\d.]+) s\); (?:steps (\d+)-(\d+) run again)?"
+)
+
+
+def run_side(root: str, args, cache: str, name: str) -> dict:
+  """One side of a block (see the module doc)."""
+  workdir = os.path.join(root, name)
+  overrides, kills = pods(args), fault_steps(args)
+  if name in ("elastic", "rebuilt"):
+    overrides.update({"fault.elastic": True, "fault.host_lost_pods": name == "elastic"})
+    if args.mode == "embedded":
+      drills = [f"kill:pod1@mid{n},rejoin:pod1@step{min(n + args.rejoin_after, args.steps)}"
+                for n in kills]  # fmt: skip
+      overrides["fault.inject"] = ",".join(drills)
+  if name == "restart":
+    return run_restart(workdir, args, cache, overrides)
+  begin, watch = time.perf_counter(), Watch(workdir)
+  proc = start(workdir, "palm_tiny.py", overrides, cache, launch_flags(args))
+  sent = []
+  if name != "clean" and args.mode != "embedded":
+    sent = kill_pod1(args, proc, watch, kills, elastic=True)
   watch.wait(proc)
-  assert proc.returncode == 0, output(workdir)[-3000:]
+  out = output(workdir)
+  assert proc.returncode == 0, out[-3000:]
+  if args.mode == "distributed":  # every survivor logs each drop and rejoin: process 0's lines
+    out = "\n".join(line for line in out.splitlines() if line.startswith("[p0] "))
+  side = {"wall_s": time.perf_counter() - begin, "span_s": watch.span_s(),
+          "step_s": watch.step_s(), "own": own_goodput(workdir)}  # fmt: skip
+  if name == "clean":
+    return {**side, "faults": 0}
+  drops = [
+    {"detect_s": float(m[0]) if m[0] else None, "seconds": float(m[1]),
+     "compile_s": float(m[2]), "state_s": float(m[3]),
+     "rerun": int(m[5]) - int(m[4]) + 1 if m[4] else 0}
+    for m in re.findall(DROP, out)
+  ]  # fmt: skip
+  detect = detections(out, sent) if sent else [d["detect_s"] for d in drops if d["detect_s"]]
+  rejoins = [
+    float(s) for s in re.findall(r"rejoined \(its islands run again\).* took ([\d.]+) s", out)
+  ]
+  faults = len(sent) if args.mode != "embedded" else len(drops)
+  return {**side, "faults": faults, "drops": drops, "detect_s": detect, "rejoins_s": rejoins}
+
+
+def run_restart(workdir: str, args, cache: str, overrides: dict) -> dict:
+  """The restart side: every fault a SIGKILL (see the module doc), every start resuming from
+  the last checkpoint; restarts in the same process (remote's supervisor, the launcher) or, in
+  embedded mode, by this script."""
+  kills = fault_steps(args)
+  begin, watch = time.perf_counter(), Watch(workdir)
+  if args.mode != "embedded":
+    if args.mode == "remote":
+      overrides = {**overrides, "fault.max_restarts": len(kills)}
+    proc = start(workdir, "palm_tiny.py", overrides, cache, launch_flags(args, len(kills)))
+    sent = kill_pod1(args, proc, watch, kills, elastic=False)
+    watch.wait(proc)
+    assert proc.returncode == 0, output(workdir)[-3000:]
+  else:
+    sent = []
+    while True:
+      seen = os.path.getsize(f"{workdir}.log") if os.path.exists(f"{workdir}.log") else 0
+      proc = start(workdir, "palm_tiny.py", overrides, cache)
+      target = kills[len(sent)] if len(sent) < len(kills) else None
+      watch.wait(proc, until=lambda steps, n=target: n is not None and n in steps)
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)  # a lost pod stops every pod: the whole run dies
+        proc.wait()
+      if target is not None and proc.returncode == -signal.SIGKILL:
+        sent.append(time.time())
+        continue
+      assert proc.returncode == 0, output(workdir)[seen:][-3000:]
+      break
   # The rows of steps trained again were set aside at each resume.
   redone = len(logged_steps(workdir, "metrics.rolled_back.jsonl"))
   return {
-    "wall_s": time.perf_counter() - begin, "span_s": watch.span_s(), "faults": done,
-    "steps_redone": redone,
-  }  # fmt: skip
-
-
-def run_restart(root: str, args, cache: str) -> dict:
-  if args.mode == "remote":
-    return run_restart_remote(root, args, cache)
-  workdir = os.path.join(root, "restart")
-  overrides = {
-    **pods(args),
-    "train.num_steps": args.steps,
-    "train.checkpoint_every": args.fault_every,
-  }
-  kills = fault_steps(args)
-  begin, watch = time.perf_counter(), Watch(workdir)
-  starts, redone, last_kill = 0, 0, 0
-  while True:
-    starts += 1
-    seen = os.path.getsize(f"{workdir}.log") if os.path.exists(f"{workdir}.log") else 0
-    proc = start(workdir, "palm_tiny.py", overrides, cache)
-    target = kills[0] if kills else None
-    watch.wait(proc, until=lambda steps, n=target: n is not None and n in steps)
-    if proc.poll() is None:
-      proc.send_signal(signal.SIGKILL)  # a lost pod stops every pod: the whole run dies
-      proc.wait()
-    out = output(workdir)[seen:]
-    resumed = re.search(r"resumed from step (\d+)", out)
-    if starts > 1:  # this start redid the steps between its checkpoint and the last kill
-      redone += last_kill - (int(resumed[1]) if resumed else 0)
-    if target is not None and proc.returncode == -signal.SIGKILL:
-      kills.pop(0)
-      last_kill = target
-      continue
-    assert proc.returncode == 0, out[-3000:]
-    break
-  return {
-    "wall_s": time.perf_counter() - begin, "span_s": watch.span_s(), "faults": starts - 1,
-    "steps_redone": redone,
+    "wall_s": time.perf_counter() - begin, "span_s": watch.span_s(), "faults": len(sent),
+    "steps_redone": redone, "own": own_goodput(workdir),
   }  # fmt: skip
 
 
@@ -272,70 +336,72 @@ SIDES = ("clean", "elastic", "rebuilt", "restart")
 
 def faults(args, cache: str) -> dict:
   """--fault_blocks blocks of the four sides, one after another; per side the medians over the
-  blocks. Seconds lost per fault = (the side's span - the same block's clean span) / faults,
-  where a span runs from the first step's metrics row to the last one's (the process starts,
-  a second or more of noise from run to run, fall outside it; a restart's fall inside)."""
-  # Every side starts warm: a short elastic run compiles the programs of both pod sets first.
+  blocks (see the module doc)."""
+  # Every side starts warm: short runs compile the clean programs (the restart's too) and the
+  # elastic ones of both pod sets first.
   root = tempfile.mkdtemp(prefix="bench_elastic_")
   warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
-  run_elastic(root, warmup, cache, name="warmup", host=False)
+  for name in ("clean", "rebuilt"):
+    run_side(root, warmup, cache, name)
   blocks = []
   for b in range(args.fault_blocks):
     root = tempfile.mkdtemp(prefix=f"bench_elastic_{b}_")
-    block = {"clean": run_clean(root, args, cache)}
-    block["elastic"] = run_elastic(root, args, cache)
-    block["rebuilt"] = run_elastic(root, args, cache, name="rebuilt", host=False)
-    block["restart"] = run_restart(root, args, cache)
+    block = {name: run_side(root, args, cache, name) for name in SIDES}
     clean = block["clean"]
-    for name in SIDES[1:]:
+    for name in SIDES:
       side = block[name]
       side["goodput"] = args.steps * clean["step_s"] / side["wall_s"]
-      side["lost_per_fault_s"] = (side["span_s"] - clean["span_s"]) / max(side["faults"], 1)
+      if name != "clean":
+        side["lost_per_fault_s"] = (side["span_s"] - clean["span_s"]) / max(side["faults"], 1)
     print(
       f"block {b + 1}: clean step {clean['step_s'] * 1e3:.1f} ms, "
-      + ", ".join(f"{n} {block[n]['lost_per_fault_s']:.2f} s/fault" for n in SIDES[1:]),
+      + ", ".join(f"{n} {block[n]['lost_per_fault_s']:.2f} s/fault ({block[n]['faults']})"
+                  for n in SIDES[1:]),
       flush=True,
-    )
+    )  # fmt: skip
     blocks.append(block)
+  return report(args, blocks)
+
+
+def report(args, blocks: list[dict]) -> dict:
   med = lambda name, key: statistics.median(block[name][key] for block in blocks)
   clean_step = med("clean", "step_s")
-  print(
-    f"clean: step {clean_step * 1e3:.1f} ms (median), wall {med('clean', 'wall_s'):.1f} s, "
-    f"span {med('clean', 'span_s'):.1f} s; medians of {len(blocks)} blocks:"
-  )
-  for name in SIDES[1:]:
-    print(
+  print(f"{args.mode}: clean step {clean_step * 1e3:.1f} ms (median); medians of {len(blocks)} "
+        "blocks; lost per fault = (span - clean span) / faults, every side:")  # fmt: skip
+  for name in SIDES:
+    line = (
       f"{name:8s} wall {med(name, 'wall_s'):.1f} s, span {med(name, 'span_s'):.1f} s, goodput "
-      f"{med(name, 'goodput'):.3f}, {med(name, 'lost_per_fault_s'):.2f} s lost per fault "
-      f"({blocks[0][name]['faults']} faults), = {med(name, 'lost_per_fault_s') / clean_step:.1f} "
-      "clean steps"
+      f"{med(name, 'goodput'):.3f}"
     )
+    if name != "clean":
+      lost = med(name, "lost_per_fault_s")
+      faults_n = [block[name]["faults"] for block in blocks]
+      line += (
+        f", {lost:.2f} s lost per fault ({lost / clean_step:.1f} clean steps; faults {faults_n})"
+      )
+    own = {k: statistics.median(block[name]["own"].get(k, 0.0) for block in blocks)
+           for k in blocks[0][name]["own"]}  # fmt: skip
+    line += "; its own: " + ", ".join(
+      f"{k.removeprefix('badput_')} {v:.3f}" for k, v in own.items()
+    )
+    print(line)
+  restart = med("restart", "lost_per_fault_s")
   for name in ("elastic", "rebuilt"):
+    lost = med(name, "lost_per_fault_s")
+    ratio = f"{restart / lost:.1f}x" if lost > 0 else "n/a (its figure is not above zero)"
+    print(f"  restart / {name}: {ratio}")
     drops = [d for block in blocks for d in block[name]["drops"]]
-    for key in ("detect_s", "compile_s", "state_s"):
-      values = [d[key] for d in drops]
-      print(f"  {name} drops, {key}: {', '.join(f'{v:.2f}' for v in values)}")
+    for key in ("compile_s", "state_s"):
+      print(f"  {name} drops, {key}: {', '.join(f'{d[key]:.2f}' for d in drops)}")
+    detect = [s for block in blocks for s in block[name]["detect_s"]]
+    source = "from the SIGKILL to the drop" if args.mode != "embedded" else "the drills'"
+    print(f"  {name} detection ({source}), s: {', '.join(f'{s:.2f}' for s in detect)}")
     print(f"  {name} steps run again per drop: {sorted({d['rerun'] for d in drops})}")
     rejoins = [s for block in blocks for s in block[name]["rejoins_s"]]
     print(f"  {name} rejoins, s: {', '.join(f'{s:.2f}' for s in rejoins)}")
   redone = [block["restart"]["steps_redone"] for block in blocks]
   print(f"  restart: steps redone in all, per block: {redone}")
-  result = {"blocks": blocks}
-  for name in ("elastic", "rebuilt"):
-    # From the drop lines: detection, the drop's own seconds (compile, state) and the steps
-    # run again at the clean step time. What the span adds beyond that (steps of the live pods
-    # slower or faster than the clean run's) is in the span figure, within its noise.
-    drops = [d for block in blocks for d in block[name]["drops"]]
-    parts = statistics.mean(d["detect_s"] + d["seconds"] + d["rerun"] * clean_step for d in drops)
-    lost = med(name, "lost_per_fault_s")
-    print(
-      f"{name}: {parts:.2f} s per fault from its drop lines ({parts / clean_step:.1f} clean "
-      f"steps); restart loses {med('restart', 'lost_per_fault_s') / parts:.1f}x that, and "
-      + (f"{med('restart', 'lost_per_fault_s') / lost:.1f}x its span figure" if lost > 0 else
-         "its span figure is below zero (the degraded steps were no slower)")
-    )  # fmt: skip
-    result[f"{name}_per_fault_from_drops_s"] = parts
-  return result
+  return {"blocks": blocks}
 
 
 def first_step(args) -> dict:
@@ -386,11 +452,12 @@ def first_step(args) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sections", default="faults,first")
-  parser.add_argument("--mode", default="embedded", choices=("embedded", "remote"))
+  parser.add_argument("--mode", default="embedded", choices=("embedded", "remote", "distributed"))
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--fault_every", type=int, default=50)
   parser.add_argument("--fault_offset", type=int, default=25, help="steps into each interval")
-  parser.add_argument("--rejoin_after", type=int, default=10)
+  parser.add_argument("--rejoin_after", type=int, default=10, help="embedded drills")
+  parser.add_argument("--checkpoint_every", type=int, default=50, help="every side's")
   parser.add_argument("--microbatches", type=int, default=1, help="faults: per pod")
   parser.add_argument("--global_batch", type=int, default=12, help="faults: rows per step")
   parser.add_argument("--fault_blocks", type=int, default=3, help="faults: blocks of 4 sides")

@@ -278,6 +278,25 @@ def run_main(workdir, env: dict, overrides: dict, timeout=120, background=False)
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
+  """pwtrain/watch.py reads which process died from JAX's fatal error, as this JAX writes it:
+  the coordination service's tasks that stopped sending heartbeats, or its own process gone."""
+  from pwtrain import watch
+
+  peer = (
+    "F1127 02:52:55.291 24830 client.cc:87] Terminating process because the JAX distributed "
+    "service detected fatal errors. ... absl::Status: UNAVAILABLE: The following tasks are "
+    "unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed. Check the task logs"
+  )
+  assert watch.gone(peer).startswith("process 1 of the run is gone: it stopped sending")
+  service = (
+    "F1127 02:54:56.1 1 client.cc:87] Terminating process because the JAX distributed service "
+    "detected fatal errors. absl::Status: UNAVAILABLE: Failed to send RPC to coordination "
+    "service. Either the leader task was preempted/died/restarted unexpectedly"
+  )
+  assert watch.gone(service).startswith("process 0 of the run is gone: JAX's coordination")
+
+
 @pytest.mark.slow
 @pytest.mark.processes
 def test_a_dead_peer_of_processes_started_by_hand_is_one_line(tmp_path):

@@ -4,6 +4,7 @@ steps      `ElasticSteps`: the run's steps over the live pods (drop, run again, 
 podsets    each set of live pods' harness (lost pods hosted, or rebuilt) and the state moved
            between them
 cells      the live pods' cells kept, copied or rebuilt for another pod set
+lines      a drop's or a rejoin's log line
 agreement  distributed mode: the processes' agreement, step by step, on the live pods
 """
 

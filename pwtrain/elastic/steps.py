@@ -26,12 +26,8 @@ dead one's place `join`s (distributed mode):
            every pod runs again (distributed mode: a dead process started again, agreement.py).
   too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
 
-What the exchange modes do with a lost pod: sync and overlapped sum the survivors' gradients over
-the whole batch (keep_global_batch) and go on; stale applies the in-flight gradient the pods
-computed before the loss (the lost pod's share included) and goes on with the survivors; DiLoCo
-averages only the live pods' deltas at the next outer step. Every metrics row carries
-`pods_live`; each drop and rejoin is one log line naming the pod, the cause and the seconds.
-The drills and the checks of fault.* are pwtrain/drills.py.
+What each exchange mode does with a lost pod: docs/reliability.md. Every metrics row carries
+`pods_live`; each drop and rejoin is one log line (lines.py). Drills: pwtrain/drills.py.
 """
 
 import collections
@@ -48,7 +44,7 @@ from pwtrain import processes
 from pwtrain.backend import run_mode
 from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.drills import parse_inject
-from pwtrain.elastic import cells, report
+from pwtrain.elastic import cells, lines
 from pwtrain.elastic.agreement import Agreement
 from pwtrain.elastic.podsets import PodSets
 from pwtrain.harness import Harness, StepOutputs, eval_sums
@@ -262,6 +258,7 @@ class ElasticSteps:
     try:
       if self._agreement is None:
         values = self._read(pending.out.metrics.result())
+        self._copied(pending.out.state)  # whole: metrics may be ready before it, not enough
       else:
         values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
@@ -282,6 +279,9 @@ class ElasticSteps:
     self.controller.wait()  # every dispatched step has run or failed
     lost_islands = self.controller.lost or {error.island: error.cause}
     lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
+    if not lost:  # nothing to drop: running the same steps again on the same pods would fail
+      raise RuntimeError(f"a step on the live pods {self.live} failed with a dropped pod's loss "
+                         f"({error}): it read something of that pod") from error  # fmt: skip
     live = tuple(p for p in self.live if p not in lost)
     causes = [lost_islands.get(self._islands[p][0].name, error.cause) for p in lost]
     cause = "; ".join(dict.fromkeys(causes)) or error.cause  # each lost pod's, once
@@ -359,9 +359,9 @@ class ElasticSteps:
     return moved
 
   def _copied(self, state: dict) -> None:
-    """Waits until the state copied onto returning pods has arrived (embedded mode; a copy
-    from a pod lost meanwhile fails with its IslandLost). Remote workers' copies are found
-    failed, if they are, at the next step; distributed mode's processes agree on the rejoin."""
+    """Waits until `state` (a step's, or one copied onto returning pods) is computed (embedded
+    mode; a piece that waited on a pod lost meanwhile fails with its IslandLost). Remote: found
+    failed, if it is, at the next step; distributed mode's processes agree on it."""
     if self._agreement is None and not self.controller.cluster.remote:
       self._read(run_mode.results(state), fetch=False)
 
@@ -389,12 +389,11 @@ class ElasticSteps:
         self._rejoining.add(drill.pod)
 
   def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", **parts):
-    """One log line for a drop or a rejoin (report.line). A rejoin's seconds are badput of the
-    degraded run it ends (a drop's are counted with what it lost: `_drop`)."""
+    """A drop's or a rejoin's log line (lines.py), `at` where it happened; `parts`: its seconds
+    by cause. A rejoin's seconds are badput of the degraded run it ends (a drop's: `_drop`)."""
     if kind == "rejoin" and self.goodput is not None and self.goodput.inside is None:
       self.goodput.add("degraded", seconds)
+    event = dict(kind=kind, pods=pods, cause=cause, at=at, live=len(self.live), again=again,
+                 num_pods=self.num_pods, seconds=seconds, detect_s=detect_s)  # fmt: skip
     hosts = getattr(self.step_program, "hosts", {}) if kind == "drop" else {}
-    live = (len(self.live), self.num_pods)
-    log.warning(
-      "%s", report.line(kind, pods, cause, at, live, seconds, detect_s, again, parts, hosts)
-    )
+    log.warning("%s", lines.line(event, parts, hosts))
