@@ -232,6 +232,15 @@ def status(code: int) -> int:
   return 128 - code if code < 0 else code
 
 
+def late_rejoins(codes: list[int], left: set[int], starts, drops: bool) -> list[int]:
+  """With elastic pods (`drops`) and process 0 done (exit 0: the run finished, its checkpoints
+  written by process 0), the processes started again that exited non-zero without being left
+  out: they could not rejoin a run that had ended, which is no failure of the run."""
+  if not drops or codes[0] != 0:
+    return []
+  return [i for i, c in enumerate(codes) if i and c and starts[i] and i not in left]
+
+
 def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
@@ -301,6 +310,10 @@ def run(args) -> int:
       p.wait()
     current[-1].close()
     codes = [p.returncode for p in procs]
+    for i in late_rejoins(codes, left, starts, drops):
+      print(f"{PREFIX} process {i}, started again, {describe_exit(codes[i])}: the run finished "
+            "before it rejoined")  # fmt: skip
+      left.add(i)
     worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():

@@ -278,6 +278,22 @@ def run_main(workdir, env: dict, overrides: dict, timeout=120, background=False)
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_process_started_again_after_the_run_finished_is_no_failure():
+  """The launcher's verdict with elastic pods: a process started again that could not rejoin
+  because process 0 had finished the run does not make a finished run exit non-zero; with
+  process 0 failed, or without elastic pods, or a process never started again, it still does."""
+  from collections import Counter
+
+  from pwtrain.launch import late_rejoins
+
+  started = Counter({1: 1})
+  assert late_rejoins([0, 1, 0], set(), started, drops=True) == [1]
+  assert late_rejoins([1, 1, 0], set(), started, drops=True) == []
+  assert late_rejoins([0, 1, 0], set(), started, drops=False) == []
+  assert late_rejoins([0, 0, 1], set(), started, drops=True) == []
+  assert late_rejoins([0, 1, 0], {1}, started, drops=True) == []
+
+
 def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
   """pwtrain/watch.py reads which process died from JAX's fatal error, as this JAX writes it:
   the coordination service's tasks that stopped sending heartbeats, or its own process gone."""
