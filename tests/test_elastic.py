@@ -368,7 +368,9 @@ def test_remote_two_pods_lose_one_during_a_save_and_get_it_back(tmp_path, caplog
   pod 0 rejoins at step 8. Every checkpoint that committed is whole: the step-3 save committed
   or was discarded (one line, and no Orbax warning), and a plain embedded run resumed from step
   6 continues the uninterrupted trajectory."""
+  # Kept: every save (the step-3 save is told committed from discarded by its directory).
   two = {"parallel.islands": 2, "parallel.pods": 2, "train.checkpoint_every": 3}
+  two["train.keep_checkpoints"] = 5
   straight = train.run(
     small_config(**{**THREE_PODS, **two}), str(tmp_path / "a"), show_progress=False
   )

@@ -29,6 +29,7 @@ import jax
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.dispatch import LocalDispatcher
+from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.backend.program import Executable, Program
 from pwtrain.backend.scheduler import here_only
 from pwtrain.backend.trace import Trace
@@ -112,6 +113,16 @@ class Controller:
   def lost(self) -> dict[str, str]:
     """{island: cause} of the islands lost now."""
     return self._dispatcher.lost()
+
+  def loss_behind(self, value) -> IslandLost | None:
+    """The IslandLost behind a failed read of `value` (arrays, or trees of them): that of the
+    lost island one of whose arrays in it is gone (deleted with its island), else None."""
+    devices = {
+      device: IslandLost(name, cause)
+      for name, cause in self.lost.items()
+      for device in self.cluster[name].devices
+    }
+    return read_of_lost(value, devices)
 
   def answering(self) -> set[str]:
     """The lost islands that answer again and may rejoin (remote: their workers were

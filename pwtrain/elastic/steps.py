@@ -42,7 +42,7 @@ import numpy as np
 
 from pwtrain import processes
 from pwtrain.backend import run_mode
-from pwtrain.backend.faults import IslandLost, read_of_lost
+from pwtrain.backend.faults import IslandLost
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells, lines
 from pwtrain.elastic.agreement import Agreement
@@ -214,15 +214,7 @@ class ElasticSteps:
     try:
       return jax.device_get(value) if fetch else jax.block_until_ready(value)
     except RuntimeError as e:
-      lost = self.controller.lost
-      devices = {
-        d: IslandLost(i.name, lost[i.name])
-        for islands in self._islands.values()
-        for i in islands
-        if i.name in lost
-        for d in i.devices
-      }
-      raise read_of_lost(value, devices) or e from None
+      raise self.controller.loss_behind(value) or e from None
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
     host_metrics = self._agreement is None  # distributed: read once the processes agree

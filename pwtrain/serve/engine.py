@@ -89,7 +89,7 @@ class Engine:
     self._pieces: pieces_lib.Pieces | None = None
     self._carried: dict = {}  # the caches and `last`: the newest program's outputs
     self._flights: collections.deque = collections.deque()
-    self._landing = Landing(self._lock)  # marks each flight ready once it has run
+    self._landing = Landing(self._lock, controller.loss_behind)  # marks each flight ready
     self._prefill_next = True  # prefill chunks and decode steps take turns
     self._stopping = False
     self.step: int | None = None  # the step of the weights of the last token
