@@ -487,10 +487,11 @@ def test_bad_records_can_be_skipped_counted_and_named(tmp_path, caplog):
 
 def test_a_skipped_record_never_leaves_the_validation_split_empty(tmp_path):
   """The held-out split is drawn from the records that read cleanly: here the one file the hash
-  would hold out is the bad one, and the good files still give both splits. (A lone key is held
-  out exactly when its hash says so: the good names are ones it keeps in training.)"""
-  candidates = (str(tmp_path / f"good{i}.txt") for i in range(1000))
-  good = [path for path in candidates if not corpus.held_out_keys([path], corpus.EVAL_FRACTION)][:4]
+  would hold out is the bad one, and the good files still give both splits. (The good names are
+  ones the hash keeps in training: among many keys, exactly those it holds out are held out.)"""
+  candidates = [str(tmp_path / f"good{i}.txt") for i in range(1000)]
+  held = corpus.held_out_keys(candidates, corpus.EVAL_FRACTION)
+  good = [path for path in candidates if path not in held][:4]
   bad = next(
     str(tmp_path / f"bad{i}.txt")
     for i in range(10_000)

@@ -317,13 +317,13 @@ def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
 @pytest.mark.processes
 def test_a_dead_peer_of_processes_started_by_hand_is_one_line(tmp_path):
   """Two runs of two processes started as a cluster scheduler starts them (the coordinator, the
-  process count and the ids in the environment; no launcher), side by side: in one, process 1
+  process count and the ids in the environment; no launcher), one after the other (side by side,
+  four processes on two cores delayed JAX's heartbeat checks past the margin): in one, process 1
   is SIGKILLed from outside at a seeded random time; in the other, process 0, which runs JAX's
   coordination service. Each survivor says so in one pwtrain line naming the dead process and
   exits with status 1, within the heartbeat timeout (3 x fault.heartbeat_s) of the kill and a
   margin for JAX's checks: no traceback, no C++ stack, no dump of threads."""
   run = {**PODS, "train.num_steps": 400, "train.log_every": 1, "fault.heartbeat_s": 1.0}
-  runs = {}
   for victim in (1, 0):
     workdir, coordinator = tmp_path / f"without{victim}", f"127.0.0.1:{free_port()}"
     env = {"PWTRAIN_COORDINATOR": coordinator, "PWTRAIN_NUM_PROCESSES": "2"}
@@ -332,8 +332,7 @@ def test_a_dead_peer_of_processes_started_by_hand_is_one_line(tmp_path):
       for i in range(2)
     ]
     trains = lambda parent=procs[victim].pid: child_with_env(parent, "PWTRAIN_WATCHED", "1")
-    runs[victim] = procs, Killer(workdir, [Kill(3, trains, within=0.5)], seed=victim)
-  for victim, (procs, killer) in runs.items():
+    killer = Killer(workdir, [Kill(3, trains, within=0.5)], seed=victim)
     survivor = procs[1 - victim]
     err = survivor.communicate(timeout=300)[1].decode(errors="replace")
     ended = time.time()

@@ -79,11 +79,12 @@ def _post(server, body, token=TOKEN, **kw):
   )
 
 
-def test_the_openai_client_completes_and_streams(server):
+def test_the_openai_client_completes_and_streams(server, trained):
   client = _client(server)
-  assert [m.id for m in client.models.list().data] == ["trained0"]
+  name = trained[1].name  # the model's name is its run's workdir's
+  assert [m.id for m in client.models.list().data] == [name]
   out = client.completions.create(
-    model="trained0", prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
+    model=name, prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
     seed=1, logprobs=2,
   )  # fmt: skip
   assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
@@ -101,14 +102,14 @@ def test_the_openai_client_completes_and_streams(server):
   )
   # The same seed gives the same samples.
   again = client.completions.create(
-    model="trained0", prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
+    model=name, prompt=["def f(x):", "import os"], max_tokens=5, n=2, temperature=0.7,
     seed=1, logprobs=2,
   )  # fmt: skip
   assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
   chunks = list(
     client.completions.create(
-      model="trained0", prompt="class A:", max_tokens=6, temperature=0, stream=True,
+      model=name, prompt="class A:", max_tokens=6, temperature=0, stream=True,
       stream_options={"include_usage": True},
     )
   )  # fmt: skip
@@ -118,9 +119,7 @@ def test_the_openai_client_completes_and_streams(server):
     c.finish_reason is None for c in texts[:-1]
   )
   assert all(c.system_fingerprint == f"pwtrain-step-{STEPS}" for c in chunks[:-1])
-  whole = client.completions.create(
-    model="trained0", prompt="class A:", max_tokens=6, temperature=0
-  )
+  whole = client.completions.create(model=name, prompt="class A:", max_tokens=6, temperature=0)
   assert "".join(c.text for c in texts) == whole.choices[0].text
 
 
@@ -281,7 +280,7 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
   port = _free_port()
   config = small_config(
     **{
-      **RUN, "train.num_steps": 8, "train.num_microbatches": 2, "parallel.islands": 4,
+      **RUN, "train.num_steps": 16, "train.num_microbatches": 2, "parallel.islands": 4,
       "parallel.stages": 2, "parallel.pods": 2, "fault.elastic": True,
       "fault.inject": "kill:pod1@step3,rejoin:pod1@step6", "serve.enabled": True,
       "serve.port": port, "serve.max_len": 32, "serve.prefill_chunk": 16,
@@ -297,7 +296,7 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
   finally:
     done.set()
     client.join()
-  assert result.final_step == 8
+  assert result.final_step == 16
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
   assert len(ok) >= 3, responses
