@@ -97,14 +97,22 @@ def run_program(config, batches, devices=None):
   from pwtrain.harness import Harness
 
   with Harness.build(config, devices) as harness:
-    state, metrics = harness.init(), []
-    for i, batch in enumerate(batches):
-      out = harness.step(state, batch, i)
-      state = out.state
-      metrics.append(out.metrics)
-    metrics = jax.device_get([m.result() for m in metrics])
-    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+    metrics, state = step_through(harness, harness.init(), batches)
   return harness.step_program, metrics, jax.device_get(state)
+
+
+def step_through(harness, state, batches):
+  """(host metrics of each step, the final state's values) of `harness` stepping `state` through
+  `batches`."""
+  import jax
+
+  metrics = []
+  for i, batch in enumerate(batches):
+    out = harness.step(state, batch, i)
+    state = out.state
+    metrics.append(out.metrics)
+  metrics = jax.device_get([m.result() for m in metrics])
+  return metrics, {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
 
 
 def run_steps(config, batches, devices=None):

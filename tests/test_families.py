@@ -15,7 +15,14 @@ import os
 
 import jax
 import pytest
-from helpers import SGD, assert_close, assert_trees_close, random_batches, tiny_test_config
+from helpers import (
+  SGD,
+  assert_close,
+  assert_trees_close,
+  random_batches,
+  step_through,
+  tiny_test_config,
+)
 
 from pwtrain import dryrun
 from pwtrain.checkpoint import Checkpointer
@@ -72,13 +79,7 @@ def run(config, batches, devices=None, workdir=None):
       _, whole, _ = reader.restore_latest(program.abstract_state)
       reader.close()
       state = program.from_checkpoint(whole)
-    metrics = []
-    for i, batch in enumerate(batches):
-      out = harness.step(state, batch, i)
-      state = out.state
-      metrics.append(out.metrics)
-    metrics = jax.device_get([m.result() for m in metrics])
-    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+    metrics, state = step_through(harness, state, batches)
     return metrics, jax.device_get(program.to_checkpoint(state))
 
 
