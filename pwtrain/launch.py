@@ -14,8 +14,8 @@ exits 0, pwtrain/preemption.py). When a process dies the launcher names it and s
 (SIGTERM, then SIGKILL after --grace_s); if the config's `fault.max_restarts` allows, it starts
 all of them again, and they resume from the last checkpoint. With `fault.elastic` a process
 other than process 0 that dies is named, the others go on without its pod, and it is started
-again ($PWTRAIN_REJOIN=1, at most MAX_STARTS times) once they have left it out (its heartbeat
-timeout, 3 x fault.heartbeat_s, and a second): it rejoins them at a step boundary
+again ($PWTRAIN_REJOIN=1, at most MAX_STARTS times) once process 0 says that they have left it
+out (a line of its own, processes.tell_launcher): it rejoins them at a step boundary
 (pwtrain/elastic/agreement.py). Process 0 serves the coordination service, and losing it stops
 and restarts them all. It exits with the worst status of the last attempt's processes that did
 not die and leave the others going (0 when they all succeeded; a process killed by signal s
@@ -38,7 +38,7 @@ import threading
 import time
 
 from pwtrain import console
-from pwtrain.processes import REJOIN_ENV, describe_exit
+from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
 
@@ -95,17 +95,15 @@ def max_restarts(main_args: list[str]) -> int:
   return int(config_lib.load(_flag(main_args, "config", "palm_tiny")).fault.max_restarts)
 
 
-def elastic(main_args: list[str]) -> float | None:
-  """With fault.elastic (of the config the processes will load, with its command-line
-  overrides), its heartbeat timeout in seconds (3 x fault.heartbeat_s, as pwtrain.main joins
-  the run with); None without."""
+def elastic(main_args: list[str]) -> bool:
+  """Whether the config the processes will load (with its command-line overrides) sets
+  fault.elastic."""
   from pwtrain import config as config_lib
 
-  config = config_lib.load(_flag(main_args, "config", "palm_tiny"))
   override = _flag(main_args, "config.fault.elastic")
-  if not (override.lower() in ("true", "1") if override else config.fault.elastic):
-    return None
-  return 3 * float(_flag(main_args, "config.fault.heartbeat_s") or config.fault.heartbeat_s)
+  if override:
+    return override.lower() in ("true", "1")
+  return bool(config_lib.load(_flag(main_args, "config", "palm_tiny")).fault.elastic)
 
 
 def free_port() -> int:
@@ -158,6 +156,8 @@ class Attempt:
         self.logs[i].write(f"{PREFIX} restart {attempt}\n")
       self.procs.append(self._start(i, {}))
     self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
+    # The processes the run's barriers wait for, as process 0 last said (None: every one).
+    self.waited_for: frozenset[int] | None = None
     self._selector = selectors.DefaultSelector()
     for i, proc in enumerate(self.procs):
       self._selector.register(proc.stdout, selectors.EVENT_READ, i)
@@ -185,9 +185,16 @@ class Attempt:
         text = line.decode(errors="replace")
         self.logs[key.data].write(text)
         self.logs[key.data].flush()
+        if key.data == 0 and (said := barrier_line(text)) is not None:
+          self.waited_for = said  # in process 0's log, not on the console
+          continue
         if self._on_console(key.data, text):
           sys.stdout.write(f"[p{key.data}] {text}")
           sys.stdout.flush()
+
+  def left_out(self, i: int) -> bool:
+    """Whether process 0 has said that the run's barriers no longer wait for process `i`."""
+    return self.waited_for is not None and i not in self.waited_for
 
   def _on_console(self, process: int, line: str) -> bool:
     """One console: process 0's lines and the others' warnings and errors, without Gloo's
@@ -223,6 +230,14 @@ class Attempt:
 _INFO_LINE = re.compile(r"^I\d{4} \d\d:\d\d:\d\d")
 
 
+def barrier_line(line: str) -> frozenset[int] | None:
+  """The processes that a line of process 0's output says the run's barriers wait for
+  (processes.tell_launcher); None if it is another line."""
+  if not line.startswith(LAUNCHER_LINE):
+    return None
+  return frozenset(int(i) for i in line[len(LAUNCHER_LINE) :].strip().split(",") if i)
+
+
 # How often a dead process is started again while the others go on (fault.elastic).
 MAX_STARTS = 3
 
@@ -246,9 +261,8 @@ def run(args) -> int:
   os.makedirs(log_dir, exist_ok=True)
   restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
   # fault.elastic: a dead process other than 0 leaves the others going, and is started again
-  # once they have left it out (its heartbeat timeout, and a second), at most MAX_STARTS times.
-  heartbeat_timeout_s = elastic(args.main_args)
-  drops = heartbeat_timeout_s is not None
+  # once process 0 says they have left it out, at most MAX_STARTS times.
+  drops = elastic(args.main_args)
   stopping = threading.Event()
   current: list[Attempt] = []
 
@@ -269,12 +283,12 @@ def run(args) -> int:
     stop_at = None
     stopped: set[int] = set()  # processes this launcher stopped itself
     left: set[int] = set()  # processes that died while the others went on (fault.elastic)
-    again: dict[int, float] = {}  # process -> when to start it again (fault.elastic)
+    again: set[int] = set()  # processes to start again once left out (fault.elastic)
     starts = collections.Counter()
     while any(p.poll() is None for p in procs) or again:
-      for i, at in list(again.items()):
-        if time.monotonic() >= at:
-          del again[i]
+      for i in sorted(again):
+        if current[-1].left_out(i) or procs[0].poll() is not None or stopping.is_set():
+          again.discard(i)
           if procs[0].poll() is None and not stopping.is_set():  # the run still goes on
             print(f"{PREFIX} process {i} started again: it rejoins at a step boundary")
             sys.stdout.flush()
@@ -297,7 +311,7 @@ def run(args) -> int:
           left.add(failed)
           starts[failed] += 1
           if starts[failed] <= MAX_STARTS:
-            again[failed] = time.monotonic() + heartbeat_timeout_s + 1.0
+            again.add(failed)
           continue
         why = ": it serves the coordination service, which elastic pods need" if drops else ""
         print(f"{PREFIX} {died}{why}; stopping the other processes")

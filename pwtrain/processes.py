@@ -62,12 +62,34 @@ def leave_out(ids) -> None:
   point of the run (elastic/agreement.py does, once they agree which are gone)."""
   _LEFT_OUT.update(ids)
   _GENERATION[0] += 1
+  tell_launcher(live())
 
 
 def take_back(ids) -> None:
   """Processes `ids`, started again in the place of dead ones, are live again (`leave_out`)."""
   _LEFT_OUT.difference_update(ids)
   _GENERATION[0] += 1
+  tell_launcher(live())
+
+
+# The line on which process 0 tells pwtrain.launch which processes the run's barriers wait for.
+LAUNCHER_LINE = "[pwtrain:barriers]"
+
+
+def tell_launcher(ids) -> None:
+  """Process 0 of a run pwtrain.launch started: prints, on a line of its own that the launcher
+  reads and does not echo, the processes that the run's barriers (JAX's live-nodes barrier
+  included) wait for from now on. The launcher starts a dead process again only once it is not
+  among them: a process started again while the others may still be in a live-nodes barrier
+  over its id would be live in that barrier without ever entering it, and they would wait
+  forever (`launch.barrier_line`)."""
+  line = f"{LAUNCHER_LINE} {','.join(str(i) for i in sorted(ids))}"
+  if jax.process_index() == 0 and os.environ.get("PWTRAIN_LAUNCHER_PID") and line != _TOLD[0]:
+    print(line, flush=True)
+    _TOLD[0] = line
+
+
+_TOLD = [""]  # the last line `tell_launcher` printed
 
 
 def generation() -> int:

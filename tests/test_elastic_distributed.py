@@ -78,6 +78,11 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   assert_close([v for _, v in got], [e["eval_loss"] for e in straight.evals], "evaluations")
   for i in (1, 2):
     assert f"process {i} " in stdout and f"process {i} started again" in stdout
+  # Process 0 told the launcher whom the barriers wait for as each drop and rejoin happened
+  # (a process is started again only once they no longer wait for it), on its log only.
+  told = [line.split()[1] for line in logs.splitlines() if line.startswith("[pwtrain:barriers]")]
+  assert told == ["0,2", "0", "0,1", "0,1,2"], told
+  assert "[pwtrain:" not in stdout
   console = [line for line in stdout.splitlines() if line.startswith("[p0]")]
   (lost,) = [line for line in console if "pod 1 lost" in line]
   assert "process 1 left the run" in lost, lost
@@ -85,9 +90,14 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   assert lost.endswith("the evaluation runs again; pod 1's work runs on pod 0"), lost
   (lost,) = [line for line in console if "pod 2 lost" in line]
   assert "process 2 left the run" in lost and "1 of 3 pods live" in lost, lost
-  for kill, pod in zip(killer.kills, (1, 2), strict=True):  # from the signal to the drop's line
+  # From the signal to the drop's line. Pod 1's process dies as the survivors wait in the
+  # evaluation's agreement: they find it gone by its missing heartbeats, within JAX's heartbeat
+  # timeout (3 x 1 s), the coordination service's staleness check (once a second), a heartbeat
+  # period and a margin. Pod 2's dies while process 0 saves: they find it at the agreement after
+  # the save, however long the save took on this machine (its latency: bench_elastic).
+  for kill, pod in zip(killer.kills, (1, 2), strict=True):
     (lost,) = [line for line in console if f"pod {pod} lost" in line]
-    assert 0 < logged_at(lost) - kill.at < 3 * 1.0 + 1.5, (lost, kill.at)
+    assert 0 < logged_at(lost) - kill.at < (3 * 1.0 + 1.0 + 1.0 + 1.5 if pod == 1 else 120), lost
   # The failed steps' first run and the drops are badput of steps run again; the steps with
   # pods lost took longer (pod 0's process ran their work too) and the rejoins took time.
   last = [row for row in rows if "goodput" in row][-1]

@@ -25,14 +25,16 @@ backend/distributed.py), so a process that dies does not take the others with it
             and it reads every data stream, so no save waits for another process, and one that
             dies while a save is written changes nothing of it. The gone processes are left out
             of the run's live processes (processes.leave_out): barriers span the survivors.
-  rejoin    pwtrain.launch starts a dead process again (same id, $PWTRAIN_REJOIN) once the
-            others have left it out. It builds its programs, starts its transfer server (its
-            address replaces its predecessor's), says it is ready (`join`) and waits. Process 0
-            tells the live processes so in the next `confirm`, and at the next step boundary
-            (before the batch is read) they hand it, through the key-value store, everything
-            they pair by counting: the program number (which names every pull), every
-            `processes.next_key` count, the live processes' generation, the step, the live pods
-            and the data position (`welcome`); it takes
+  rejoin    pwtrain.launch starts a dead process again (same id, $PWTRAIN_REJOIN) once
+            process 0 has told it that the others left it out (processes.tell_launcher): one
+            started while they may still be in a live-nodes barrier over its id would be live
+            there without entering it, and they would wait forever. It builds its programs,
+            starts its transfer server (its address replaces its predecessor's), says it is
+            ready (`join`) and waits. Process 0 tells the live processes so in the next
+            `confirm`, and at the next step boundary (before the batch is read) they hand it,
+            through the key-value store, everything they pair by counting: the program number
+            (which names every pull), every `processes.next_key` count, the live processes'
+            generation, the step, the live pods and the data position (`welcome`); it takes
             them on, all meet in one `processes.agree` of every process (its new incarnation
             taken), its pod's state is pulled from a live pod's process (cells.hand_over), and
             every pod runs again. It never enters a barrier its predecessor passed (one it
@@ -173,6 +175,9 @@ class Agreement:
     if jax.process_index() == 0:
       for i in new:
         processes.tell(_handover(i), handover)
+    # From the meeting's barrier on, the new processes are waited for: one that dies now is not
+    # started again until the others have left it out anew.
+    processes.tell_launcher(set(processes.live()) | set(new))
     self._meet(new)
     for i in new:
       self.controller.forget(i)
