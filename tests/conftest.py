@@ -7,9 +7,14 @@ import tempfile
 # as always): the tests' programs are tiny, so compiling is most of their time (~40% less at
 # level 0). Every process the tests start inherits the flag, so the programs compared bitwise
 # across processes are built alike; parity tolerances are unchanged.
+# Each matmul runs on one thread (no Eigen thread pool): the tests' matrices are tiny, so
+# splitting them costs more than it saves (~18% of a pods test), and the suite's two workers
+# (pytest-xdist, pyproject.toml) and the processes tests start share two cores. Every process
+# sums in the same order, so runs stay comparable bitwise across processes.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  + " --xla_cpu_multi_thread_eigen=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU runs a process's matmuls on a thread pool of max($NPROC or the cores, devices) threads,

@@ -43,6 +43,12 @@ class Killer:
     self._thread.start()
 
   def _run(self) -> None:
+    try:
+      self._send()
+    except Exception as e:  # noqa: BLE001 - the test's join names it
+      self.error = f"the killer failed: {e!r}"
+
+  def _send(self) -> None:
     deadline = time.monotonic() + self.timeout_s
     for kill in self.kills:
       delay = self._rng.uniform(0.0, kill.within)
@@ -60,10 +66,12 @@ class Killer:
       kill.at, kill.sent_to = time.time(), pid
 
   def _steps(self) -> set[int]:
+    """The steps of the training rows written whole so far (the last line may be half written)."""
     if not os.path.exists(self.path):
       return set()
     with open(self.path) as f:
-      return {row["step"] for row in map(json.loads, f) if "loss" in row}
+      lines = [line for line in f if line.endswith("\n")]
+    return {row["step"] for row in map(json.loads, lines) if "loss" in row}
 
   def join(self, timeout: float = 60.0) -> None:
     self._thread.join(timeout)

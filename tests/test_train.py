@@ -27,7 +27,9 @@ SMALL = [
 
 
 def read_losses(workdir):
-  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  """{step: loss} of the rows written whole so far (a running process may be mid-line)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.endswith("\n")]
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
