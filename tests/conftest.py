@@ -27,7 +27,8 @@ os.environ.setdefault("NPROC", "8")
 # remote workers): many tests compile the same tiny programs (every train.run of the same small
 # config, a worker's copy of a controller's program). A fresh directory each session, so nothing
 # carries over between runs and every program is still compiled at least once.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="pwtrain_xla_cache_"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # pytest-xdist's workers inherit the session's
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pwtrain_xla_cache_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
