@@ -71,7 +71,8 @@ def compile_on(controller, island, fn, shape=(512, 512)):
 
 
 def test_dispatch_returns_before_results_are_ready():
-  """A 3-node chain across two islands is enqueued in far less time than it takes to run."""
+  """A 3-node chain across two islands is enqueued, and `run` returns, before its result is
+  computed (a state, not a ratio of times: on a loaded machine the dispatch itself is slower)."""
   cluster = Cluster.local([4, 4])
   with Controller(cluster, max_inflight=4) as controller:
     exe0, _ = compile_on(controller, "island0", heavy)
@@ -90,10 +91,11 @@ def test_dispatch_returns_before_results_are_ready():
     t0 = time.perf_counter()
     out = controller.run(program, {"x": x})
     dispatch = time.perf_counter() - t0
+    pending = not out["y"].done() or not out["y"].result().is_ready()
     y = out["y"].result()  # launched, maybe not computed
     jax.block_until_ready(y)
     total = time.perf_counter() - t0
-  assert dispatch < total / 10, (dispatch, total)
+  assert pending, (dispatch, total)
   expected = heavy(heavy(heavy(x)))
   np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-6)
   assert y.sharding == sharding1
