@@ -3,6 +3,7 @@ and the step run every way the parity tests compare. conftest.py sets up the env
 simulated CPU devices) before any of this imports JAX.
 """
 
+import json
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -22,6 +23,21 @@ TINY = {  # an even smaller model than palm_tiny, for fast compiles
   "data.seq_len": 32,
   "train.global_batch": 16,
 }
+
+
+def metrics_rows(workdir) -> list[dict]:
+  """The rows of `workdir`/metrics.jsonl written whole so far (a running process may be
+  mid-line); [] before the file exists."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def step_losses(workdir) -> dict[int, float]:
+  """{step: loss} of the training rows in `workdir`/metrics.jsonl written so far."""
+  return {row["step"]: row["loss"] for row in metrics_rows(workdir) if "loss" in row}
 
 
 def load_config(name="palm_tiny", overrides=None):

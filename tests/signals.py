@@ -8,7 +8,6 @@ for its step's row, then a delay drawn from its seed, then sends SIGKILL to what
 """
 
 import dataclasses
-import json
 import os
 import random
 import signal
@@ -16,6 +15,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+
+from helpers import step_losses
 
 
 @dataclasses.dataclass
@@ -35,7 +36,7 @@ class Killer:
   (a training row: one with "loss"); `seed` draws the delays. `join` waits for all of them."""
 
   def __init__(self, workdir, kills: list[Kill], seed: int, timeout_s: float = 300.0):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.workdir = workdir
     self.kills, self.timeout_s = kills, timeout_s
     self._rng = random.Random(seed)
     self.error: str | None = None
@@ -66,12 +67,8 @@ class Killer:
       kill.at, kill.sent_to = time.time(), pid
 
   def _steps(self) -> set[int]:
-    """The steps of the training rows written whole so far (the last line may be half written)."""
-    if not os.path.exists(self.path):
-      return set()
-    with open(self.path) as f:
-      lines = [line for line in f if line.endswith("\n")]
-    return {row["step"] for row in map(json.loads, lines) if "loss" in row}
+    """The steps of the training rows written whole so far."""
+    return set(step_losses(self.workdir))
 
   def join(self, timeout: float = 60.0) -> None:
     self._thread.join(timeout)

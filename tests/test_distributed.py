@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, SGD, assert_close, assert_trees_close, small_config
+from helpers import REPO, SGD, assert_close, assert_trees_close, small_config, step_losses
 from signals import Kill, Killer, child_with_env
 
 from pwtrain import train
@@ -77,11 +77,6 @@ def process_logs(workdir) -> str:
   return "".join(open(path).read() for path in sorted(glob.glob(f"{workdir}/launch/process*.log")))
 
 
-def losses(workdir) -> dict:
-  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def assert_same_state(a: dict, b: dict) -> None:
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -107,7 +102,7 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   result = launch(tmp_path, 2, PODS)
   assert result.returncode == 0, result.stdout[-3000:]
   want = {r["step"]: r["loss"] for r in embedded_pods.history}
-  got = losses(tmp_path)
+  got = step_losses(tmp_path)
   assert sorted(got) == list(range(1, 13))
   assert all(got[s] == want[s] for s in got), (got, want)
   evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -142,7 +137,7 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 6, "backend.trace": True})
   assert result.returncode == 0, result.stdout[-3000:]
   want = {r["step"]: r["loss"] for r in embedded.history}
-  got = losses(tmp_path / "dist")
+  got = step_losses(tmp_path / "dist")
   assert got and all(got[s] == want[s] for s in got), (got, want)
   # Every transfer between the stages went by pull (backend/pulls.py): each is offered from the
   # sending stage's queue and pulled by the receiving one (traced from the pull to the data's
@@ -176,7 +171,7 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   assert "process 1 could not read it" in next(d for d in damaged if d.startswith("[p0]"))
   assert os.listdir(tmp_path / "dist" / "checkpoints.corrupt") == ["6"]
   assert "resumed from step 4" in result.stdout
-  got = losses(tmp_path / "dist")
+  got = step_losses(tmp_path / "dist")
   assert all(got[s] == want[s] for s in range(5, 9)), (got, want)
 
 
@@ -228,7 +223,7 @@ def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
   assert f"process 1 (pid {killed[0]}) was killed by SIGKILL" in text
   assert "restarting all 2 processes (1 of 1)" in text
   want = {r["step"]: r["loss"] for r in embedded_pods.history}
-  got = losses(tmp_path)
+  got = step_losses(tmp_path)
   assert sorted(got) == list(range(1, 13)) and all(got[s] == want[s] for s in got if s > 4)
   restored = final_state(config_of(PODS), tmp_path)
   assert restored.start_step == 12
@@ -430,7 +425,7 @@ def test_two_pods_of_two_stages_on_four_processes_equal_embedded(tmp_path):
   assert sorted(p for p, _ in read) == ["0", "1", "2", "3"]
   assert sorted(s for _, s in read) == ["0", "0", "1", "1"]
   want = {r["step"]: r["loss"] for r in embedded.history}
-  assert losses(tmp_path / "dist") == want
+  assert step_losses(tmp_path / "dist") == want
   restored = final_state(config_of(layout), tmp_path / "dist")
   assert restored.start_step == 4
   assert_same_state(embedded.state, restored.state)
@@ -466,7 +461,7 @@ def test_one_island_over_two_processes_equals_embedded(tmp_path):
   logs = process_logs(tmp_path / "dist")
   for p in (0, 1):  # the batch rows on its 2 devices: one stream's
     assert f"process {p} reads data streams [{p}] of data.streams=2" in logs
-  got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
+  got, want = step_losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
   assert sorted(got) == sorted(want) == list(range(1, 7))
   assert_close([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], "losses")
   restored = final_state(config_of(layout), tmp_path / "dist")
@@ -504,7 +499,7 @@ def test_pipeline_of_islands_that_span_processes_equals_embedded(tmp_path):
   logs = process_logs(tmp_path / "dist")
   for p in range(4):  # process p holds rows of stream p % 2 on either stage
     assert f"process {p} reads data streams [{p % 2}] of data.streams=2" in logs
-  got, want = losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
+  got, want = step_losses(tmp_path / "dist"), {r["step"]: r["loss"] for r in embedded.history}
   assert got == want and sorted(got) == list(range(1, 7))
   restored = final_state(config_of({**layout, "train.num_steps": 6}), tmp_path / "dist")
   assert restored.start_step == 6

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, TINY, small_config
+from helpers import REPO, TINY, small_config, step_losses
 
 from pwtrain import train
 
@@ -24,13 +24,6 @@ SMALL = [
   "--config.data.max_files=40",
   "--config.train.log_every=2",
 ]
-
-
-def read_losses(workdir):
-  """{step: loss} of the rows written whole so far (a running process may be mid-line)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f if line.endswith("\n")]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -128,19 +121,19 @@ def test_main_interrupted_resumes(sig, uninterrupted, tmp_path):
   deadline = time.time() + 180
   metrics = tmp_path / "metrics.jsonl"
   while time.time() < deadline and proc.poll() is None:
-    if metrics.exists() and any(s >= 2 for s in read_losses(tmp_path)):
+    if metrics.exists() and any(s >= 2 for s in step_losses(tmp_path)):
       break
     time.sleep(0.05)
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-2000:]
-  stopped = max(read_losses(tmp_path))
+  stopped = max(step_losses(tmp_path))
   assert stopped < 12, "the run finished before it could be interrupted"
   assert stopped in {int(d) for d in os.listdir(tmp_path / "checkpoints")}
 
   rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
-  assert read_losses(tmp_path) == read_losses(ref_dir)
+  assert step_losses(tmp_path) == step_losses(ref_dir)
 
 
 def read_tensorboard(directory) -> dict[str, dict[int, float]]:
