@@ -287,13 +287,14 @@ def run(args) -> int:
     starts = collections.Counter()
     while any(p.poll() is None for p in procs) or again:
       for i in sorted(again):
-        if current[-1].left_out(i) or procs[0].poll() is not None or stopping.is_set():
+        if procs[0].poll() is not None or stopping.is_set():  # the run is over: no rejoin
           again.discard(i)
-          if procs[0].poll() is None and not stopping.is_set():  # the run still goes on
-            print(f"{PREFIX} process {i} started again: it rejoins at a step boundary")
-            sys.stdout.flush()
-            current[-1].start_again(i)
-            left.discard(i)
+        elif current[-1].left_out(i):
+          again.discard(i)
+          print(f"{PREFIX} process {i} started again: it rejoins at a step boundary")
+          sys.stdout.flush()
+          current[-1].start_again(i)
+          left.discard(i)
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
