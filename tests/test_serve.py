@@ -437,6 +437,30 @@ def test_pick_applies_each_row_s_own_settings():
     assert int(picked[row]) == int(alone(logits[row][None], keys[row], s, 40)[0]), row
 
 
+def test_outputs_deleted_with_a_lost_island_after_they_ran_read_as_its_loss():
+  """A serving program that ran on an island lost before its outputs were read: the read is
+  that island's IslandLost, which the engine recovers from (a pod lost while serving from it),
+  not an error that fails every request; outputs of islands still live read as ever."""
+  from pwtrain.backend import Cluster, Controller, Node, Program
+  from pwtrain.backend.faults import IslandLost
+  from pwtrain.serve.flights import fetch
+
+  with Controller(Cluster.local([4, 4])) as controller:
+    nodes = []
+    for island in ("island0", "island1"):
+      sharding = jax.sharding.SingleDeviceSharding(controller.cluster[island].devices[0])
+      arg = jax.ShapeDtypeStruct((2,), np.int32, sharding=sharding)
+      exe = controller.compile(f"plus_{island}", lambda x: x + 1, island, (arg,))
+      nodes.append(Node(island, exe, ("x",)))
+    program = Program(tuple(nodes), {"a": ("island0", 0), "b": ("island1", 0)})
+    outputs = controller.run(program, {"x": np.arange(2, dtype=np.int32)})
+    jax.block_until_ready([f.result() for f in outputs.values()])
+    controller.lose("island1", "a drill")
+    with pytest.raises(IslandLost, match="island island1 lost: a drill"):
+      fetch(outputs, controller.loss_behind)
+    np.testing.assert_array_equal(fetch({"a": outputs["a"]}, controller.loss_behind)["a"], [1, 2])
+
+
 # -- the command -------------------------------------------------------------------------------
 
 

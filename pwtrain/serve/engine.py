@@ -43,13 +43,12 @@ import logging
 import threading
 import time
 
-import jax
 import numpy as np
 
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import NotPublished
 from pwtrain.serve import pieces as pieces_lib
-from pwtrain.serve.flights import Flight, Landing
+from pwtrain.serve.flights import Flight, Landing, fetch
 from pwtrain.serve.metrics import Stats
 from pwtrain.serve.sequences import (
   Completion,
@@ -224,7 +223,7 @@ class Engine:
       )  # fmt: skip
     try:
       probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
-      jax.block_until_ready([f.result() for f in probe.values()])
+      fetch(probe, self.controller.loss_behind)
     except NotPublished:
       return False
     self._carried = self.controller.run(pieces.init, {}, priority=True)
@@ -314,7 +313,7 @@ class Engine:
     self._flights.popleft()
     if flight.error is not None:
       raise flight.error
-    values = jax.device_get({k: f.result() for k, f in flight.outputs.items()})
+    values = flight.values
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()

@@ -1,6 +1,10 @@
 """The serving engine's programs in flight (engine.py): each dispatched program's outputs with
-the sequence each row serves (`Flight`), and the thread that waits for them in dispatch order
-and wakes the engine (`Landing`).
+the sequence each row serves (`Flight`), and the thread that waits for them in dispatch order,
+copies them to the host and wakes the engine (`Landing`).
+
+Outputs are copied to the host where they are waited for (`fetch`), so that an island lost
+after a program ran cannot delete them between the wait and the read: a read that finds them
+deleted with a lost island is that island's `IslandLost`, which the engine recovers from.
 """
 
 import dataclasses
@@ -12,16 +16,33 @@ import jax
 
 @dataclasses.dataclass
 class Flight:
-  """A dispatched program: its outputs, and which sequence each row's token is for."""
+  """A dispatched program: its outputs (futures of arrays), which sequence each row's token is
+  for, and once ready, the outputs on the host (`values`) or the error that stopped them."""
 
   outputs: dict
   rows: dict  # row -> sequence
   ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+  values: dict | None = None
   error: BaseException | None = None
 
 
+def fetch(outputs: dict, loss_behind) -> dict:
+  """`outputs` ({name: future of an array, or of a tree of them}) on the host, once computed.
+  A read that fails because an output was deleted with its lost island raises that island's
+  IslandLost (`loss_behind`: Controller.loss_behind); any other failure is raised as it is."""
+  values = None
+  try:
+    values = {k: f.result() for k, f in outputs.items()}
+    return jax.device_get(values)
+  except RuntimeError as e:
+    lost = loss_behind(values) if values else None
+    if lost is None:
+      raise
+    raise lost from e
+
+
 class Landing:
-  """One thread that waits for each flight's outputs in turn (programs run in the order they
+  """One thread that fetches each flight's outputs in turn (programs run in the order they
   were dispatched), marks it ready (or failed), and wakes the engine."""
 
   def __init__(self, lock: threading.Condition, loss_behind):
@@ -38,13 +59,10 @@ class Landing:
 
   def _loop(self) -> None:
     while (flight := self._queue.get()) is not None:
-      values = None
       try:
-        values = [f.result() for f in flight.outputs.values()]
-        jax.block_until_ready(values)
+        flight.values = fetch(flight.outputs, self._loss_behind)
       except BaseException as e:  # noqa: BLE001 - raised on the engine's thread
-        lost = self._loss_behind(values) if isinstance(e, RuntimeError) and values else None
-        flight.error = lost or e
+        flight.error = e
       flight.ready.set()
       with self._lock:
         self._lock.notify()

@@ -167,10 +167,11 @@ def device_bytes() -> int:
 
   buffers = {}
   for array in jax.live_arrays():
-    if array.is_deleted():
+    try:
+      for shard in array.addressable_shards:
+        buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+    except RuntimeError:  # deleted (donated by a step, or with a lost island) as it was read
       continue
-    for shard in array.addressable_shards:
-      buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
   return sum(buffers.values())
 
 
