@@ -457,8 +457,8 @@ def test_outputs_deleted_with_a_lost_island_after_they_ran_read_as_its_loss():
     jax.block_until_ready([f.result() for f in outputs.values()])
     controller.lose("island1", "a drill")
     with pytest.raises(IslandLost, match="island island1 lost: a drill"):
-      fetch(outputs, controller.loss_behind)
-    np.testing.assert_array_equal(fetch({"a": outputs["a"]}, controller.loss_behind)["a"], [1, 2])
+      fetch(outputs, controller)
+    np.testing.assert_array_equal(fetch({"a": outputs["a"]}, controller)["a"], [1, 2])
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -124,6 +124,16 @@ class Controller:
     }
     return read_of_lost(value, devices)
 
+  def read(self, value, *, fetch: bool = True):
+    """`value` (arrays, or trees of them) on the host, or, not `fetch`ed, once computed. A read
+    that fails because one of its arrays was deleted with a lost island (as a real loss leaves
+    them; embedded drills delete them) raises that island's IslandLost; any other failure is
+    raised as it is."""
+    try:
+      return jax.device_get(value) if fetch else jax.block_until_ready(value)
+    except RuntimeError as e:
+      raise self.loss_behind(value) or e from None
+
   def answering(self) -> set[str]:
     """The lost islands that answer again and may rejoin (remote: their workers were
     relaunched or restarted; embedded islands come back only by a drill)."""

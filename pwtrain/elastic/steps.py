@@ -37,7 +37,6 @@ import functools
 import logging
 import time
 
-import jax
 import numpy as np
 
 from pwtrain import processes
@@ -204,17 +203,9 @@ class ElasticSteps:
         self._drill(self._steps, "eval")
         if self._agreement is not None:
           return eval_sums(self._agreement.evaluate(futures, self.live))
-        return eval_sums(self._read([f.result() for f in futures]))
+        return eval_sums(self.controller.read([f.result() for f in futures]))
       except IslandLost as e:
         self._drop(e, given, during="the evaluation", again="the evaluation runs again")
-
-  def _read(self, value, fetch: bool = True):
-    """`value` on the host (or, not `fetch`ed, once computed); an array deleted with a lost
-    island (embedded: as a real loss leaves them) is that island's IslandLost."""
-    try:
-      return jax.device_get(value) if fetch else jax.block_until_ready(value)
-    except RuntimeError as e:
-      raise self.controller.loss_behind(value) or e from None
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
     host_metrics = self._agreement is None  # distributed: read once the processes agree
@@ -249,7 +240,7 @@ class ElasticSteps:
     pending = self._pending[0]
     try:
       if self._agreement is None:
-        values = self._read(pending.out.metrics.result())
+        values = self.controller.read(pending.out.metrics.result())
         self._copied(pending.out.state)  # whole: metrics may be ready before it, not enough
       else:
         values = self._agreement.confirm(pending.out, self.live)
@@ -355,7 +346,7 @@ class ElasticSteps:
     mode; a piece that waited on a pod lost meanwhile fails with its IslandLost). Remote: found
     failed, if it is, at the next step; distributed mode's processes agree on it."""
     if self._agreement is None and not self.controller.cluster.remote:
-      self._read(run_mode.results(state), fetch=False)
+      self.controller.read(run_mode.results(state), fetch=False)
 
   def _drill(self, step: int, place: str) -> None:
     """The injected faults of `fault.inject` due at `place` (drills.PLACES) of step `step`

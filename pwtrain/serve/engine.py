@@ -88,7 +88,7 @@ class Engine:
     self._pieces: pieces_lib.Pieces | None = None
     self._carried: dict = {}  # the caches and `last`: the newest program's outputs
     self._flights: collections.deque = collections.deque()
-    self._landing = Landing(self._lock, controller.loss_behind)  # marks each flight ready
+    self._landing = Landing(self._lock, controller)  # marks each flight ready
     self._prefill_next = True  # prefill chunks and decode steps take turns
     self._stopping = False
     self.step: int | None = None  # the step of the weights of the last token
@@ -223,7 +223,7 @@ class Engine:
       )  # fmt: skip
     try:
       probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
-      fetch(probe, self.controller.loss_behind)
+      fetch(probe, self.controller)
     except NotPublished:
       return False
     self._carried = self.controller.run(pieces.init, {}, priority=True)

@@ -11,8 +11,6 @@ import dataclasses
 import queue
 import threading
 
-import jax
-
 
 @dataclasses.dataclass
 class Flight:
@@ -26,30 +24,20 @@ class Flight:
   error: BaseException | None = None
 
 
-def fetch(outputs: dict, loss_behind) -> dict:
-  """`outputs` ({name: future of an array, or of a tree of them}) on the host, once computed.
-  A read that fails because an output was deleted with its lost island raises that island's
-  IslandLost (`loss_behind`: Controller.loss_behind); any other failure is raised as it is."""
-  values = None
-  try:
-    values = {k: f.result() for k, f in outputs.items()}
-    return jax.device_get(values)
-  except RuntimeError as e:
-    lost = loss_behind(values) if values else None
-    if lost is None:
-      raise
-    raise lost from e
+def fetch(outputs: dict, controller) -> dict:
+  """`outputs` ({name: future of an array, or of a tree of them}) on the host, once computed
+  (Controller.read: an output deleted with its lost island is that island's IslandLost)."""
+  return controller.read({k: f.result() for k, f in outputs.items()})
 
 
 class Landing:
   """One thread that fetches each flight's outputs in turn (programs run in the order they
   were dispatched), marks it ready (or failed), and wakes the engine."""
 
-  def __init__(self, lock: threading.Condition, loss_behind):
-    """`loss_behind`: Controller.loss_behind, which names the lost island behind a failed read
-    (an output deleted with its island) as that island's IslandLost."""
+  def __init__(self, lock: threading.Condition, controller):
+    """`controller`: the one that runs the flights' programs (see `fetch`)."""
     self._lock = lock
-    self._loss_behind = loss_behind
+    self._controller = controller
     self._queue: queue.Queue = queue.Queue()
     self._thread = threading.Thread(target=self._loop, name="serve-landing", daemon=True)
     self._thread.start()
@@ -60,7 +48,7 @@ class Landing:
   def _loop(self) -> None:
     while (flight := self._queue.get()) is not None:
       try:
-        flight.values = fetch(flight.outputs, self._loss_behind)
+        flight.values = fetch(flight.outputs, self._controller)
       except BaseException as e:  # noqa: BLE001 - raised on the engine's thread
         flight.error = e
       flight.ready.set()
