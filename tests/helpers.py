@@ -25,19 +25,21 @@ TINY = {  # an even smaller model than palm_tiny, for fast compiles
 }
 
 
-def metrics_rows(workdir) -> list[dict]:
-  """The rows of `workdir`/metrics.jsonl written whole so far (a running process may be
-  mid-line); [] before the file exists."""
+def metrics_rows(workdir, *, running: bool = False) -> list[dict]:
+  """The rows of `workdir`/metrics.jsonl. Of a finished run, every line (a torn line fails the
+  read). `running`: of a run still writing it, the rows written whole so far (its process may
+  be mid-line), [] before the file exists."""
   path = pathlib.Path(workdir) / "metrics.jsonl"
-  if not path.exists():
+  if running and not path.exists():
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+    return [json.loads(line) for line in f if not running or line.endswith("\n")]
 
 
-def step_losses(workdir) -> dict[int, float]:
-  """{step: loss} of the training rows in `workdir`/metrics.jsonl written so far."""
-  return {row["step"]: row["loss"] for row in metrics_rows(workdir) if "loss" in row}
+def step_losses(workdir, *, running: bool = False) -> dict[int, float]:
+  """{step: loss} of the training rows in `workdir`/metrics.jsonl (`running`: see
+  metrics_rows)."""
+  return {r["step"]: r["loss"] for r in metrics_rows(workdir, running=running) if "loss" in r}
 
 
 def load_config(name="palm_tiny", overrides=None):

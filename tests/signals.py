@@ -68,7 +68,7 @@ class Killer:
 
   def _steps(self) -> set[int]:
     """The steps of the training rows written whole so far."""
-    return set(step_losses(self.workdir))
+    return set(step_losses(self.workdir, running=True))
 
   def join(self, timeout: float = 60.0) -> None:
     self._thread.join(timeout)

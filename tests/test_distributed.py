@@ -21,7 +21,15 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, SGD, assert_close, assert_trees_close, small_config, step_losses
+from helpers import (
+  REPO,
+  SGD,
+  assert_close,
+  assert_trees_close,
+  metrics_rows,
+  small_config,
+  step_losses,
+)
 from signals import Kill, Killer, child_with_env
 
 from pwtrain import train
@@ -105,7 +113,7 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
   got = step_losses(tmp_path)
   assert sorted(got) == list(range(1, 13))
   assert all(got[s] == want[s] for s in got), (got, want)
-  evals = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  evals = metrics_rows(tmp_path)
   evals = {r["step"]: r["eval_loss"] for r in evals if "eval_loss" in r}
   assert evals == {e["step"]: e["eval_loss"] for e in embedded_pods.evals} and len(evals) == 2
   assert os.path.isdir(tmp_path / "checkpoints" / "12" / "parts")

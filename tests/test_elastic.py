@@ -6,7 +6,6 @@ uninterrupted one within the parity tolerance (sync exchange keeps the global ba
 appears once in metrics.jsonl, and no checkpoint is read.
 """
 
-import json
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import SGD, assert_close, assert_trees_close, small_config
+from helpers import SGD, assert_close, assert_trees_close, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
@@ -40,11 +39,6 @@ THREE_PODS = {
 }
 # With evaluations after steps 4, 8 and 10, of 20 batches (long enough to be hit from outside).
 EVAL = {"train.eval_every": 4, "train.eval_batches": 20}
-
-
-def _rows(workdir):
-  with open(workdir / "metrics.jsonl") as f:
-    return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +94,7 @@ def test_pods_lost_at_any_moment_are_dropped_rejoin_and_the_run_equals_the_unint
   assert "at step 6: 2 of 3 pods live" in rejoined[1], rejoined[1]  # pods 1 and 2
   assert "resumed" not in caplog.text  # no checkpoint read
   # The failed steps' first run and the drops are badput of steps run again.
-  last = [row for row in _rows(tmp_path) if "goodput" in row][-1]
+  last = [row for row in metrics_rows(tmp_path) if "goodput" in row][-1]
   assert last["badput_rerun"] > 0 and last["badput_degraded"] > 0, last  # and the rejoins
 
 
@@ -122,7 +116,7 @@ def test_a_lost_pods_microbatches_are_shared_out_over_the_survivors(tmp_path, ca
 
 
 def _pods_live(workdir) -> list[int]:
-  return [row["pods_live"] for row in _rows(workdir) if "loss" in row]
+  return [row["pods_live"] for row in metrics_rows(workdir) if "loss" in row]
 
 
 def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
@@ -133,7 +127,7 @@ def _assert_the_uninterrupted_run(result, uninterrupted, workdir) -> None:
   evals = [[e["eval_loss"] for e in r.evals] for r in (result, uninterrupted)]
   assert_close(*evals, "evaluations")
   assert_trees_close(result.state["params"], uninterrupted.state["params"], "params")
-  rows = [row for row in _rows(workdir) if "loss" in row]
+  rows = [row for row in metrics_rows(workdir) if "loss" in row]
   assert [row["step"] for row in rows] == list(range(1, len(_losses(uninterrupted)) + 1))
   want = {row["step"]: row for row in uninterrupted.history}
   norms = [f"pod{q}_grad_norm" for q in range(THREE_PODS["parallel.pods"])]
@@ -206,7 +200,7 @@ def test_two_pods_of_two_stages_lose_and_regain_a_pod(tmp_path):
   elastic = train.run(small_config(**pipeline, **drills), str(tmp_path / "b"), show_progress=False)
   assert_close(_losses(elastic), _losses(straight), "losses")
   assert_trees_close(elastic.state["params"], straight.state["params"], "params")
-  live = [row["pods_live"] for row in _rows(tmp_path / "b") if "loss" in row]
+  live = [row["pods_live"] for row in metrics_rows(tmp_path / "b") if "loss" in row]
   assert live == [2, 2, 1, 1, 1, 2, 2, 2]
 
 

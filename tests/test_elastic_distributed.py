@@ -14,7 +14,7 @@ import os
 import shutil
 
 import pytest
-from helpers import SGD, assert_close, assert_trees_close, small_config
+from helpers import SGD, assert_close, assert_trees_close, metrics_rows, small_config
 from signals import Kill, Killer, child_with_env, logged_at
 from test_distributed import final_state, launch, process_logs
 
@@ -65,7 +65,7 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   killer.join()
   logs = process_logs(workdir)
   assert run.returncode == 0, stdout[-3000:] + logs[-3000:]
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = metrics_rows(workdir)
   steps = [row for row in rows if "loss" in row]
   assert [row["step"] for row in steps] == list(range(1, 9))
   live = [row["pods_live"] for row in steps]
@@ -142,7 +142,7 @@ def test_the_survivors_own_program_when_lost_pods_are_not_hosted(tmp_path):
   workdir = tmp_path / "b"
   done = launch(workdir, 3, {**six, **ELASTIC, **drill}, devices=1, timeout=240)
   assert done.returncode == 0, done.stdout[-3000:] + process_logs(workdir)[-3000:]
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = metrics_rows(workdir)
   rows = [row for row in rows if "loss" in row]
   assert [row["pods_live"] for row in rows] == [3, 3, 2, 2, 3, 3]
   want = [r["loss"] for r in straight.history if "loss" in r]

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, TINY, small_config
+from helpers import REPO, TINY, metrics_rows, small_config
 
 from pwtrain import train
 from pwtrain.checkpoint import IncompatibleCheckpoint
@@ -71,7 +71,7 @@ def test_a_cpu_run_prints_no_libtpu_error(logged_run):
 
 def test_metrics_rows_say_where_the_time_went(logged_run):
   workdir, out = logged_run
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = metrics_rows(workdir)
   (once,) = [r for r in rows if "compile_s" in r]
   assert once["step"] == 0 and once["compile_s"] > 0
   intervals = [r for r in rows if "tokens_per_s" in r]

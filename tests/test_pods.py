@@ -12,6 +12,7 @@ from helpers import (
   SGD,
   assert_close,
   assert_trees_close,
+  metrics_rows,
   random_batches,
   run_program,
   run_steps,
@@ -114,7 +115,6 @@ def test_compressed_exchange_keeps_pods_identical(reference, compression):
 
 @pytest.mark.slow
 def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
-  import json
 
   from pwtrain import train
 
@@ -129,7 +129,7 @@ def test_two_pods_train_checkpoint_and_resume_like_one_island(tmp_path):
   assert second.start_step == 6 and second.final_step == 12
   losses = [r["loss"] for r in first.history + second.history]
   np.testing.assert_allclose(losses, [r["loss"] for r in one.history], rtol=1e-4)
-  rows = [json.loads(line) for line in open(tmp_path / "pods" / "metrics.jsonl")]
+  rows = metrics_rows(tmp_path / "pods")
   assert any(r.get("exchange_bytes_per_step", 0) > 0 for r in rows)
   assert all("pod0_loss" in r for r in rows if "loss" in r)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, tiny_test_config
+from helpers import REPO, metrics_rows, tiny_test_config
 
 from pwtrain import guard, train
 from pwtrain.checkpoint import Checkpointer, integrity
@@ -67,10 +67,6 @@ def patch_batches(monkeypatch, **plan):
   monkeypatch.setattr(train, "_train_batches", build)
 
 
-def rows(workdir):
-  return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-
-
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path):
   """Batches 5 and 6 (steps 6 and 7) are bad. Both steps are skipped; at the next log (step 8)
@@ -79,7 +75,7 @@ def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path
   batches 4..7."""
   patch_batches(monkeypatch, poison={5, 6})
   result = train.run(small_config(), str(tmp_path / "spiky"), show_progress=False)
-  steps = [(r["step"], r["skipped"]) for r in rows(tmp_path / "spiky") if "skipped" in r]
+  steps = [(r["step"], r["skipped"]) for r in metrics_rows(tmp_path / "spiky") if "skipped" in r]
   # One row per step of the trajectory kept; the abandoned steps 5-8 are set aside, not lost.
   assert [s for s, _ in steps] == [*range(1, 13)]
   with open(tmp_path / "spiky" / "metrics.rolled_back.jsonl") as f:
@@ -90,7 +86,7 @@ def test_nonfinite_steps_are_skipped_then_rolled_back_past(monkeypatch, tmp_path
     (7, 1.0),
     (8, 0.0),
   ]
-  assert [r for r in rows(tmp_path / "spiky") if "rollback_from" in r] == [
+  assert [r for r in metrics_rows(tmp_path / "spiky") if "rollback_from" in r] == [
     {"step": 4, "rollback_from": 8, "first_bad_step": 6, "batches_skipped": 4}
   ]
   assert os.listdir(tmp_path / "spiky" / "checkpoints.rolled_back") == ["6"]
@@ -317,7 +313,7 @@ def test_trainer_resumes_from_the_checkpoint_before_a_damaged_one(tmp_path, capl
   assert resumed.start_step == 4
   assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history[4:]]
   # Steps 5..8, trained and logged by the first start, ran again: their time is badput.
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = metrics_rows(workdir)
   intervals = [r for r in rows if "goodput" in r]
   assert [r["step"] for r in intervals] == [2, 4, 6, 8, 10, 12]
   assert [r["badput_rerun"] > 0 for r in intervals] == [False, False, True, True, True, True]

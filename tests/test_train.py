@@ -1,7 +1,6 @@
 """End to end: `main` trains, logs and checkpoints; an interrupted run resumes exactly."""
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, TINY, small_config, step_losses
+from helpers import REPO, TINY, metrics_rows, small_config, step_losses
 
 from pwtrain import train
 
@@ -40,7 +39,7 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(uninterrupted):
   assert result.final_step == 12 and len(result.history) == 12
   assert sorted(int(d) for d in os.listdir(workdir / "checkpoints")) == [4, 8, 12]
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir / "tensorboard"))
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  rows = metrics_rows(workdir)
   assert any("tokens_per_s" in r for r in rows)
   losses = [r["loss"] for r in result.history]
   assert np.all(np.isfinite(losses))
@@ -61,7 +60,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
   )
   assert second.start_step == 6 and second.final_step == 12
   # It resumed from the last step the first start trained: nothing ran twice.
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  rows = metrics_rows(tmp_path)
   assert all(r["badput_rerun"] == 0 for r in rows if "goodput" in r)
   ref_losses = [r["loss"] for r in ref.history]
   got = [r["loss"] for r in first.history] + [r["loss"] for r in second.history]
@@ -119,9 +118,8 @@ def test_main_interrupted_resumes(sig, uninterrupted, tmp_path):
   ]  # fmt: skip
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 180
-  metrics = tmp_path / "metrics.jsonl"
   while time.time() < deadline and proc.poll() is None:
-    if metrics.exists() and any(s >= 2 for s in step_losses(tmp_path)):
+    if any(s >= 2 for s in step_losses(tmp_path, running=True)):
       break
     time.sleep(0.05)
   proc.send_signal(sig)
@@ -180,7 +178,7 @@ def test_evaluation_is_logged_to_jsonl_tensorboard_and_wandb(tmp_path, monkeypat
     assert bits <= e["eval_bits_per_byte"] < 1.1 * bits
   assert result.evals[1]["eval_loss"] < result.evals[0]["eval_loss"] + 0.5
 
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  rows = metrics_rows(tmp_path)
   evals = [r for r in rows if "eval_loss" in r]
   assert evals == result.evals
   first_eval = rows.index(evals[0])
