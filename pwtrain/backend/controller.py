@@ -114,16 +114,6 @@ class Controller:
     """{island: cause} of the islands lost now."""
     return self._dispatcher.lost()
 
-  def loss_behind(self, value) -> IslandLost | None:
-    """The IslandLost behind a failed read of `value` (arrays, or trees of them): that of the
-    lost island one of whose arrays in it is gone (deleted with its island), else None."""
-    devices = {
-      device: IslandLost(name, cause)
-      for name, cause in self.lost.items()
-      for device in self.cluster[name].devices
-    }
-    return read_of_lost(value, devices)
-
   def read(self, value, *, fetch: bool = True):
     """`value` (arrays, or trees of them) on the host, or, not `fetch`ed, once computed. A read
     that fails because one of its arrays was deleted with a lost island (as a real loss leaves
@@ -132,7 +122,12 @@ class Controller:
     try:
       return jax.device_get(value) if fetch else jax.block_until_ready(value)
     except RuntimeError as e:
-      raise self.loss_behind(value) or e from None
+      lost = {
+        device: IslandLost(name, cause)
+        for name, cause in self.lost.items()
+        for device in self.cluster[name].devices
+      }
+      raise read_of_lost(value, lost) or e from None
 
   def answering(self) -> set[str]:
     """The lost islands that answer again and may rejoin (remote: their workers were
