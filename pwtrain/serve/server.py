@@ -168,10 +168,13 @@ def device_bytes() -> int:
   buffers = {}
   for array in jax.live_arrays():
     try:
-      for shard in array.addressable_shards:
-        buffers[(shard.device.id, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+      shards = [
+        ((s.device.id, s.data.unsafe_buffer_pointer()), s.data.nbytes)
+        for s in array.addressable_shards
+      ]
     except RuntimeError:  # deleted (donated by a step, or with a lost island) as it was read
       continue
+    buffers.update(shards)
   return sum(buffers.values())
 
 
