@@ -6,9 +6,9 @@ are SIGKILLed; distributed: its process SIGKILLs itself); `kill:pod1@mid6` while
 (once it is dispatched, before it is confirmed); `kill:pod1@eval6` during the evaluation after
 step 6 (once its batches are dispatched); `kill:pod0@copy10` while a rejoin before step 10
 copies the live pods' state (embedded mode); `rejoin:pod1@step10` brings the pod back before
-step 10 (remote: waits until its workers answer again; distributed: waits until the process
-pwtrain.launch started again in the pod's place is ready). Kills at the same place happen
-together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
+step 10, not earlier (remote: waits until its workers answer again; distributed: waits until
+the process pwtrain.launch started again in the pod's place is ready). Kills at the same place
+happen together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
 real loss leaves them. pwtrain/elastic/ carries them out.
 """
 

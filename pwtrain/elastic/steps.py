@@ -20,10 +20,11 @@ dead one's place `join`s (distributed mode):
            with the sync or overlapped exchange the trajectory is the uninterrupted run's; else
            the batch shrinks to the live pods' rows.
   rejoin   when a lost pod's islands can run again (remote: its workers answer again, relaunched
-           by the supervisor or by someone else; or a drill's `rejoin:podP@stepN`, which in
-           remote mode waits for them), they are given every executable again and the live
-           pods' state is copied onto them, island to island, at the next step boundary; then
-           every pod runs again (distributed mode: a dead process started again, agreement.py).
+           by the supervisor or by someone else), they are given every executable again and the
+           live pods' state is copied onto them, island to island, at the next step boundary;
+           then every pod runs again (distributed mode: a dead process started again,
+           agreement.py). A pod that a later drill `rejoin:podP@stepN` names comes back at step
+           N, not earlier; in remote mode the drill waits there for its workers to answer.
   too few  below `fault.min_pods` live pods (or none) the loss is raised, with one line.
 
 What each exchange mode does with a lost pod: docs/reliability.md. Every metrics row carries
@@ -104,11 +105,9 @@ class ElasticSteps:
     self._killed_at: float | None = None  # when the last drill killed a pod (its detection)
     self._steps = 0  # steps dispatched so far: an evaluation's place (after step N)
     self._confirmed_at = time.perf_counter()  # when the last step was confirmed
-    # Distributed mode: the processes agree on each step and on the live pods (agreement.py);
-    # pods that a drill brings back at its step, not as soon as they are ready.
+    # Distributed mode: the processes agree on each step and on the live pods (agreement.py).
     self._agreement = Agreement(plan, self.controller, stages) if processes.active() else None
     self.pods = PodSets(config, harness, self._islands, self._agreement)
-    self._rejoin_drills = {d.pod for d in self._drills if d.action == "rejoin"}
 
   @property
   def live(self) -> tuple:
@@ -132,11 +131,14 @@ class ElasticSteps:
     `data_position()`: the data position here, handed to a rejoining process."""
     self._drill(step + 1, "step")
     answering = self.controller.answering()
+    # A pod that a later drill brings back waits for the drill's step (every mode).
+    held = {d.pod for d in self._drills if d.action == "rejoin" and d.step > step + 1}
     for p in range(self.num_pods):
-      if p not in self.live and all(i.name in answering for i in self._islands[p]):
-        self._rejoining.add(p)  # remote: its workers answer again
+      if p not in self.live and p not in held:
+        if all(i.name in answering for i in self._islands[p]):
+          self._rejoining.add(p)  # remote: its workers answer again
     if self._agreement is not None:  # told alike on every live process (agreement.confirm)
-      self._rejoining |= self._agreement.returning - self._rejoin_drills - set(self.live)
+      self._rejoining |= self._agreement.returning - held - set(self.live)
     if self._rejoining:
       state = self._rejoin(self.settle(state), step, data_position)
     return state
@@ -368,7 +370,6 @@ class ElasticSteps:
       elif drill.action == "rejoin" and drill.pod not in self.live:
         if self._agreement is not None:  # its new process: at this step, once it is ready
           self._agreement.await_ready(drill.pod)
-          self._rejoin_drills.discard(drill.pod)
         self._rejoining.add(drill.pod)
 
   def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", **parts):
