@@ -100,7 +100,7 @@ def validate(config) -> None:
     "train.keep_checkpoints",
   )
   validate_moe(config)
-  family.validate(config.model, config.moe)
+  family.validate(config.model)
   m = config.model
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(

@@ -8,7 +8,8 @@ global layers, both soft caps, post-norms, the query scale, a tied output layer)
 SGD steps (test_parity's reasons: an update linear in the gradient) one way per kind of layout
 rather than the cross product: FSDP x tensor x data on one island (K/V heads split over tensor),
 2 stages x 2 pods with a schedule (GPipe for gemma; for llama, 1F1B with the imported model,
-whose output layer is untied), and scanned layers.
+whose output layer is untied), and scanned layers. With MoE layers (the family's gated experts),
+each family over data x expert x tensor against its own one-device run.
 """
 
 import os
@@ -57,6 +58,8 @@ LAYOUTS = {
   "2stages_2pods": {**PIPELINE, "train.num_microbatches": 2},
   "scanned_tp2": {"model.scan_layers": True, "parallel.tensor": 2, "parallel.data": 4},
 }
+MOE = {"moe.num_experts": 4, "moe.top_k": 2, "moe.every": 2}
+EXPERT_PARALLEL = {"parallel.data": 2, "parallel.expert": 2, "parallel.tensor": 2}
 SCHEDULES = {
   "llama": {"parallel.schedule": "1f1b"},
   "gemma": {"parallel.schedule": "gpipe"},
@@ -114,6 +117,18 @@ def test_family_layouts_match_one_device(references, family, layout):
   if "parallel.stages" in overrides:
     overrides.update(SCHEDULES[family])
   assert_same_run(run(family_config(family, **overrides), batches), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_moe_with_expert_parallelism_matches_one_device(family):
+  """The family's MoE layers (GeGLU experts for gemma, SwiGLU for llama) over data x expert x
+  tensor, as one device runs them, dropped tokens included."""
+  config = family_config(family, **MOE)
+  batches = random_batches(config, NUM_STEPS)
+  reference = run(config, batches, jax.devices()[:1])
+  assert reference[0][0]["moe_dropped_fraction"] > 0  # the drop decisions must agree too
+  assert_same_run(run(family_config(family, **MOE, **EXPERT_PARALLEL), batches), reference)
 
 
 @pytest.mark.slow

@@ -41,8 +41,10 @@ def layer_config(top_k, **moe):
   return c
 
 
-def make_layer(config, seed=0):
-  layer = moe_lib.MoE(config.model, config.moe, rngs=nnx.Rngs(seed), param_dtype=jnp.float32)
+def make_layer(config, seed=0, activation="silu"):
+  layer = moe_lib.MoE(
+    config.model, config.moe, rngs=nnx.Rngs(seed), param_dtype=jnp.float32, activation=activation
+  )
   return nnx.split(layer)
 
 
@@ -50,7 +52,7 @@ def apply_layer(graphdef, params, x, train_=True, rngs=None):
   return nnx.merge(graphdef, params)(x, train=train_, rngs=rngs)
 
 
-def reference(params, x, top_k):
+def reference(params, x, top_k, act=jax.nn.silu):
   """Every expert on every token; each token's output is the gate-weighted sum of its top-k."""
   logits = x.astype(jnp.float32) @ params["router"][...]
   probs = jax.nn.softmax(logits, axis=-1)
@@ -61,33 +63,35 @@ def reference(params, x, top_k):
   out = jnp.zeros_like(x)
   for e in range(E):
     w_gate, w_up, w_down = (params[k][...][e] for k in ("w_gate", "w_up", "w_down"))
-    y = (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    y = (act(x @ w_gate) * (x @ w_up)) @ w_down
     weight = jnp.sum(gates * (experts == e), axis=-1)
     out = out + weight[..., None] * y
   return out
 
 
-def value_and_grads(fn, params, x, cotangent):
-  return jax.value_and_grad(lambda p, x: jnp.sum(fn(p, x) * cotangent), argnums=(0, 1))(params, x)
+def vjp(fn, params, x, cotangent):
+  """(params' gradient, x's gradient) of fn's output against `cotangent`."""
+  return jax.grad(lambda p, x: jnp.sum(fn(p, x) * cotangent), argnums=(0, 1))(params, x)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("dropless", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])  # SwiGLU and GeGLU experts
 @pytest.mark.slow
-def test_dispatch_equals_dense_reference(top_k, dropless):
+def test_dispatch_equals_dense_reference(top_k, dropless, activation):
   # capacity_factor = E / top_k gives every expert S slots: nothing can drop.
   config = layer_config(top_k, capacity_factor=E / top_k, dropless=dropless)
-  graphdef, params = make_layer(config)
+  graphdef, params = make_layer(config, activation=activation)
+  act = {"silu": jax.nn.silu, "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True)}[activation]
   x = jax.random.normal(jax.random.key(1), (G, S, D))
   cotangent = jax.random.normal(jax.random.key(2), (G, S, D))
   y, stats = apply_layer(graphdef, params, x)
   assert float(stats["moe_dropped"]) == 0.0
-  assert_close(y, reference(params, x, top_k), "output")
-  got = value_and_grads(lambda p, x: apply_layer(graphdef, p, x)[0], params, x, cotangent)
-  want = value_and_grads(lambda p, x: reference(p, x, top_k), params, x, cotangent)
-  assert_close(got[0], want[0], "value")
-  assert_trees_close(got[1][0], want[1][0], "param grads")
-  assert_close(got[1][1], want[1][1], "input grad")
+  assert_close(y, reference(params, x, top_k, act), "output")
+  got = vjp(lambda p, x: apply_layer(graphdef, p, x)[0], params, x, cotangent)
+  want = vjp(lambda p, x: reference(p, x, top_k, act), params, x, cotangent)
+  assert_trees_close(got[0], want[0], "param grads")
+  assert_close(got[1], want[1], "input grad")
   # Both experts' routes are used (the test is not vacuous).
   assert np.count_nonzero(np.asarray(stats["moe_load"])) > 1
 

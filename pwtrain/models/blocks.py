@@ -30,7 +30,7 @@ def _ffn(block, cfg, family, moe, *, rngs, param_dtype):
   if moe is None:
     block.mlp = GatedMLP(cfg, rngs=rngs, param_dtype=param_dtype, activation=family.activation)
   else:
-    block.moe = MoE(cfg, moe, rngs=rngs, param_dtype=param_dtype)
+    block.moe = MoE(cfg, moe, rngs=rngs, param_dtype=param_dtype, activation=family.activation)
 
 
 def _apply_ffn(block, h, *, train, rngs):

@@ -131,7 +131,7 @@ def inverse_frequencies(m) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def validate(m, moe) -> None:
+def validate(m) -> None:
   """model.family and its keys: each error names the key, the value and what is valid. (Which
   keys a family reads at all is pwtrain/conditions.py's.)"""
   if m.family not in FAMILIES:
@@ -166,9 +166,4 @@ def validate(m, moe) -> None:
     raise ConfigError(
       f"model.attn_softcap={m.attn_softcap} needs model.attention='einsum' (now "
       f"{m.attention!r}): jax.nn.dot_product_attention has no soft cap"
-    )
-  if m.family == "gemma" and moe.num_experts:
-    raise ConfigError(
-      f"moe.num_experts={moe.num_experts} with model.family='gemma': MoE experts are SwiGLU "
-      "(model.family='palm' or 'llama'); set moe.num_experts=0"
     )

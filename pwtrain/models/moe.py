@@ -1,4 +1,4 @@
-"""Sparse Mixture-of-Experts FFN: router, capacity-based or dropless dispatch, SwiGLU experts.
+"""Sparse Mixture-of-Experts FFN: router, capacity-based or dropless dispatch, gated experts.
 
 Routing, in float32: probs = softmax(x W_router) over the experts; each token picks its `top_k`
 most probable experts (ties go to the lower index, as in lax.top_k). The gates are the chosen
@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pwtrain.models.layers import ACTIVATIONS
 from pwtrain.sharding import constrain
 
 STAT_KEYS = ("moe_aux_sum", "moe_z_sum", "moe_dropped", "moe_assignments", "moe_load")
@@ -191,28 +192,29 @@ def aux_stats(logits, probs, experts, kept, num_experts: int) -> dict:
   }
 
 
-def swiglu_experts(x, w_gate, w_up, w_down):
-  """x [E, G, C, d] through each expert's SwiGLU (expert e's weights for x[e])."""
+def gated_experts(x, w_gate, w_up, w_down, act):
+  """x [E, G, C, d] through each expert's gated MLP, act(x W_gate) * (x W_up) W_down (expert
+  e's weights for x[e])."""
   dtype = x.dtype
   gate = jnp.einsum("egcd,edf->egcf", x, w_gate.astype(dtype))
   up = jnp.einsum("egcd,edf->egcf", x, w_up.astype(dtype))
-  hidden = constrain(jax.nn.silu(gate) * up, ("expert", "batch", None, "mlp"))
+  hidden = constrain(act(gate) * up, ("expert", "batch", None, "mlp"))
   return jnp.einsum("egcf,efd->egcd", hidden, w_down.astype(dtype))
 
 
-def capacity_ffn(x, dispatch, combine, w_gate, w_up, w_down):
+def capacity_ffn(x, dispatch, combine, w_gate, w_up, w_down, act):
   """GShard dispatch -> experts -> combine. x [G, S, d] -> [G, S, d]."""
   dtype = x.dtype
   expert_in = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dtype), x)
   # Experts onto the expert axis: the all-to-all from token-sharded to expert-sharded.
   expert_in = constrain(expert_in, ("expert", "batch", None, "embed"))
-  expert_out = swiglu_experts(expert_in, w_gate, w_up, w_down)
+  expert_out = gated_experts(expert_in, w_gate, w_up, w_down, act)
   expert_out = constrain(expert_out, ("expert", "batch", None, "embed"))
   y = jnp.einsum("egcd,gsec->gsd", expert_out, combine.astype(dtype))
   return constrain(y, ("batch", "length", "embed"))
 
 
-def dropless_ffn(x, experts, gates, w_gate, w_up, w_down):
+def dropless_ffn(x, experts, gates, w_gate, w_up, w_down, act):
   """Every assignment served: sort by expert, grouped matmuls, unsort, gate. x [G, S, d]."""
   dtype, (g, s, d), k = x.dtype, x.shape, experts.shape[-1]
   num_experts = w_gate.shape[0]
@@ -222,7 +224,7 @@ def dropless_ffn(x, experts, gates, w_gate, w_up, w_down):
   sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
   gate = jax.lax.ragged_dot(tokens, w_gate.astype(dtype), sizes)
   up = jax.lax.ragged_dot(tokens, w_up.astype(dtype), sizes)
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dtype), sizes)
+  out = jax.lax.ragged_dot(act(gate) * up, w_down.astype(dtype), sizes)
   out = out[jnp.argsort(order)].reshape(g, s, k, d)  # back to assignment order
   return jnp.einsum("gskd,gsk->gsd", out, gates.astype(dtype))
 
@@ -235,11 +237,14 @@ def _expert_init():
 
 
 class MoE(nnx.Module):
-  """A sparse MoE FFN in place of the dense SwiGLU: `num_experts` SwiGLU experts, no biases."""
+  """A sparse MoE FFN in place of the dense gated MLP: `num_experts` gated experts with the
+  family's `activation` (layers.ACTIVATIONS: SwiGLU for PaLM and Llama, GeGLU for Gemma), no
+  biases."""
 
-  def __init__(self, cfg, moe_cfg, *, rngs: nnx.Rngs, param_dtype):
+  def __init__(self, cfg, moe_cfg, *, rngs: nnx.Rngs, param_dtype, activation: str = "silu"):
     d, f, e = cfg.d_model, expert_d_ff(cfg, moe_cfg), moe_cfg.num_experts
     self.num_experts, self.top_k = e, moe_cfg.top_k
+    self.activation = activation
     self.capacity_factor = moe_cfg.capacity_factor
     self.eval_capacity_factor = moe_cfg.eval_capacity_factor
     self.dropless, self.jitter = bool(moe_cfg.dropless), float(moe_cfg.jitter)
@@ -276,7 +281,7 @@ class MoE(nnx.Module):
     """x [G, S, d] (one group per sequence) -> (y [G, S, d], this layer's MoE stats)."""
     logits = self.route(x, train=train, rngs=rngs)
     probs, gates, experts = top_k_gates(logits, self.top_k)
-    weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    weights = (self.w_gate[...], self.w_up[...], self.w_down[...], ACTIVATIONS[self.activation])
     if self.dropless:
       y = dropless_ffn(x, experts, gates, *weights)
       kept = jnp.ones(experts.shape, bool)
