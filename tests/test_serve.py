@@ -233,12 +233,13 @@ def _wait(condition, timeout_s=60):
 # -- attached to a training run --------------------------------------------------------------
 
 
-def test_serving_while_training_changes_nothing(trained, tmp_path):
+def test_serving_while_training_changes_nothing(trained, tmp_path, monkeypatch):
   """The same run serving its live parameters to a client that sends requests all along (greedy
   and sampled, streamed and not) trains bitwise as it does without: the same losses, the same
   final parameters, checkpoints at the same steps. Each response names the step of its newest
   token's weights; those never decrease, and a completion that outlived steps lists its runs of
-  steps in order."""
+  steps in order. (Step 3's batch waits for a response and step 6's for a later step's, so that
+  a slow machine's run cannot end before there is anything to compare.)"""
   config, workdir, plain = trained
   port = _free_port()
   served_config = small_config(
@@ -246,6 +247,15 @@ def test_serving_while_training_changes_nothing(trained, tmp_path):
        "serve.prefill_chunk": 16, "data.data_dir": str(workdir / "tfds")}
   )  # fmt: skip
   done, responses = threading.Event(), []
+
+  def served_steps():
+    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
+
+  gates = {
+    2: lambda: len(served_steps()) >= 1,
+    5: lambda: len(steps := served_steps()) >= 3 and steps[-1] > steps[0],
+  }
+  _gate_batches(monkeypatch, gates)
   client = threading.Thread(target=_send_all_along, args=(port, done, responses))
   client.start()
   try:
@@ -261,7 +271,7 @@ def test_serving_while_training_changes_nothing(trained, tmp_path):
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]  # the end
   assert len(ok) >= 3, responses
-  steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
+  steps = [_step_of(r) for r in ok]
   assert steps == sorted(steps) and steps[-1] > steps[0], steps
   for r in ok:
     for choice in r["choices"]:
@@ -270,12 +280,13 @@ def test_serving_while_training_changes_nothing(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, caplog):
+def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, caplog, monkeypatch):
   """2 pods of 2 pipeline stages, fault.elastic: the server serves from pod 1's stage islands
   (a decode through both, its activations moved between them); pod 1 is lost before step 3 and
   its work hosted by pod 0, and the server goes on from pod 0's islands; pod 1 rejoins before
   step 6, and the server serves from it again. Every response but the one the server's end cut
-  is served, and their steps never decrease."""
+  is served, and their steps never decrease. (Step 5's batch waits until the server moved to
+  pod 0 and step 16's until it moved back, so that a slow machine's run cannot end first.)"""
   _, workdir, _ = trained
   port = _free_port()
   config = small_config(
@@ -288,6 +299,13 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
     }
   )  # fmt: skip
   done, responses = threading.Event(), []
+
+  def moves(n):  # the server has served from n layouts, and answered since the last move
+    served = [m for m in caplog.messages if m.startswith("serving from islands")]
+    ok = [r for r in responses if not isinstance(r, Exception)]
+    return len(served) >= n and len(ok) >= n + 1
+
+  _gate_batches(monkeypatch, {4: lambda: moves(2), 15: lambda: moves(3)})
   client = threading.Thread(target=_send_all_along, args=(port, done, responses))
   client.start()
   try:
@@ -300,10 +318,42 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
   assert len(ok) >= 3, responses
-  steps = [int(r["system_fingerprint"].removeprefix("pwtrain-step-")) for r in ok]
+  steps = [_step_of(r) for r in ok]
   assert steps == sorted(steps), steps
   served_from = [m.split()[-1] for m in caplog.messages if m.startswith("serving from islands")]
   assert served_from == ["island2,island3", "island0,island1", "island2,island3"], served_from
+
+
+class _Gated:
+  """The run's training batches, where reading batch i (0-based) first waits, up to 300 s,
+  until `gates[i]()` holds (what the test needs served by then; the training steps are the same
+  whenever they run)."""
+
+  def __init__(self, inner, gates: dict):
+    self.inner, self.gates, self.i = inner, gates, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    gate = self.gates.get(self.i, lambda: True)
+    deadline = time.monotonic() + 300
+    while not gate() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    self.i += 1
+    return next(self.inner)
+
+  def __getattr__(self, name):  # get_state, set_state, ...
+    return getattr(self.inner, name)
+
+
+def _gate_batches(monkeypatch, gates: dict) -> None:
+  real = train._train_batches
+  monkeypatch.setattr(train, "_train_batches", lambda *args: _Gated(real(*args), gates))
+
+
+def _step_of(response: dict) -> int:
+  return int(response["system_fingerprint"].removeprefix("pwtrain-step-"))
 
 
 def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
