@@ -50,13 +50,22 @@ def _order(trace, island):
   return [step for step, _ in itertools.groupby(e.step for e in events)]
 
 
+def _wait_taken(controller, *islands):
+  """Until each island's scheduler has taken all the work queued on it (and waits in it)."""
+  queues = [controller._dispatcher._schedulers[island].queue for island in islands]
+  deadline = time.monotonic() + 60
+  while any(len(queue) for queue in queues):
+    assert time.monotonic() < deadline, "an island never took its work"
+    time.sleep(0.01)
+
+
 def test_a_priority_program_goes_ahead_of_queued_work_but_not_of_taken_work(cluster):
   trace = Trace(record_completion=False)
   with Controller(cluster, max_inflight=8, trace=trace) as controller:
     add = _compile(controller, cluster, "island0", lambda x: x + 1, "add")
     gate = concurrent.futures.Future()
     held = controller.run(_one(add, "held"), {"x": gate})  # program 0: taken, waits for gate
-    time.sleep(0.2)  # the island has taken it
+    _wait_taken(controller, "island0")
     x = jax.device_put(np.zeros(4, np.float32), _sharding(cluster, "island0"))
     queued = [controller.run(_one(add, f"q{i}"), {"x": x}) for i in range(3)]  # programs 1-3
     urgent = controller.run(_one(add, "urgent"), {"x": x}, priority=True)  # program 4
@@ -86,7 +95,7 @@ def test_a_priority_program_takes_one_place_on_every_island_it_touches(cluster):
     x0 = jax.device_put(np.zeros(4, np.float32), _sharding(cluster, "island0"))
     outs = [controller.run(_one(add["island0"], "p0"), {"x": gates["island0"]})]  # 0: island0
     outs.append(controller.run(_one(add["island1"], "p1"), {"x": gates["island1"]}))  # 1: island1
-    time.sleep(0.2)  # each island has taken its program and waits for its gate
+    _wait_taken(controller, "island0", "island1")  # each waits for its gate
     outs += [controller.run(across(f"p{k}", "island0", "island1", "x"), {"x": x0}) for k in (2, 3)]
     outs.append(controller.run(across("u", "island0", "island1", "x"), {"x": x0}, priority=True))
     for island, gate in gates.items():
@@ -115,7 +124,7 @@ def test_a_reader_placed_ahead_of_a_donating_step_reads_the_value_before_it(clus
     gate = concurrent.futures.Future()
     hold = Program((Node("hold", read, ("x",)),), {"y": ("hold", 0)})
     controller.run(hold, {"x": gate})
-    time.sleep(0.2)
+    _wait_taken(controller, "island0")
     first = controller.run(_one(step, "s1", carried=True), {"x": state})["x"]
     second = controller.run(_one(step, "s2", carried=True), {"x": first})["x"]
     reader = Program((Node("r", read, ("w",)),), {"y": ("r", 0)})
