@@ -115,6 +115,14 @@ def _heartbeat_timeout_s(config) -> int:
   return math.ceil(3 * config.fault.heartbeat_s)
 
 
+def _verdict_wait_s(config) -> float:
+  """How long a watched process whose step failed waits for JAX's verdict on a dead peer
+  before it reports its own error: the heartbeat timeout, the service's staleness check (once a
+  second) and a heartbeat period, twice over for a loaded machine. A peer's death ends it
+  sooner; only an error of its own waits it out."""
+  return 2 * (_heartbeat_timeout_s(config) + 1.0 + config.fault.heartbeat_s)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
@@ -159,8 +167,8 @@ def main(argv):
     # A failed process exits at once: an orderly exit would wait for threads blocked on the
     # other processes and for jax.distributed's shutdown barrier, which they never reach.
     if not isinstance(e, SystemExit):
-      if watch.watched():  # a peer's death fails a step at once: JAX names it within this
-        time.sleep(_heartbeat_timeout_s(_CONFIG.value) + 1.0)
+      if watch.watched():  # a peer's death fails a step at once: JAX ends this process once
+        time.sleep(_verdict_wait_s(_CONFIG.value))  # its service names the peer
       traceback.print_exc()
     elif not isinstance(e.code, int):
       print(e.code, file=sys.stderr)

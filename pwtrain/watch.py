@@ -14,8 +14,9 @@ console's own), except JAX's lines about the failure, reads which process died f
 says so in one line, `error: process 1 of the run is gone (...)`, then exits with status 1.
 
 A child whose step fails at once because a peer died (a transfer from it: "Error dispatching
-computation") waits for the service's verdict for up to the heartbeat timeout before it reports
-its own error (main.py), so that the line names the peer rather than a traceback. Signals: a
+computation") waits for the service's verdict (for up to twice the heartbeat timeout, the
+service's check and a heartbeat period: main.py) before it reports its own error, so that the
+line names the peer rather than a traceback. Signals: a
 SIGTERM or SIGINT to this parent asks the child to checkpoint and stop (SIGTERM; a terminal's
 Ctrl-C also reaches the child itself, as its process group's), and the child dies with it
 (distributed.die_with_parent). Exits with the child's status otherwise.

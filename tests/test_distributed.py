@@ -348,8 +348,9 @@ def test_a_dead_peer_of_processes_started_by_hand_is_one_line(tmp_path):
     for noise in ("Traceback", "Check failure", "Fatal Python", "Thread 0x", "coordination_"):
       assert noise not in err, err[-3000:]
     # JAX's heartbeat timeout (3 x 1 s), its service's staleness check (once a second), a
-    # heartbeat period, and a margin for the exit (the latency itself: bench_elastic).
-    assert ended - killer.kills[0].at < 3 * 1.0 + 1.0 + 1.0 + 2.0, ended - killer.kills[0].at
+    # heartbeat period, and a margin for the exit on a loaded machine (the latency itself:
+    # bench_elastic).
+    assert ended - killer.kills[0].at < 3 * 1.0 + 1.0 + 1.0 + 10.0, ended - killer.kills[0].at
 
 
 @pytest.mark.slow
