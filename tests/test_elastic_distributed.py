@@ -93,11 +93,12 @@ def test_killed_processes_are_dropped_rejoin_and_the_run_equals_the_uninterrupte
   # From the signal to the drop's line. Pod 1's process dies as the survivors wait in the
   # evaluation's agreement: they find it gone by its missing heartbeats, within JAX's heartbeat
   # timeout (3 x 1 s), the coordination service's staleness check (once a second), a heartbeat
-  # period and a margin. Pod 2's dies while process 0 saves: they find it at the agreement after
-  # the save, however long the save took on this machine (its latency: bench_elastic).
+  # period and a margin for a loaded machine (the latency itself: bench_elastic). Pod 2's dies
+  # while process 0 saves: they find it at the agreement after the save, however long the save
+  # took on this machine (its latency: bench_elastic).
   for kill, pod in zip(killer.kills, (1, 2), strict=True):
     (lost,) = [line for line in console if f"pod {pod} lost" in line]
-    assert 0 < logged_at(lost) - kill.at < (3 * 1.0 + 1.0 + 1.0 + 1.5 if pod == 1 else 120), lost
+    assert 0 < logged_at(lost) - kill.at < (3 * 1.0 + 1.0 + 1.0 + 10.0 if pod == 1 else 120), lost
   # The failed steps' first run and the drops are badput of steps run again; the steps with
   # pods lost took longer (pod 0's process ran their work too) and the rejoins took time.
   last = [row for row in rows if "goodput" in row][-1]

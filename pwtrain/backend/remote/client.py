@@ -186,9 +186,14 @@ class WorkerClient:
     self._channel.close()
 
 
+PING_DEADLINE_S = 2.0  # the least time a heartbeat's ping waits for its answer (Monitor)
+
+
 class Monitor:
   """Pings every worker of a cluster each `period_s`; a worker that misses `misses` pings in a
-  row (dead, hung, unreachable) is lost.
+  row (hung, unreachable: each waited for up to `PING_DEADLINE_S` or the period, whichever is
+  longer, so that a live worker slow to answer on a loaded machine is not taken for dead), or
+  whose ping finds nobody listening (dead: UNAVAILABLE at once), is lost.
 
   With `isolate` (elastic pods: the controller carries on without a lost island), only that
   worker is lost, and the monitor goes on pinging it: once it answers again (relaunched, or
@@ -219,7 +224,8 @@ class Monitor:
             client.answering = True
           continue
         try:
-          client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=self.period_s)
+          deadline = max(self.period_s, PING_DEADLINE_S)
+          client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=deadline)
           missed[i] = 0
         except grpc.RpcError as e:
           missed[i] += 1

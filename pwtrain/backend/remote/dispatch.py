@@ -295,7 +295,8 @@ class RemoteDispatcher:
 
   def collect_trace(self, wait_s: float = 10.0) -> None:
     """Fills the trace's launch/done times of the traced nodes from the workers' timelines,
-    on the controller's clock (each worker's offset estimated from one Health round trip);
+    on the controller's clock (each worker's offset from its quickest of a few Health round
+    trips: `_clock_offset`);
     waits up to `wait_s` for nodes still running, and leaves out those that never ran."""
     if self.trace is None:
       return
@@ -304,8 +305,7 @@ class RemoteDispatcher:
       worker = island.worker
       if worker.lost or worker.closed:
         continue
-      sent = time.time()
-      offset = worker.health().time - (sent + time.time()) / 2
+      offset = _clock_offset(worker)
       while True:
         for span in worker.timeline().spans:
           event, _ = self._traced.pop(span.trace_id, (None, None))
@@ -349,6 +349,19 @@ class _LazyCompiled:
 def _lower(jitted, args, activate):
   with activate():
     return jitted.lower(*args)
+
+
+def _clock_offset(worker, pings: int = 5) -> float:
+  """The worker's clock minus the controller's, in seconds: from the quickest of `pings` Health
+  round trips (its answer's time against the trip's midpoint, off by at most half that trip),
+  so that one trip slowed by a busy machine does not skew it."""
+  trips = []
+  for _ in range(pings):
+    sent = time.time()
+    answer = worker.health().time
+    back = time.time()
+    trips.append((back - sent, answer - (sent + back) / 2))
+  return min(trips)[1]
 
 
 def _find_mesh(tree):
