@@ -15,6 +15,11 @@ training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains o
             p50 and p99, output tokens/s, and serving's share of the island's busy time
             (backend/policy.py's clock). TTFT is also given in training step times (the same
             block's step time without clients).
+remote      the training section in remote mode: palm_tiny's island on one worker process of 8
+            devices (pwtrain/backend/remote/), the server attached to the run's controller. The
+            workers run serving programs in the order they are sent (no priority, no share: the
+            share column is not measurable there), so TTFT includes the training steps already
+            sent (backend.max_inflight).
 standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
             process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
             output tokens/s against the same block's 1 client.
@@ -53,7 +58,7 @@ LOADS = (0, 1, 4, 8)
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sections", default="training,standalone,freshness,pipeline")
+  parser.add_argument("--sections", default="training,remote,standalone,freshness,pipeline")
   parser.add_argument("--blocks", type=int, default=3)
   parser.add_argument("--block_s", type=float, default=8.0)
   parser.add_argument("--warmup_s", type=float, default=2.0)
@@ -67,6 +72,8 @@ def main():
   sections = args.sections.split(",")
   if "training" in sections:
     results["training"] = training(args)
+  if "remote" in sections:
+    results["remote"] = training(args, remote=True)
   if "standalone" in sections:
     results["standalone"] = standalone(args)
   if "freshness" in sections:
@@ -230,13 +237,26 @@ def _print_table(title: str, header: list[str], rows: list[list]) -> None:
 # -- sections ----------------------------------------------------------------------------------
 
 
-def training(args) -> dict:
-  from pwtrain import serve
-  from pwtrain.harness import Harness
+def training(args, remote: bool = False) -> dict:
+  import contextlib
+
+  from pwtrain.backend.remote import auth, launcher
 
   config = _config()
   tokens_per_step = config.train.global_batch * config.data.seq_len
   workdir = tempfile.mkdtemp(prefix="bench_serve_")
+  with contextlib.ExitStack() as stack:
+    if remote:  # one worker process of 8 devices serves the island
+      workers = stack.enter_context(launcher.launch([8]))
+      os.environ[auth.TOKEN_ENV] = workers.token
+      config.backend.mode, config.backend.workers = "remote", tuple(workers.addresses)
+    return _training(args, config, tokens_per_step, workdir, remote)
+
+
+def _training(args, config, tokens_per_step, workdir, remote) -> dict:
+  from pwtrain import serve
+  from pwtrain.harness import Harness
+
   with Harness.build(config) as harness, serve.listening(config) as sock:
     state = harness.init()
     with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
@@ -244,18 +264,22 @@ def training(args) -> dict:
       time.sleep(args.warmup_s)
       island = harness.plan.islands[0].name
       blocks = {load: [] for load in LOADS}
+      clock = (lambda: None) if remote else (lambda: harness.controller.island_time()[island])
       for block in range(args.blocks):
         for load in LOADS:
-          before = harness.controller.island_time()[island]
+          before = clock()
 
           def during(start, end, before=before):
-            after = harness.controller.island_time()[island]
-            busy = {k: after[k] - before[k] for k in after}
+            after = clock()
             steps = trainer.steps_between(start, end)
+            share = float("nan")  # remote: the workers' time, not measurable from here
+            if after is not None:
+              busy = {k: after[k] - before[k] for k in after}
+              share = busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)
             return {
               "train_tokens_per_s": steps * tokens_per_step / (end - start),
               "step_s": (end - start) / max(steps, 1),
-              "share": busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9),
+              "share": share,
             }
 
           latency, extra = _load_block(srv.url, load, args, during)
@@ -273,7 +297,7 @@ def training(args) -> dict:
                  m["ttft_p50_steps"], m.get("tpot_p50", float("nan")),
                  m.get("tpot_p99", float("nan")), m.get("tokens_per_s", 0.0)])  # fmt: skip
   _print_table(
-    "training with the server attached (medians of blocks)",
+    f"training{' in remote mode' if remote else ''} with the server attached (medians of blocks)",
     ["clients", "train tokens/s", "ratio", "serving share", "TTFT p50 s", "TTFT p99 s",
      "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s"],
     rows,

@@ -199,11 +199,11 @@ def validate_serve(config) -> None:
     raise ConfigError(f"serve.reload_poll_s={s.reload_poll_s!r} must be > 0 seconds")
   if s.token_file and not os.path.isfile(os.path.expanduser(s.token_file)):
     raise ConfigError(f"serve.token_file={s.token_file!r} is not a file")
-  if s.enabled and config.backend.mode != "embedded":
+  if s.enabled and config.backend.mode == "distributed":
     raise ConfigError(
-      f"serve.enabled=True with backend.mode={config.backend.mode!r}: attached serving runs in "
-      "embedded mode only (its programs share the controller's local islands); serve the "
-      "checkpoints with python -m pwtrain.serve instead"
+      "serve.enabled=True with backend.mode='distributed': attached serving needs one "
+      "controller of every island (embedded or remote mode); serve the checkpoints with "
+      "python -m pwtrain.serve instead"
     )
 
 

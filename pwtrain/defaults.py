@@ -219,7 +219,7 @@ def get_config():
   # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
   # and serve.enabled=True serves the training run's own parameters while it trains.
   c.serve = ml_collections.ConfigDict()
-  c.serve.enabled = False  # a training run serves its live parameters (embedded mode)
+  c.serve.enabled = False  # a training run serves its live parameters (embedded or remote mode)
   c.serve.host = "127.0.0.1"  # the address to listen on (loopback unless set otherwise)
   c.serve.port = 8000  # 0: any free port (logged)
   c.serve.max_batch = 8  # KV-cache slots: sequences decoded together

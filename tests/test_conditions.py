@@ -59,6 +59,7 @@ SETTINGS = {
   ),
   "fault.elastic=True": ({}, {"fault.elastic": True}),
   "metrics.wandb_project set": ({}, {"metrics.wandb_project": "p"}),
+  "serve.enabled=True and backend.mode='embedded'": ({}, {"serve.enabled": True}),
 }
 
 

@@ -324,6 +324,49 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
   assert served_from == ["island2,island3", "island0,island1", "island2,island3"], served_from
 
 
+@pytest.mark.slow
+@pytest.mark.processes
+def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, monkeypatch):
+  """Remote mode, the run's islands on worker processes it launches: the serving programs are a
+  second client of the same controller, sent to the workers behind the training steps already
+  sent, and read the state each step publishes where it is on the worker (its params and step
+  picked from it, not copied). The run trains bitwise as the embedded run without serving
+  (remote runs are the embedded ones': test_remote.py); the responses' steps never decrease
+  and move on while it trains. (Step 3's batch waits for a response and step 6's for a later
+  step's, as in the embedded test.)"""
+  config, workdir, plain = trained
+  port = _free_port()
+  served_config = small_config(
+    **{**RUN, "backend.mode": "remote", "backend.launch_workers": True, "serve.enabled": True,
+       "serve.port": port, "serve.max_len": 32, "serve.prefill_chunk": 16,
+       "data.data_dir": str(workdir / "tfds")}
+  )  # fmt: skip
+  done, responses = threading.Event(), []
+
+  def served_steps():
+    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
+
+  gates = {
+    2: lambda: len(served_steps()) >= 1,
+    5: lambda: len(steps := served_steps()) >= 3 and steps[-1] > steps[0],
+  }
+  _gate_batches(monkeypatch, gates)
+  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
+  client.start()
+  try:
+    served = train.run(served_config, str(tmp_path), show_progress=False)
+  finally:
+    done.set()
+    client.join()
+  assert [r["loss"] for r in served.history] == [r["loss"] for r in plain.history]
+  same = jax.tree.map(np.array_equal, jax.device_get(served.state), jax.device_get(plain.state))
+  assert all(jax.tree.leaves(same))
+  ok = [r for r in responses if not isinstance(r, Exception)]
+  assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
+  steps = [_step_of(r) for r in ok]
+  assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] > steps[0], steps
+
+
 class _Gated:
   """The run's training batches, where reading batch i (0-based) first waits, up to 300 s,
   until `gates[i]()` holds (what the test needs served by then; the training steps are the same
@@ -425,7 +468,7 @@ def _free_port() -> int:
     ({"serve.share": 0.0}, "serve.share=0.0 must be in (0, 1]"),
     ({"serve.host": ""}, "serve.host='' must be an address"),
     ({"serve.token_file": "/no/such/token"}, "serve.token_file='/no/such/token' is not a file"),
-    ({"serve.enabled": True, "backend.mode": "distributed"}, "embedded mode only"),
+    ({"serve.enabled": True, "backend.mode": "distributed"}, "(embedded or remote mode)"),
   ],
 )
 def test_bad_serve_settings_are_one_line(overrides, message):

@@ -202,12 +202,14 @@ class Controller:
     Blocks only to honour `max_inflight` (waiting for the oldest in-flight program's results).
     `priority`: placed ahead of queued ordinary work by the islands' policy (backend/policy.py:
     its inputs may be program.Latest values and the client's own earlier outputs only), and
-    neither bounded nor waited for by `wait` (its client waits for it); local islands only.
+    neither bounded nor waited for by `wait` (its client waits for it). Remote islands run
+    every program in the order it was sent, priority ones too: those wait behind the work
+    already sent (at most `max_inflight` programs of other clients). Not in distributed mode.
     """
     missing = program.inputs - set(inputs)
     assert not missing, f"program inputs not given: {sorted(missing)}"
     if priority:
-      self._local_only("priority programs")
+      self._one_controller("priority programs")
     else:
       self._bound_inflight()
     with self._dispatch_lock:
@@ -232,14 +234,16 @@ class Controller:
   def start_publishing(self) -> None:
     """From now on, the carried outputs of every program (a train state) are published on their
     islands, under the output's name, as the nodes that produce them launch; a node reads the
-    newest with a program.Latest input (backend/scheduler.py)."""
-    self._local_only("publishing")
+    newest with a program.Latest input (backend/scheduler.py; remote: as the program that
+    produces them is sent, since a worker runs its ops in the order they come)."""
+    self._one_controller("publishing")
     self._dispatcher.publishing = True
 
   def publish(self, island: str, name: str, value) -> concurrent.futures.Future:
-    """Publishes `value` (arrays on `island`) under `name` there, after everything enqueued so
-    far (program.Latest); a future resolved once it is."""
-    self._local_only("publishing")
+    """Publishes `value` (arrays on `island`; remote: an output of a program run there) under
+    `name` there, after everything enqueued so far (program.Latest); a future resolved once it
+    is."""
+    self._one_controller("publishing")
     self.cluster[island]
     with self._dispatch_lock:
       step = self._step
@@ -257,6 +261,10 @@ class Controller:
       raise ConfigError(
         f"{what}: the controller's local islands of one process only (embedded mode)"
       )
+
+  def _one_controller(self, what: str) -> None:
+    if jax.process_count() > 1:
+      raise ConfigError(f"{what}: one controller's islands (embedded or remote mode)")
 
   @property
   def program_number(self) -> int:

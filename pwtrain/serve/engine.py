@@ -92,6 +92,9 @@ class Engine:
     self._prefill_next = True  # prefill chunks and decode steps take turns
     self._stopping = False
     self.step: int | None = None  # the step of the weights of the last token
+    # Pieces built, but no weights published on their islands yet (a remote run before its
+    # first step is sent: remote/dispatch.py's publish).
+    self.awaiting_weights = False
     self.error: str | None = None  # the last failure that was not a lost island or weights
     self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
     self._thread.start()
@@ -134,6 +137,7 @@ class Engine:
       pieces = self._pieces
       return {
         "serving": pieces is not None,
+        "awaiting_weights": self.awaiting_weights and pieces is None,
         "step": self.step,
         "slots": self.max_batch,
         "busy": sum(s is not None for s in self._slots),
@@ -225,7 +229,9 @@ class Engine:
       probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
       fetch(probe, self.controller)
     except NotPublished:
+      self.awaiting_weights = True
       return False
+    self.awaiting_weights = False
     self._carried = self.controller.run(pieces.init, {}, priority=True)
     self._pieces = pieces
     log.info("serving from islands %s", ",".join(layout.islands))

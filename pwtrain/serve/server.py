@@ -98,7 +98,8 @@ class Server:
 
   def start(self) -> "Server":
     """Serves on a thread; returns once the engine serves (its pieces compiled, the weights
-    there) and the server accepts connections."""
+    there), or has its pieces and awaits the weights (a remote run's first step publishes
+    them: /health says 503 "starting" until then), and the server accepts connections."""
     self._wait_for_engine()
     self._thread = threading.Thread(
       target=self._uvicorn.run, kwargs={"sockets": [self.sock]}, name="serve-http", daemon=True
@@ -123,7 +124,7 @@ class Server:
 
   def _wait_for_engine(self) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not self.engine.status()["serving"]:
+    while not ((status := self.engine.status())["serving"] or status["awaiting_weights"]):
       if self.engine.error:
         raise RuntimeError(f"the serving engine failed to start: {self.engine.error}")
       if time.monotonic() > deadline:
@@ -147,14 +148,15 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
   serving = settings(config)
   stats = Stats()
   engine = Engine(source, controller, tokenizer, serving, stats)
+  local = not controller.cluster.remote  # remote: the islands' time and memory are the workers'
   app = make_app(
     engine,
     tokenizer,
     Limits(serving.max_len, serving.max_batch),
     model=model,
     token=read_token(config.serve.token_file),
-    island_time=controller.island_time,
-    device_bytes=device_bytes,
+    island_time=controller.island_time if local else None,
+    device_bytes=device_bytes if local else None,
   )
   return Server(engine, source, app, sock)
 
@@ -182,8 +184,10 @@ def device_bytes() -> int:
 def attached(config, controller, current, state: dict, workdir: str, sock):
   """Serves the training run's live parameters (weights.LiveWeights) while the block runs:
   `current()` the harness that runs the steps, `state` the state the run starts from, `sock`
-  from `listening`. Serving programs share the islands within serve.share of their time."""
-  controller.set_priority_share(config.serve.share)
+  from `listening`. Serving programs share the islands within serve.share of their time
+  (remote islands run them in the order they are sent: config.validate_serve)."""
+  if not controller.cluster.remote:
+    controller.set_priority_share(config.serve.share)
   source = LiveWeights(config, controller, current)
   source.start(state)
   tokenizer = inference.run_tokenizer(config, workdir)

@@ -24,8 +24,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pwtrain import sharding as sharding_lib
+from pwtrain.backend.futures import resolved
 from pwtrain.backend.outline import KEPT, without_kept
-from pwtrain.backend.program import Executable, Node, Transfer
+from pwtrain.backend.program import Executable, Latest, Node, NotPublished, Transfer
 from pwtrain.backend.remote import arrays, launcher
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient
@@ -49,6 +50,11 @@ class RemoteDispatcher:
     self._names = itertools.count()
     self._trace_ids = itertools.count(1)
     self._traced: dict = {}  # trace_id -> (Event, worker) until the worker reports its span
+    # Controller.start_publishing: the carried outputs of the programs dispatched since, by
+    # (island, name). A worker runs its ops in the order they were sent, so the newest one
+    # dispatched is the newest launched before anything dispatched now (program.Latest).
+    self.publishing = False
+    self._published: dict[tuple[str, str], RemoteValue] = {}
 
   # -- compilation --------------------------------------------------------------------------
 
@@ -76,6 +82,9 @@ class RemoteDispatcher:
       if time.monotonic() > deadline:
         raise worker.lost_error()
       time.sleep(0.2)
+    # What was published there is gone with the worker's old store: the programs that give the
+    # island its state again publish anew.
+    self._published = {k: v for k, v in self._published.items() if k[0] != island}
     worker.rejoin()
 
   def lost(self) -> dict[str, str]:
@@ -181,11 +190,21 @@ class RemoteDispatcher:
   # -- dispatch -----------------------------------------------------------------------------
 
   def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
-    assert not priority, "remote islands run their queues in arrival order (Controller.run)"
+    """Sends every island's operations of `program` at once; a RemoteValue per output. A
+    worker runs its ops in arrival order: `priority` programs too (Controller.run)."""
+    del priority
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
       if self.cluster[island].worker.lost:
         raise self.cluster[island].worker.lost_error()
+    # Latest inputs first: one not published yet (NotPublished) sends nothing.
+    latest = {
+      (ref, node.island): self._latest(inputs[ref], node.island)
+      for node in program.nodes
+      if isinstance(node, Node)
+      for ref in node.args
+      if isinstance(ref, str) and isinstance(inputs[ref], Latest)
+    }
     prefix = f"{self._session}.{step}"
     reads: collections.Counter = collections.Counter()  # in-program reads of each value
     for node in program.nodes:
@@ -218,6 +237,8 @@ class RemoteDispatcher:
       if not isinstance(ref, str):
         return values[ref]
       value = inputs[ref]
+      if isinstance(value, Latest):
+        return latest[(ref, node.island)]
       if isinstance(value, RemoteValue):
         return value.ref
       key = (ref, node.island)
@@ -291,7 +312,36 @@ class RemoteDispatcher:
         if ref not in wrapped:
           wrapped[ref] = RemoteValue(values[ref])
         out[name] = wrapped[ref]
+    if self.publishing:
+      for name in program.carried:
+        if isinstance(out[name], RemoteValue):  # else passed through: published before
+          self._published[(out[name].island, name)] = out[name]
     return out
+
+  def publish(self, island: str, name: str, value, step: int):
+    """Publishes `value` under `name` on `island`, after every op sent so far (program.Latest);
+    a resolved future. Only a program's output on that worker is published: a value still on
+    this host (a run's initial or restored state, which its first step uploads) is not copied
+    to the worker for it, and its first step's outputs are the first published."""
+    del step
+    if isinstance(value, RemoteValue) and value.island == island:
+      self._published[(island, name)] = value
+    return resolved(None)
+
+  def _latest(self, latest: Latest, island: str) -> Ref:
+    """The newest value published under `latest.name` on `island`, or with `latest.keys` those
+    entries of it: the worker reads them from the value where it is (`handle#leaf,leaf,...`,
+    server.py), without a copy."""
+    value = self._published.get((island, latest.name))
+    if value is None:
+      raise NotPublished(f"nothing is published as {latest.name!r} on {island} yet")
+    ref = value.ref
+    if not latest.keys:
+      return ref
+    positions = jax.tree.unflatten(ref.treedef, range(len(ref.avals)))
+    leaves, treedef = jax.tree.flatten({k: positions[k] for k in latest.keys})
+    handle = f"{ref.handle}#{','.join(map(str, leaves))}"
+    return Ref(ref.worker, handle, treedef, tuple(ref.avals[i] for i in leaves), ref.islands)
 
   def collect_trace(self, wait_s: float = 10.0) -> None:
     """Fills the trace's launch/done times of the traced nodes from the workers' timelines,

@@ -208,12 +208,21 @@ class Worker(pb_grpc.WorkerServicer):
         for handle in op.execute.args:
           self.store.read(handle)
 
+  def _leaves(self, handle: str) -> list:
+    """The arrays of `handle`, once there; `<handle>#i,j,...`: leaves i, j, ... of it (a
+    published train state's params and step, read in place: remote/dispatch.py's Latest)."""
+    base, mark, picked = handle.rpartition("#")
+    if not mark:
+      return self.store.lookup(handle).result()
+    leaves = self.store.lookup(base).result()
+    return [leaves[int(i)] for i in picked.split(",")]
+
   def _execute(self, op, outs, block: bool = False) -> float:
     """Runs an Execute; returns when its inputs were all there (when it could start)."""
     exe = self._executables[op.executable].result()
     leaves = []
     for handle in op.args:
-      leaves.extend(self.store.lookup(handle).result())
+      leaves.extend(self._leaves(handle))
     start = time.time()
     if len(leaves) != len(exe.in_shardings):
       raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
