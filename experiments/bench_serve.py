@@ -238,19 +238,20 @@ def _print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 
 def training(args, remote: bool = False) -> dict:
-  import contextlib
-
-  from pwtrain.backend.remote import auth, launcher
-
   config = _config()
   tokens_per_step = config.train.global_batch * config.data.seq_len
   workdir = tempfile.mkdtemp(prefix="bench_serve_")
-  with contextlib.ExitStack() as stack:
-    if remote:  # one worker process of 8 devices serves the island
-      workers = stack.enter_context(launcher.launch([8]))
-      os.environ[auth.TOKEN_ENV] = workers.token
-      config.backend.mode, config.backend.workers = "remote", tuple(workers.addresses)
+  if not remote:
     return _training(args, config, tokens_per_step, workdir, remote)
+  from pwtrain.backend.remote import auth, launcher  # the [remote] extra
+
+  with launcher.launch([8]) as workers:  # one worker process of 8 devices serves the island
+    os.environ[auth.TOKEN_ENV] = workers.token
+    config.backend.mode, config.backend.workers = "remote", tuple(workers.addresses)
+    try:
+      return _training(args, config, tokens_per_step, workdir, remote)
+    finally:
+      del os.environ[auth.TOKEN_ENV]
 
 
 def _training(args, config, tokens_per_step, workdir, remote) -> dict:

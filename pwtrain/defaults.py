@@ -209,7 +209,7 @@ def get_config():
 
   c.fault = ml_collections.ConfigDict()  # lost workers (remote) or processes (pwtrain.launch)
   c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
-  c.fault.heartbeat_s = 2.0  # health-check period; a worker silent for 3 periods is lost
+  c.fault.heartbeat_s = 2.0  # health-check period; a worker missing 3 pings in a row is lost
   c.fault.elastic = False  # True: a lost pod is dropped, the run goes on, it rejoins when back
   c.fault.keep_global_batch = True  # elastic: survivors take the lost pod's rows (else shrink)
   c.fault.min_pods = 1  # elastic: below this many live pods the loss stops the run

@@ -28,6 +28,7 @@ from pwtrain import config as config_lib
 from pwtrain import train
 from pwtrain.models import arithmetic
 from pwtrain.models import moe as moe_lib
+from pwtrain.models.layers import ACTIVATIONS
 from pwtrain.parallel import plan as plan_lib
 
 E, D, F, G, S = 4, 16, 8, 3, 12  # experts, d_model, expert d_ff, groups (sequences), group size
@@ -82,7 +83,7 @@ def test_dispatch_equals_dense_reference(top_k, dropless, activation):
   # capacity_factor = E / top_k gives every expert S slots: nothing can drop.
   config = layer_config(top_k, capacity_factor=E / top_k, dropless=dropless)
   graphdef, params = make_layer(config, activation=activation)
-  act = {"silu": jax.nn.silu, "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True)}[activation]
+  act = ACTIVATIONS[activation]
   x = jax.random.normal(jax.random.key(1), (G, S, D))
   cotangent = jax.random.normal(jax.random.key(2), (G, S, D))
   y, stats = apply_layer(graphdef, params, x)

@@ -247,15 +247,7 @@ def test_serving_while_training_changes_nothing(trained, tmp_path, monkeypatch):
        "serve.prefill_chunk": 16, "data.data_dir": str(workdir / "tfds")}
   )  # fmt: skip
   done, responses = threading.Event(), []
-
-  def served_steps():
-    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
-
-  gates = {
-    2: lambda: len(served_steps()) >= 1,
-    5: lambda: len(steps := served_steps()) >= 3 and steps[-1] > steps[0],
-  }
-  _gate_batches(monkeypatch, gates)
+  _gate_on_responses(monkeypatch, responses)
   client = threading.Thread(target=_send_all_along, args=(port, done, responses))
   client.start()
   try:
@@ -342,15 +334,7 @@ def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, mon
        "data.data_dir": str(workdir / "tfds")}
   )  # fmt: skip
   done, responses = threading.Event(), []
-
-  def served_steps():
-    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
-
-  gates = {
-    2: lambda: len(served_steps()) >= 1,
-    5: lambda: len(steps := served_steps()) >= 3 and steps[-1] > steps[0],
-  }
-  _gate_batches(monkeypatch, gates)
+  _gate_on_responses(monkeypatch, responses)
   client = threading.Thread(target=_send_all_along, args=(port, done, responses))
   client.start()
   try:
@@ -393,6 +377,17 @@ class _Gated:
 def _gate_batches(monkeypatch, gates: dict) -> None:
   real = train._train_batches
   monkeypatch.setattr(train, "_train_batches", lambda *args: _Gated(real(*args), gates))
+
+
+def _gate_on_responses(monkeypatch, responses: list) -> None:
+  """Step 3's batch waits for a response, and step 6's for 3 of them, the last of a later
+  step's weights than the first."""
+
+  def steps():
+    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
+
+  gates = {2: lambda: len(steps()) >= 1, 5: lambda: len(s := steps()) >= 3 and s[-1] > s[0]}
+  _gate_batches(monkeypatch, gates)
 
 
 def _step_of(response: dict) -> int:

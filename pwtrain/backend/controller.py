@@ -12,10 +12,11 @@ Several clients (threads, each with its own programs) may share one controller a
 `run` is thread-safe, every program is enqueued atomically (so each island sees the programs in
 one global order), and the run-ahead bound counts all clients' programs together. A priority
 client (`run(priority=True)`: serving) has its programs placed ahead of queued ordinary work
-within a share of each island's time (backend/policy.py); they are not counted in the bound
-(their client waits for each). While the controller publishes (`start_publishing`), the carried
-outputs of every program (a train state) are published on their islands as their nodes
-launch, and a node can read the newest of them in place (`program.Latest`).
+within a share of each island's time (backend/policy.py; remote workers run every program in
+arrival order); they are not counted in the bound (their client waits for each). While the
+controller publishes (`start_publishing`), the carried outputs of every ordinary program (a
+train state) are published on their islands as their nodes launch (remote: as the program is
+sent), and a node can read the newest of them in place (`program.Latest`).
 """
 
 import collections
@@ -240,9 +241,10 @@ class Controller:
     self._dispatcher.publishing = True
 
   def publish(self, island: str, name: str, value) -> concurrent.futures.Future:
-    """Publishes `value` (arrays on `island`; remote: an output of a program run there) under
-    `name` there, after everything enqueued so far (program.Latest); a future resolved once it
-    is."""
+    """Publishes `value` (arrays on `island`) under `name` there, after everything enqueued so
+    far (program.Latest); a future resolved once it is. Remote islands publish only a program's
+    output made there: a value still on this host is left for the program that uploads it
+    (remote/dispatch.py)."""
     self._one_controller("publishing")
     self.cluster[island]
     with self._dispatch_lock:

@@ -212,7 +212,7 @@ class LocalDispatcher:
     (backend/policy.py) rather than at the end of each queue."""
     futures: dict[str, concurrent.futures.Future] = {}
     placed: list | None = [] if priority else None  # priority work: placed together at the end
-    publishes = self._publishes(program)
+    publishes = {} if priority else self._publishes(program)  # a priority client's are its own
 
     def resolve(ref):
       if isinstance(ref, str):

@@ -241,7 +241,7 @@ class MoE(nnx.Module):
   family's `activation` (layers.ACTIVATIONS: SwiGLU for PaLM and Llama, GeGLU for Gemma), no
   biases."""
 
-  def __init__(self, cfg, moe_cfg, *, rngs: nnx.Rngs, param_dtype, activation: str = "silu"):
+  def __init__(self, cfg, moe_cfg, *, rngs: nnx.Rngs, param_dtype, activation: str):
     d, f, e = cfg.d_model, expert_d_ff(cfg, moe_cfg), moe_cfg.num_experts
     self.num_experts, self.top_k = e, moe_cfg.top_k
     self.activation = activation

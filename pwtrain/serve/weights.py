@@ -3,7 +3,8 @@ island, its weights published there under a name), and the two sources of one.
 
   attached     `LiveWeights`: the training run's own parameters, read in place. The run's
                controller publishes each train state as the node that produces it launches
-               (Controller.start_publishing), so a serving node placed on the island's queue
+               (Controller.start_publishing; remote: as its program is sent, since a worker
+               runs its ops in arrival order), so a serving node placed on the island's queue
                reads the state of the latest step launched before it, and the next step, which
                donates that state, launches after it (backend/scheduler.py). The served pod is
                the last whose islands are all live: its cells, in layer order (one cell on one
@@ -95,7 +96,9 @@ class LiveWeights:
 
   def start(self, state: dict) -> None:
     """Publishes the state the run starts from (its init or restored state) before the first
-    step; every step's state is published as it launches from then on."""
+    step; every step's state is published as it launches from then on. Remote: a state still
+    on the trainer's host is not published (its first step uploads it, and that step's state is
+    the first served)."""
     self.controller.start_publishing()
     plan = self._current().plan
     for cell, island in plan.cells.items():

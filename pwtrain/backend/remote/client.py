@@ -205,6 +205,7 @@ class Monitor:
     self, clients: list[WorkerClient], period_s: float, misses: int = 3, isolate: bool = False
   ):
     self.clients, self.period_s, self.misses, self.isolate = clients, period_s, misses, isolate
+    self.deadline_s = max(period_s, PING_DEADLINE_S)  # how long each ping waits for its answer
     self._stop = threading.Event()
     threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
 
@@ -219,13 +220,12 @@ class Monitor:
         if client.closed:
           continue
         if client.lost:
-          if not client.answering and client.probe(self.period_s):
+          if not client.answering and client.probe(self.deadline_s):
             log.warning("worker %s (island %s) answers again", client.address, client.island)
             client.answering = True
           continue
         try:
-          deadline = max(self.period_s, PING_DEADLINE_S)
-          client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=deadline)
+          client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=self.deadline_s)
           missed[i] = 0
         except grpc.RpcError as e:
           missed[i] += 1
@@ -252,7 +252,7 @@ class Monitor:
       if client.lost:
         raise client.lost_error()
       try:
-        client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=self.period_s)
+        client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=self.deadline_s)
       except grpc.RpcError as e:
         self.declare(client, f"{e.code().name}: {(e.details() or '').split(';')[0]}")
         raise client.lost_error() from None

@@ -191,13 +191,18 @@ class RemoteDispatcher:
 
   def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
     """Sends every island's operations of `program` at once; a RemoteValue per output. A
-    worker runs its ops in arrival order: `priority` programs too (Controller.run)."""
-    del priority
+    worker runs its ops in arrival order: `priority` programs too (Controller.run), whose
+    carried outputs (a server's caches) are not published."""
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
       if self.cluster[island].worker.lost:
         raise self.cluster[island].worker.lost_error()
-    # Latest inputs first: one not published yet (NotPublished) sends nothing.
+    for node in program.nodes:
+      if isinstance(node, Transfer) and isinstance(inputs.get(node.src), Latest):
+        raise TypeError(f"{node.name}: a transfer cannot read program.Latest (nodes only)")
+    # Latest inputs first: one not published yet (NotPublished) sends nothing. The islands of
+    # the programs that made them are suspects of this one's failure too (rpc_error): a state
+    # whose step failed with a lost pod fails its reader as that loss, until the step runs again.
     latest = {
       (ref, node.island): self._latest(inputs[ref], node.island)
       for node in program.nodes
@@ -205,6 +210,7 @@ class RemoteDispatcher:
       for ref in node.args
       if isinstance(ref, str) and isinstance(inputs[ref], Latest)
     }
+    islands = islands.union(*(ref.islands for ref in latest.values()))
     prefix = f"{self._session}.{step}"
     reads: collections.Counter = collections.Counter()  # in-program reads of each value
     for node in program.nodes:
@@ -312,7 +318,7 @@ class RemoteDispatcher:
         if ref not in wrapped:
           wrapped[ref] = RemoteValue(values[ref])
         out[name] = wrapped[ref]
-    if self.publishing:
+    if self.publishing and not priority:  # a priority client's carried outputs are its own
       for name in program.carried:
         if isinstance(out[name], RemoteValue):  # else passed through: published before
           self._published[(out[name].island, name)] = out[name]
@@ -336,6 +342,9 @@ class RemoteDispatcher:
     if value is None:
       raise NotPublished(f"nothing is published as {latest.name!r} on {island} yet")
     ref = value.ref
+    for suspect in sorted(ref.islands):  # made by a program on an island lost since: failed
+      if self.cluster[suspect].worker.lost:
+        raise self.cluster[suspect].worker.lost_error()
     if not latest.keys:
       return ref
     positions = jax.tree.unflatten(ref.treedef, range(len(ref.avals)))

@@ -13,6 +13,7 @@ with checked headers, and no message is ever unpickled.
 import concurrent.futures
 import logging
 import queue
+import re
 import threading
 import time
 
@@ -35,6 +36,9 @@ class _Executable:
     self.compiled = compiled
     self.in_shardings = in_shardings
     self.out_leaves = out_leaves
+
+
+_PICKED = re.compile(r"(?P<base>.+)#(?P<leaves>\d+(?:,\d+)*)")  # Worker._leaves
 
 
 class Worker(pb_grpc.WorkerServicer):
@@ -209,13 +213,14 @@ class Worker(pb_grpc.WorkerServicer):
           self.store.read(handle)
 
   def _leaves(self, handle: str) -> list:
-    """The arrays of `handle`, once there; `<handle>#i,j,...`: leaves i, j, ... of it (a
-    published train state's params and step, read in place: remote/dispatch.py's Latest)."""
-    base, mark, picked = handle.rpartition("#")
-    if not mark:
+    """The arrays of an Execute argument, once there: a handle, or `<handle>#i,j,...`, leaves
+    i, j, ... of it (a published train state's params and step, read in place: the controller's
+    program.Latest, remote/dispatch.py)."""
+    picked = _PICKED.fullmatch(handle)
+    if picked is None:
       return self.store.lookup(handle).result()
-    leaves = self.store.lookup(base).result()
-    return [leaves[int(i)] for i in picked.split(",")]
+    leaves = self.store.lookup(picked["base"]).result()
+    return [leaves[int(i)] for i in picked["leaves"].split(",")]
 
   def _execute(self, op, outs, block: bool = False) -> float:
     """Runs an Execute; returns when its inputs were all there (when it could start)."""
