@@ -26,10 +26,11 @@ from jax.sharding import NamedSharding
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.futures import resolved
 from pwtrain.backend.outline import KEPT, without_kept
-from pwtrain.backend.program import Executable, Latest, Node, NotPublished, Transfer
-from pwtrain.backend.remote import arrays, launcher
+from pwtrain.backend.program import Executable, Latest, Node, Transfer
+from pwtrain.backend.remote import arrays, launcher, timeline
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient
+from pwtrain.backend.remote.published import Published
 from pwtrain.backend.remote.values import Ref, RemoteValue, rpc_error
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,8 @@ class RemoteDispatcher:
     self._names = itertools.count()
     self._trace_ids = itertools.count(1)
     self._traced: dict = {}  # trace_id -> (Event, worker) until the worker reports its span
-    # Controller.start_publishing: the carried outputs of the programs dispatched since, by
-    # (island, name). A worker runs its ops in the order they were sent, so the newest one
-    # dispatched is the newest launched before anything dispatched now (program.Latest).
-    self.publishing = False
-    self._published: dict[tuple[str, str], RemoteValue] = {}
+    self.publishing = False  # Controller.start_publishing
+    self._published = Published(cluster)
 
   # -- compilation --------------------------------------------------------------------------
 
@@ -82,9 +80,7 @@ class RemoteDispatcher:
       if time.monotonic() > deadline:
         raise worker.lost_error()
       time.sleep(0.2)
-    # What was published there is gone with the worker's old store: the programs that give the
-    # island its state again publish anew.
-    self._published = {k: v for k, v in self._published.items() if k[0] != island}
+    self._published.forget(island)
     worker.rejoin()
 
   def lost(self) -> dict[str, str]:
@@ -204,7 +200,7 @@ class RemoteDispatcher:
     # the programs that made them are suspects of this one's failure too (rpc_error): a state
     # whose step failed with a lost pod fails its reader as that loss, until the step runs again.
     latest = {
-      (ref, node.island): self._latest(inputs[ref], node.island)
+      (ref, node.island): self._published.resolve(inputs[ref], node.island)
       for node in program.nodes
       if isinstance(node, Node)
       for ref in node.args
@@ -319,61 +315,21 @@ class RemoteDispatcher:
           wrapped[ref] = RemoteValue(values[ref])
         out[name] = wrapped[ref]
     if self.publishing and not priority:  # a priority client's carried outputs are its own
-      for name in program.carried:
-        if isinstance(out[name], RemoteValue):  # else passed through: published before
-          self._published[(out[name].island, name)] = out[name]
+      self._published.sent(program, out)
     return out
 
   def publish(self, island: str, name: str, value, step: int):
-    """Publishes `value` under `name` on `island`, after every op sent so far (program.Latest);
-    a resolved future. Only a program's output on that worker is published: a value still on
-    this host (a run's initial or restored state, which its first step uploads) is not copied
-    to the worker for it, and its first step's outputs are the first published."""
+    """Publishes `value` under `name` on `island`, after every op sent so far (published.py);
+    a resolved future."""
     del step
-    if isinstance(value, RemoteValue) and value.island == island:
-      self._published[(island, name)] = value
+    self._published.put(island, name, value)
     return resolved(None)
 
-  def _latest(self, latest: Latest, island: str) -> Ref:
-    """The newest value published under `latest.name` on `island`, or with `latest.keys` those
-    entries of it: the worker reads them from the value where it is (`handle#leaf,leaf,...`,
-    server.py), without a copy."""
-    value = self._published.get((island, latest.name))
-    if value is None:
-      raise NotPublished(f"nothing is published as {latest.name!r} on {island} yet")
-    ref = value.ref
-    for suspect in sorted(ref.islands):  # made by a program on an island lost since: failed
-      if self.cluster[suspect].worker.lost:
-        raise self.cluster[suspect].worker.lost_error()
-    if not latest.keys:
-      return ref
-    positions = jax.tree.unflatten(ref.treedef, range(len(ref.avals)))
-    leaves, treedef = jax.tree.flatten({k: positions[k] for k in latest.keys})
-    handle = f"{ref.handle}#{','.join(map(str, leaves))}"
-    return Ref(ref.worker, handle, treedef, tuple(ref.avals[i] for i in leaves), ref.islands)
-
   def collect_trace(self, wait_s: float = 10.0) -> None:
-    """Fills the trace's launch/done times of the traced nodes from the workers' timelines,
-    on the controller's clock (each worker's offset from its quickest of a few Health round
-    trips: `_clock_offset`);
-    waits up to `wait_s` for nodes still running, and leaves out those that never ran."""
-    if self.trace is None:
-      return
-    deadline = time.monotonic() + wait_s
-    for island in self.cluster.islands:
-      worker = island.worker
-      if worker.lost or worker.closed:
-        continue
-      offset = _clock_offset(worker)
-      while True:
-        for span in worker.timeline().spans:
-          event, _ = self._traced.pop(span.trace_id, (None, None))
-          if event is not None:
-            event.launch = self.trace.from_wall(span.start - offset)
-            event.done = self.trace.from_wall(span.end - offset)
-        if time.monotonic() > deadline or not any(w is worker for _, w in self._traced.values()):
-          break
-        time.sleep(0.05)
+    """Fills the trace's launch/done times of the traced nodes from the workers' timelines
+    (timeline.py); waits up to `wait_s` for nodes still running."""
+    if self.trace is not None:
+      timeline.collect(self.trace, self._traced, self.cluster.islands, wait_s)
 
   def close(self):
     try:
@@ -408,19 +364,6 @@ class _LazyCompiled:
 def _lower(jitted, args, activate):
   with activate():
     return jitted.lower(*args)
-
-
-def _clock_offset(worker, pings: int = 5) -> float:
-  """The worker's clock minus the controller's, in seconds: from the quickest of `pings` Health
-  round trips (its answer's time against the trip's midpoint, off by at most half that trip),
-  so that one trip slowed by a busy machine does not skew it."""
-  trips = []
-  for _ in range(pings):
-    sent = time.time()
-    answer = worker.health().time
-    back = time.time()
-    trips.append((back - sent, answer - (sent + back) / 2))
-  return min(trips)[1]
 
 
 def _find_mesh(tree):
