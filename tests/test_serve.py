@@ -246,15 +246,9 @@ def test_serving_while_training_changes_nothing(trained, tmp_path, monkeypatch):
     **{**RUN, "serve.enabled": True, "serve.port": port, "serve.max_len": 32,
        "serve.prefill_chunk": 16, "data.data_dir": str(workdir / "tfds")}
   )  # fmt: skip
-  done, responses = threading.Event(), []
+  responses = []
   _gate_on_responses(monkeypatch, responses)
-  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
-  client.start()
-  try:
-    served = train.run(served_config, str(tmp_path), show_progress=False)
-  finally:
-    done.set()
-    client.join()
+  served = _train_with_a_client(served_config, tmp_path, responses)
   assert [r["loss"] for r in served.history] == [r["loss"] for r in plain.history]
   assert [r["grad_norm"] for r in served.history] == [r["grad_norm"] for r in plain.history]
   same = jax.tree.map(np.array_equal, jax.device_get(served.state), jax.device_get(plain.state))
@@ -290,7 +284,7 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
       "data.data_dir": str(workdir / "tfds"),
     }
   )  # fmt: skip
-  done, responses = threading.Event(), []
+  responses = []
 
   def moves(n):  # the server has served from n layouts, and answered since the last move
     served = [m for m in caplog.messages if m.startswith("serving from islands")]
@@ -298,14 +292,8 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
     return len(served) >= n and len(ok) >= n + 1
 
   _gate_batches(monkeypatch, {4: lambda: moves(2), 15: lambda: moves(3)})
-  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
-  client.start()
-  try:
-    with caplog.at_level(logging.INFO, logger="pwtrain.serve"):
-      result = train.run(config, str(tmp_path), show_progress=False)
-  finally:
-    done.set()
-    client.join()
+  with caplog.at_level(logging.INFO, logger="pwtrain.serve"):
+    result = _train_with_a_client(config, tmp_path, responses)
   assert result.final_step == 16
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
@@ -333,15 +321,9 @@ def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, mon
        "serve.port": port, "serve.max_len": 32, "serve.prefill_chunk": 16,
        "data.data_dir": str(workdir / "tfds")}
   )  # fmt: skip
-  done, responses = threading.Event(), []
+  responses = []
   _gate_on_responses(monkeypatch, responses)
-  client = threading.Thread(target=_send_all_along, args=(port, done, responses))
-  client.start()
-  try:
-    served = train.run(served_config, str(tmp_path), show_progress=False)
-  finally:
-    done.set()
-    client.join()
+  served = _train_with_a_client(served_config, tmp_path, responses)
   assert [r["loss"] for r in served.history] == [r["loss"] for r in plain.history]
   same = jax.tree.map(np.array_equal, jax.device_get(served.state), jax.device_get(plain.state))
   assert all(jax.tree.leaves(same))
@@ -392,6 +374,19 @@ def _gate_on_responses(monkeypatch, responses: list) -> None:
 
 def _step_of(response: dict) -> int:
   return int(response["system_fingerprint"].removeprefix("pwtrain-step-"))
+
+
+def _train_with_a_client(config, workdir, responses: list):
+  """train.run of `config` (serve.enabled) in `workdir` while a client sends requests to its
+  server all along (`_send_all_along`, into `responses`); the run's result."""
+  done = threading.Event()
+  client = threading.Thread(target=_send_all_along, args=(config.serve.port, done, responses))
+  client.start()
+  try:
+    return train.run(config, str(workdir), show_progress=False)
+  finally:
+    done.set()
+    client.join()
 
 
 def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
