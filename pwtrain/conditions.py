@@ -107,7 +107,10 @@ RULES = (
   _rule(("data.files", "data.jsonl_field", "data.skip_bad_records"), _is("data.dataset", "files")),
   _rule(("data.max_files",), _is("data.dataset", "pystdlib")),
   _rule(("data.tokenizer_path",), _is("data.tokenizer", "sentencepiece", "huggingface")),
-  _rule(("data.eos_token", "data.add_special_tokens"), _is("data.tokenizer", "huggingface")),
+  _rule(
+    ("data.eos_token", "data.add_special_tokens", "data.stop_tokens"),
+    _is("data.tokenizer", "huggingface"),
+  ),
   _rule(
     ("data.sp_vocab_size",),
     _all(_is("data.tokenizer", "sentencepiece"), _is("data.tokenizer_path", "")),

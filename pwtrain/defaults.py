@@ -42,6 +42,9 @@ def get_config():
   # tied output layer). model.rope_base is rope's theta for every family.
   c.model.family = "palm"
   c.model.norm_eps = 1e-6  # every norm's epsilon
+  # The MLP gate's activation: "" the family's (silu: palm, llama; gelu_tanh: gemma), "silu",
+  # "gelu_tanh" (GELU's tanh approximation) or "gelu" (exact GELU, erf).
+  c.model.activation = ""
   c.model.tie_embeddings = False  # llama: the output layer is the embedding (Llama 3.2 1B)
   c.model.qkv_bias = False  # llama: biases on the q, k and v projections (Qwen2)
   c.model.qk_norm = False  # llama: RMSNorm of each query and key head before rope (Qwen3)
@@ -96,6 +99,9 @@ def get_config():
   # "huggingface": documents and prompts encoded with the tokenizer's own special tokens (a BOS
   # where it adds one), as transformers encodes them; an imported model's (pwtrain.convert).
   c.data.add_special_tokens = False
+  # "huggingface": tokens besides data.eos_token at which generation (sampling, serving) stops;
+  # an imported model's eos_token_id list (generation_config.json's, else config.json's).
+  c.data.stop_tokens = ()
   c.data.sp_vocab_size = 512
   c.data.seq_len = 128
   c.data.shuffle = True

@@ -18,7 +18,8 @@ fed as the start of a document, as in training's packed stream (after an EOS; wi
 data.add_special_tokens, an imported model's, as transformers encodes it: the tokenizer's BOS
 where it adds one, no EOS in front) and continued
 `--num_samples` times by up to `--max_new_tokens` tokens (models/sampling.py: `--temperature`
-0 is greedy, `--top_k`, `--top_p`), stopping at EOS. All rows decode as one batch with a
+0 is greedy, `--top_k`, `--top_p`), stopping at EOS or any other of the tokenizer's stop ids
+(data.stop_tokens: an imported model's eos_token_id list). All rows decode as one batch with a
 KV cache (models/decode.py). Each sample is printed after a header line,
 `--- prompt P, sample S: N new tokens[, stopped at EOS] (checkpoint step K) ---`, as the
 prompt followed by its continuation (N does not count the EOS).
@@ -118,7 +119,7 @@ def sample(
       key,
       max_new_tokens=max_new_tokens,
       sampling=sampling,
-      eos_id=tokenizer.eos_id,
+      eos_id=tokenizer.stop_ids,
       pad_id=tokenizer.pad_id,
       num_tokens=tokenizer.vocab_size,
     )
@@ -127,7 +128,7 @@ def sample(
   samples = []
   for r, ids in enumerate(rows):
     new = out.tokens[r, : int(out.lengths[r])]
-    eos = bool(len(new) and new[-1] == tokenizer.eos_id)
+    eos = bool(len(new) and new[-1] in tokenizer.stop_ids)
     samples.append(
       Sample(
         prompt=r // num_samples,

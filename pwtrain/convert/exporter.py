@@ -54,8 +54,7 @@ def to_hf(config, workdir: str, out_dir: str, *, shard_size: int, step: int | No
   source_path = os.path.join(workdir, importer.SOURCE_CONFIG)
   source = None
   if os.path.isfile(source_path):
-    with open(source_path) as f:
-      source = json.load(f)
+    source = hf_config.read_json(source_path)
   hf = hf_config.to_hf(config.model, source)
   out_dir = os.path.abspath(os.path.expanduser(out_dir))
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):

@@ -90,8 +90,7 @@ def from_hf(source: str, workdir: str, overrides: dict | None = None) -> str:
   hf_path = os.path.join(directory, "config.json")
   if not os.path.isfile(hf_path):
     raise DataError(f"{hf_path} is missing: give a Hugging Face checkpoint directory")
-  with open(hf_path) as f:
-    hf = json.load(f)
+  hf = hf_config.read_json(hf_path)
   keys = hf_config.model_keys(hf, hf_path)
   reader = safetensors_io.Reader(directory)
   keys.update(tokenizer_files.check(directory, hf, keys["model.vocab_size"]))

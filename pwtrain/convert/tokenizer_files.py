@@ -5,13 +5,16 @@ A checkpoint's `tokenizer.json` (the `tokenizers` library's file, which pwtrain'
 data.tokenizer="huggingface" reads) is required; `tokenizer_config.json`,
 `special_tokens_map.json` and `generation_config.json` travel with it where they exist. The
 tokenizer must fit the model: no more ids than model.vocab_size, and the end-of-sequence token
-(tokenizer_config.json's `eos_token`, else config.json's `eos_token_id`) must be one of its ids.
+(tokenizer_config.json's `eos_token`, else config.json's first `eos_token_id`) must be one of its
+ids. Generation stops where transformers' `generate` stops: at every id of `eos_token_id` (an id
+or a list: Llama 3's) in generation_config.json, else in config.json; those besides the EOS token
+become data.stop_tokens, by their text.
 """
 
-import json
 import os
 import shutil
 
+from pwtrain.convert.hf_config import read_json
 from pwtrain.errors import DataError
 
 TOKENIZER = "tokenizer.json"
@@ -21,8 +24,8 @@ RUN_DIR = "tokenizer"  # under the workdir
 
 def check(directory: str, hf_config: dict, vocab_size: int) -> dict:
   """The data.* keys of the checkpoint in `directory`'s tokenizer: {"data.tokenizer",
-  "data.eos_token", "data.add_special_tokens"}; a DataError naming the file and key when it is
-  missing or does not fit a model of `vocab_size` ids."""
+  "data.eos_token", "data.add_special_tokens", "data.stop_tokens"}; a DataError naming the file
+  and key when it is missing or does not fit a model of `vocab_size` ids."""
   path = os.path.join(directory, TOKENIZER)
   if not os.path.isfile(path):
     raise DataError(
@@ -47,15 +50,39 @@ def check(directory: str, hf_config: dict, vocab_size: int) -> dict:
       f"{source}: the end-of-sequence token {eos!r} is not in {path}'s vocabulary: the "
       "tokenizer does not belong to this model"
     )
-  return {"data.tokenizer": "huggingface", "data.eos_token": eos, "data.add_special_tokens": True}
+  return {
+    "data.tokenizer": "huggingface",
+    "data.eos_token": eos,
+    "data.add_special_tokens": True,
+    "data.stop_tokens": tuple(t for t in _stop_tokens(directory, hf_config, tok) if t != eos),
+  }
+
+
+def _stop_tokens(directory: str, hf_config: dict, tok) -> list[str]:
+  """The texts of the ids transformers' generate stops at: generation_config.json's
+  eos_token_id, else config.json's (an id, or a list of them)."""
+  path = os.path.join(directory, "generation_config.json")
+  generation = read_json(path) if os.path.isfile(path) else {}
+  if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
+    ids, where = generation["eos_token_id"], f"{path} eos_token_id"
+  else:
+    ids = hf_config.get("eos_token_id")
+    where = f"{os.path.join(directory, 'config.json')} eos_token_id"
+  ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+  tokens = []
+  for i in ids:
+    token = tok.id_to_token(i) if isinstance(i, int) and not isinstance(i, bool) else None
+    if token is None:
+      raise DataError(f"{where}={ids!r}: {i!r} is not an id of the tokenizer's vocabulary")
+    tokens.append(token)
+  return tokens
 
 
 def _eos_token(directory: str, hf_config: dict, tok) -> tuple:
   """(the EOS token's text, the file that names it)."""
   config_path = os.path.join(directory, "tokenizer_config.json")
   if os.path.isfile(config_path):
-    with open(config_path) as f:
-      eos = json.load(f).get("eos_token")
+    eos = read_json(config_path).get("eos_token")
     if isinstance(eos, dict):
       eos = eos.get("content")
     if eos:
@@ -80,5 +107,4 @@ def copy(source: str, target: str) -> list[str]:
 def generation_config(hf_config: dict) -> dict:
   """A generation_config.json for a checkpoint that came without one: its special token ids."""
   ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-  out = {k: hf_config[k] for k in ids if k in hf_config}
-  return {**out, "transformers_version": hf_config.get("transformers_version", "")}
+  return {k: hf_config[k] for k in ids if k in hf_config}

@@ -37,7 +37,12 @@ _SP_TRAIN_MAX_EXAMPLES = 20_000
 
 class Documents:
   """A document in the packed stream is its ids then EOS, which separates it from the next; a
-  prompt is the start of a document, so it follows an EOS."""
+  prompt is the start of a document, so it follows an EOS. Generation (sampling, serving) stops
+  at any of `stop_ids`: EOS, and a Hugging Face tokenizer's data.stop_tokens."""
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
 
   def document(self, text: str | bytes) -> np.ndarray:
     return np.append(self.encode(text), np.int32(self.eos_id))
@@ -118,14 +123,21 @@ class SentencePieceTokenizer(Documents):
 
 class HuggingFaceTokenizer(Documents):
   """A Hugging Face `tokenizers` JSON file (`pip install 'pwtrain[tokenizers]'`); EOS is
-  `eos_token`, or the first of EOS_TOKENS in its vocabulary.
+  `eos_token`, or the first of EOS_TOKENS in its vocabulary; generation also stops at
+  `stop_tokens` (data.stop_tokens).
 
   With `add_special_tokens` (data.add_special_tokens: an imported model's, pwtrain.convert),
   documents and prompts are encoded as transformers encodes them, with the special tokens the
   tokenizer's post-processor adds (a BOS where it adds one): a document is that, then EOS unless
   the tokenizer ended it with one; a prompt is that without a final EOS, and no EOS in front."""
 
-  def __init__(self, path: str, eos_token: str = "", add_special_tokens: bool = False):
+  def __init__(
+    self,
+    path: str,
+    eos_token: str = "",
+    add_special_tokens: bool = False,
+    stop_tokens: Sequence[str] = (),
+  ):
     try:
       import tokenizers
     except ImportError:
@@ -148,10 +160,22 @@ class HuggingFaceTokenizer(Documents):
         f"{path!r}; set data.eos_token to the token that ends a document"
       )
     self.eos_id = vocab[found[0]]
+    unknown = [t for t in stop_tokens if t not in vocab]
+    if unknown:
+      raise DataError(
+        f"data.stop_tokens: {unknown[0]!r} is not in the vocabulary of {path!r}; list tokens of "
+        "this tokenizer"
+      )
+    self._stop_ids = tuple(dict.fromkeys([self.eos_id, *(vocab[t] for t in stop_tokens)]))
     self.pad_id = self.eos_id
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self._special = {v for k, v in vocab.items() if k in _added_special(self._tok)}
     self.add_special_tokens = add_special_tokens
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """EOS, then data.stop_tokens' ids."""
+    return self._stop_ids
 
   @functools.cached_property
   def token_bytes(self) -> np.ndarray:
@@ -264,7 +288,9 @@ def build_tokenizer(
   if data_cfg.tokenizer == "huggingface":
     if not path:
       raise DataError("data.tokenizer='huggingface' needs data.tokenizer_path (a JSON file)")
-    return HuggingFaceTokenizer(path, data_cfg.eos_token, data_cfg.add_special_tokens)
+    return HuggingFaceTokenizer(
+      path, data_cfg.eos_token, data_cfg.add_special_tokens, data_cfg.get("stop_tokens", ())
+    )
   if data_cfg.tokenizer == "sentencepiece" and path:
     return SentencePieceTokenizer(path)
   if data_cfg.tokenizer == "sentencepiece":

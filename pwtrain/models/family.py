@@ -9,6 +9,7 @@ model.
   block           parallel           sequential              sequential
   norm            layernorm          rmsnorm                 rmsnorm_plus_one (scale 1 + w)
   activation      silu (SwiGLU)      silu (SwiGLU)           gelu_tanh (GeGLU)
+                  (model.activation, when set, replaces it: "silu", "gelu_tanh" or "gelu")
   embedding       N(0, 1), unscaled  unscaled                x sqrt(d_model)
   output layer    tied, x d^-1/2     model.tie_embeddings    tied
   rope            PaLM's             Hugging Face's (+ model.rope_scaling="llama3")
@@ -37,6 +38,7 @@ import numpy as np
 from pwtrain.errors import ConfigError
 
 FAMILIES = ("palm", "llama", "gemma")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # model.activation ("": the family's)
 ROPE_SCALING = ("none", "llama3")
 
 
@@ -48,7 +50,7 @@ class Family:
   parallel_block: bool  # PaLM: x + attn(norm(x)) + mlp(norm(x)); else sequential
   norm: str  # "layernorm", "rmsnorm" or "rmsnorm_plus_one"
   norm_eps: float
-  activation: str  # the MLP gate's: "silu" or "gelu_tanh"
+  activation: str  # the MLP gate's: "silu", "gelu_tanh" or "gelu" (exact: erf)
   embed_scale: bool  # embeddings times sqrt(d_model)
   tied: bool  # the output layer is the embedding matrix
   logit_scale: bool  # logits times d_model^-1/2 (PaLM)
@@ -95,6 +97,7 @@ _PRESETS = {
 def of(m) -> Family:
   """The family record of model config `m` (`model.*`)."""
   name = m.get("family", "palm")
+  preset = {**_PRESETS[name], "activation": m.get("activation", "") or _PRESETS[name]["activation"]}
   return Family(
     name=name,
     norm_eps=float(m.get("norm_eps", 1e-6)),
@@ -108,7 +111,7 @@ def of(m) -> Family:
     post_norms=bool(m.get("post_norms", False)),
     sliding_window=int(m.get("sliding_window", 0)),
     sliding_window_pattern=int(m.get("sliding_window_pattern", 0)),
-    **_PRESETS[name],
+    **preset,
   )
 
 
@@ -136,6 +139,11 @@ def validate(m) -> None:
   keys a family reads at all is pwtrain/conditions.py's.)"""
   if m.family not in FAMILIES:
     raise ConfigError(f"model.family={m.family!r} is not a family; valid: {', '.join(FAMILIES)}")
+  if m.get("activation", "") not in ("", *ACTIVATIONS):
+    raise ConfigError(
+      f"model.activation={m.activation!r} is not supported; valid: '' (the family's), "
+      f"{', '.join(ACTIVATIONS)}"
+    )
   if not m.norm_eps > 0:
     raise ConfigError(f"model.norm_eps={m.norm_eps!r} must be > 0")
   if m.rope_scaling not in ROPE_SCALING:

@@ -210,12 +210,17 @@ class Attention(nnx.Module):
     return jnp.einsum("blhk,hkd->bld", out, self.wo[...].astype(out.dtype))
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+# model.activation's functions: "gelu" is the exact GELU (erf), "gelu_tanh" its tanh approximation.
+ACTIVATIONS = {
+  "silu": jax.nn.silu,
+  "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+  "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
 
 
 class GatedMLP(nnx.Module):
   """The gated MLP: (act(x W_gate) * (x W_up)) W_down, no biases; act is silu (SwiGLU: PaLM,
-  Llama) or tanh-approximated gelu (GeGLU: Gemma).
+  Llama) or gelu (GeGLU: Gemma, tanh-approximated unless model.activation says "gelu").
 
   The matmuls run on the tokens flattened to rows, [b * l, d] @ [d, f] (the same products as
   on [b, l, d]), so that a weight's gradient is a matmul contracting one dimension. Contracting

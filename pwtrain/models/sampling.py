@@ -109,11 +109,12 @@ def generate(
   *,
   max_new_tokens: int,
   sampling: Sampling,
-  eos_id: int | None = None,
+  eos_id: int | tuple[int, ...] | None = None,
   pad_id: int = 0,
   num_tokens: int | None = None,
 ) -> Generated:
-  """Continues each prompt by up to `max_new_tokens` tokens; stops a row at `eos_id`.
+  """Continues each prompt by up to `max_new_tokens` tokens; stops a row at `eos_id` (an id, or
+  a tuple of ids: at any of them, the tokenizer's `stop_ids`).
 
   `prompts` [b, p] int32 are right-padded, row b's prompt being its first prompt_lengths[b]
   (>= 1) tokens. Stops early once every row has stopped. Traceable: jit it with the model's
@@ -148,13 +149,15 @@ def generate(
 
 
 def _stops(tokens, eos_id):
-  return jnp.zeros(tokens.shape, bool) if eos_id is None else tokens == eos_id
+  if eos_id is None:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(eos_id, jnp.int32).reshape(-1))
 
 
 def _lengths(tokens, eos_id, max_new_tokens):
   """Tokens up to and including the first EOS, else all of them."""
   if eos_id is None:
     return jnp.full(tokens.shape[:1], max_new_tokens, jnp.int32)
-  is_eos = tokens == eos_id
+  is_eos = _stops(tokens, eos_id)
   first_eos = jnp.argmax(is_eos, axis=-1)
   return jnp.where(jnp.any(is_eos, axis=-1), first_eos + 1, max_new_tokens).astype(jnp.int32)

@@ -340,7 +340,7 @@ class Engine:
     seq.completion.completion_tokens += 1
     self.stats.count("completion_tokens")
     request = seq.completion.request
-    if token == self.tokenizer.eos_id:
+    if token in self.tokenizer.stop_ids:
       finish, text = "stop", seq.text.finish()
     else:
       text, stopped = seq.text.add(token)
