@@ -276,3 +276,98 @@ def test_fine_tuning_is_an_ordinary_run_and_exports_what_it_trained(imported, tm
   assert np.max(np.abs(ours - theirs)) <= 1e-4
   before = _tensors(imported["llama"][0])["lm_head.weight"]
   assert not np.array_equal(_tensors(tmp_path / "out")["lm_head.weight"], before)  # it trained
+
+
+def _edit_json(path, **changes):
+  """Sets (or, with None, removes) keys of a JSON file."""
+  data = json.loads(path.read_text())
+  for key, value in changes.items():
+    data.pop(key, None) if value is None else data.__setitem__(key, value)
+  path.write_text(json.dumps(data))
+
+
+def _stop_token(model, directory):
+  """A token transformers' greedy continuation of PROMPT reaches at its 6th step or later, not
+  before it, and not the EOS (2): an EOS of a list that stops generation there."""
+  tok = transformers.AutoTokenizer.from_pretrained(directory)
+  with torch.no_grad():
+    out = model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=32, do_sample=False)
+  new = out[0, -32:].tolist()
+  return next(t for i, t in enumerate(new) if i >= 5 and t != 2 and t not in new[:i])
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+  """Checkpoints whose config.json says less than transformers writes, or other than the tiny
+  models: {name: (HF dir, the model transformers loads from it, the run imported from it)}.
+
+  gemma2: hidden_activation "gelu" (exact GELU) and no soft-cap keys (transformers: 50 and 30).
+  llama: head_dim 24 (not d_model / heads = 16), no `architectures` (model_type only), and an
+  eos_token_id list [2, t] in config.json and generation_config.json, t a token its greedy
+  continuation reaches."""
+  out = {}
+  for name, more in (("gemma2", dict(hidden_activation="gelu")), ("llama", dict(head_dim=24))):
+    root = tmp_path_factory.mktemp(f"{name}_variant")
+    model = make_hf(name, root / "hf", **more)
+    if name == "gemma2":
+      _edit_json(root / "hf" / "config.json", attn_logit_softcapping=None,
+                 final_logit_softcapping=None)  # fmt: skip
+    else:
+      eos = [2, _stop_token(model, root / "hf")]
+      _edit_json(root / "hf" / "config.json", architectures=None, eos_token_id=eos)
+      _edit_json(root / "hf" / "generation_config.json", eos_token_id=eos)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+      root / "hf", attn_implementation="eager"
+    ).eval()
+    importer.from_hf(str(root / "hf"), str(root / "run"))
+    out[name] = (root / "hf", model, root / "run")
+  return out
+
+
+@pytest.mark.parametrize("name", ["gemma2", "llama"])
+def test_what_config_json_leaves_out_runs_as_transformers_runs_it(variants, name):
+  """Logits equal transformers' for Gemma 2 with exact GELU and transformers' default soft caps,
+  and for a Llama whose head_dim is not d_model / heads, read from model_type alone."""
+  hf_dir, model, run = variants[name]
+  if name == "gemma2":  # what transformers read for the absent keys
+    assert (model.config.attn_logit_softcapping, model.config.final_logit_softcapping) == (50, 30)
+  else:
+    assert model.config.head_dim == 24 != model.config.hidden_size // 4
+  tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 40)).astype(np.int32)
+  ours, theirs = _logits_both(hf_dir, model, run, tokens)
+  assert np.max(np.abs(ours - theirs)) <= 1e-4, np.max(np.abs(ours - theirs))
+
+
+def test_generation_stops_at_every_eos_of_the_list(variants):
+  """An eos_token_id list (Llama 3's): `pwtrain.sample` stops where transformers' generate stops,
+  at the list's second id, which the import carried as data.stop_tokens."""
+  hf_dir, model, run = variants["llama"]
+  config = sample_lib.load_config(None, str(run))
+  stop = json.loads((hf_dir / "config.json").read_text())["eos_token_id"][1]
+  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  assert list(config.data.stop_tokens) == [tok.convert_ids_to_tokens(stop)]
+  (ours,) = sample_lib.sample(
+    config, str(run), [PROMPT], sampling=Sampling(temperature=0.0), max_new_tokens=32,
+    num_samples=1, seed=0,
+  )  # fmt: skip
+  with torch.no_grad():
+    out = model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=32, do_sample=False)
+  theirs = tuple(out[0, len(tok(PROMPT).input_ids) :].tolist())
+  assert theirs[-1] == stop and len(theirs) < 32
+  assert ours.ids == theirs and ours.stopped_at_eos, (ours.ids, theirs)
+
+
+def test_an_exact_gelu_export_loads_in_transformers_as_imported(variants, tmp_path):
+  """The Gemma 2 variant's export keeps hidden_activation "gelu" and, loaded by transformers,
+  computes the imported model's logits."""
+  hf_dir, model, run = variants["gemma2"]
+  config = sample_lib.load_config(None, str(run))
+  exporter.to_hf(config, str(run), str(tmp_path / "out"), shard_size=10**9)
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert written["hidden_activation"] == "gelu"
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path / "out", attn_implementation="eager"
+  )
+  tokens = torch.tensor([[1, 5, 9, 13, 40, 41]])
+  with torch.no_grad():
+    assert torch.equal(loaded(tokens).logits, model(tokens).logits)

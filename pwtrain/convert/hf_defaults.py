@@ -44,7 +44,6 @@ _OFF = dict(
   attention_bias=False,
   use_bidirectional_attention=False,
   use_sliding_window=False,
-  partial_rotary_factor=1.0,
 )
 
 _LLAMA = dict(
