@@ -350,11 +350,40 @@ def test_generation_stops_at_every_eos_of_the_list(variants):
     config, str(run), [PROMPT], sampling=Sampling(temperature=0.0), max_new_tokens=32,
     num_samples=1, seed=0,
   )  # fmt: skip
-  with torch.no_grad():
-    out = model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=32, do_sample=False)
-  theirs = tuple(out[0, len(tok(PROMPT).input_ids) :].tolist())
+  theirs = _greedy(model, tok)
   assert theirs[-1] == stop and len(theirs) < 32
   assert ours.ids == theirs and ours.stopped_at_eos, (ours.ids, theirs)
+
+
+def _greedy(model, tok) -> tuple:
+  """transformers' greedy continuation of PROMPT (at most 32 tokens, to its generation
+  config's EOS)."""
+  with torch.no_grad():
+    out = model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=32, do_sample=False)
+  return tuple(out[0, len(tok(PROMPT).input_ids) :].tolist())
+
+
+def test_serving_stops_at_every_eos_of_the_list(variants):
+  """Served greedily (pwtrain.serve, on loopback), the Llama variant's completion ends where
+  transformers' generate ends, at the eos_token_id list's second id: finish_reason "stop"."""
+  import httpx
+
+  from pwtrain import serve
+
+  hf_dir, model, run = variants["llama"]
+  config = sample_lib.load_config(None, str(run))
+  config.serve.update(port=0, max_len=64, max_batch=1, prefill_chunk=16, reload=False)
+  with serve.listening(config) as sock:
+    running = serve.standalone(config, str(run), sock).start()
+    try:
+      body = {"model": "m", "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+      out = httpx.post(f"{running.url}/v1/completions", json=body, timeout=300).json()
+    finally:
+      running.stop()
+  theirs = _greedy(model, transformers.AutoTokenizer.from_pretrained(hf_dir))
+  assert len(theirs) < 32, theirs
+  assert out["choices"][0]["finish_reason"] == "stop", out
+  assert out["usage"]["completion_tokens"] == len(theirs), (out, theirs)
 
 
 def test_an_exact_gelu_export_loads_in_transformers_as_imported(variants, tmp_path):

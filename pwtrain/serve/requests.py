@@ -154,12 +154,12 @@ def _prompts(prompt, limits: Limits) -> tuple[str, ...]:
 
 
 def _encode(tokenizer, prompt: str, index: int, limits: Limits) -> np.ndarray:
-  ids = np.concatenate([[tokenizer.eos_id], tokenizer.encode(prompt)]).astype(np.int32)
+  ids = tokenizer.prompt(prompt)  # as pwtrain.sample encodes it (data/tokenizer.py)
   if len(ids) > limits.max_len - 1:
     which = f"prompt {index}" if index else "the prompt"
     raise RequestError(
       400,
-      f"{which} is {len(ids)} tokens (with the end-of-document token it starts with); "
+      f"{which} is {len(ids)} tokens (with the EOS or BOS it starts with); "
       f"serve.max_len={limits.max_len} takes at most {limits.max_len - 1}, to leave room for "
       "one new token",
       "prompt",
