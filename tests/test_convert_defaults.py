@@ -213,3 +213,17 @@ def test_invalid_json_is_one_line_naming_the_file(tmp_path):
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith(f"error: {tmp_path / 'config.json'} is not valid JSON: "), last
   assert "line 1 column" in last and not (tmp_path / "run").exists()
+
+
+def test_model_activation_is_validated_and_replaces_the_family_s():
+  from pwtrain import config as config_lib
+  from pwtrain.models import family
+
+  config = defaults.get_config()
+  config.model.family = "gemma"
+  assert family.of(config.model).activation == "gelu_tanh"  # "": the family's
+  config.model.activation = "gelu"
+  assert family.of(config.model).activation == "gelu"
+  config.model.activation = "relu"
+  with pytest.raises(UserError, match=r"^model.activation='relu' is not supported; valid: ''"):
+    config_lib.validate(config)
