@@ -1,9 +1,12 @@
 """A Hugging Face `config.json` <-> pwtrain's `model.*` keys.
 
 `model_keys(hf, path)` reads a config.json (either the rope layout transformers 5 writes,
-`rope_parameters`, or the older `rope_theta` + `rope_scaling`) into the keys of a pwtrain config,
-refusing in one line, naming the file and the key, anything the families cannot run exactly.
-`to_hf(model_cfg, source)` writes the config.json of a pwtrain model: the imported one's
+`rope_parameters`, or the older `rope_theta` + `rope_scaling`) into the keys of a pwtrain config
+as transformers reads it: a key it leaves out is transformers' default for the architecture
+(hf_defaults.py), the architecture is `architectures[0]` or else `model_type`'s, an activation
+is what transformers' ACT2FN computes for its name. Anything the families cannot run exactly is
+refused in one line naming the file and the key. `to_hf(model_cfg, source)` writes the
+config.json of a pwtrain model, read alike by transformers 4.x and 5.x: the imported one's
 (`source`) with pwtrain's keys put back, or, for a model trained from scratch, the architecture
 its keys call for (`architecture`).
 """
@@ -200,7 +203,7 @@ def _rope(r: _Reader, family: str) -> dict:
   """Rope as transformers 5 reads it (`rope_scaling` if set, else `rope_parameters`, their
   rope_theta else the top-level one); a config.json whose 4.x keys (`rope_theta`,
   `rope_scaling`) say otherwise than its `rope_parameters` is refused: the versions would differ."""
-  top = r.hf.get("rope_theta", r.defaults["rope_theta"])
+  top = r.hf.get("rope_theta") or r.defaults["rope_theta"]
   params, scaling = r.hf.get("rope_parameters") or {}, r.hf.get("rope_scaling") or {}
   rope = _rope_of(scaling or params, top)
   if params and ("rope_theta" in r.hf or scaling):
