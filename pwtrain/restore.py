@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pwtrain import optim, processes
+from pwtrain import objectives, optim, processes
 from pwtrain import step as step_lib
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.errors import ConfigError
@@ -54,7 +54,8 @@ def target(config, mesh):
   fns = step_lib.model_fns(config.model, config.moe)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
-  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
+  reference = objectives.holds_reference(config)  # the frozen reference policy (GRPO's KL)
+  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange, reference=reference))
   shardings = spmd.state_shardings(fns, mesh, whole)
   abstract = stages.unstack_state(spmd.with_shardings(whole, shardings))
   if exchange.per_pod_state:
