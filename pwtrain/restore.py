@@ -121,3 +121,23 @@ def finished(config, workdir: str):
     directory, step, config.train.num_steps,
   )  # fmt: skip
   return step, state
+
+
+def state_from_params(config, step_program, params) -> dict:
+  """`step_program`'s state at step 0 for `config` with `params` (a whole-model params tree,
+  layers unrolled, host or device arrays: another run's, e.g. `latest(...)[1]["params"]`, or an
+  imported model's) in place of the seeded initialisation: a fresh optimizer state, the
+  exchange's entries, and with the objective's reference policy (GRPO with rl.kl_coef > 0) a
+  frozen copy of `params` as "reference". Made on one device, then laid out as the program's
+  state (its `abstract_state`'s shardings; every pod's copy with per-pod state)."""
+  fns = step_lib.model_fns(config.model, config.moe)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  exchange = exchange_lib.make(config)
+  reference = objectives.holds_reference(config)
+  make = lambda p: train_state(fns, tx, config.seed, exchange, params=p, reference=reference)
+  whole = jax.jit(make)(jax.device_get(params))
+  abstract = step_program.abstract_state
+  if "pods" in abstract:
+    whole = {"pods": [whole] * len(abstract["pods"])}
+  whole = jax.device_put(whole, jax.tree.map(lambda a: a.sharding, abstract), may_alias=False)
+  return step_program.from_checkpoint(whole)
