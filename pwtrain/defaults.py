@@ -138,6 +138,9 @@ def get_config():
   c.train.profile_steps = ()
   c.train.eval_every = 100  # evaluate on data.eval_split every N steps and at the end (0: never)
   c.train.eval_batches = 4  # batches of train.global_batch per evaluation
+  # What the step minimises (pwtrain/objectives.py): "lm" (next-token cross-entropy) or "grpo"
+  # (the policy gradient of sampled completions, docs/rl.md; batches from the RL loop).
+  c.train.objective = "lm"
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"
@@ -221,6 +224,19 @@ def get_config():
   c.fault.min_pods = 1  # elastic: below this many live pods the loss stops the run
   c.fault.host_lost_pods = True  # elastic: survivors run lost pods' microbatches (else rebuild)
   c.fault.inject = ""  # elastic drills: "kill:pod1@step6,rejoin:pod1@step10"
+
+  # Reinforcement learning from sampled completions (train.objective="grpo", docs/rl.md).
+  c.rl = ml_collections.ConfigDict()
+  # The objective's (pwtrain/objectives.py): the distribution completions are sampled from, the
+  # same in the sampler and in the trainer's log-probabilities (top_k, top_p: 0 and 1 are off;
+  # a cut changes the behaviour policy), the ratio's clip range and the KL penalty to the
+  # initial parameters (k3; > 0 keeps a frozen copy of them in the train state).
+  c.rl.temperature = 1.0
+  c.rl.top_k = 0
+  c.rl.top_p = 1.0
+  c.rl.clip_low = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+  c.rl.clip_high = 0.2
+  c.rl.kl_coef = 0.0
 
   # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
   # and serve.enabled=True serves the training run's own parameters while it trains.
