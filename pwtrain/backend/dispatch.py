@@ -23,11 +23,12 @@ from pwtrain.backend import outline as outline_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend import saved as saved_lib
 from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.completion import CompletionWatcher, stamp
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.futures import resolved, select
 from pwtrain.backend.policy import PriorityPolicy
 from pwtrain.backend.program import Executable, Node, Program, Transfer
-from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work, stamp
+from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW, IslandScheduler, Work
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 class LocalDispatcher:
   """Compiles with `jax.jit` and launches on this process's devices (see the module doc).
 
-  `serialize_execution` (default: on for CPU devices), `compile_everywhere`: see
-  backend.Controller.
+  `serialize_execution` (default: on for CPU devices), `compile_everywhere`, `launch_window`:
+  see backend.Controller.
   """
 
   def __init__(
@@ -51,6 +52,7 @@ class LocalDispatcher:
     serialize_execution: bool | None,
     pull_timeout_s: float = 600.0,
     compile_everywhere: bool = False,
+    launch_window: int = DEFAULT_LAUNCH_WINDOW,
   ):
     self.cluster = cluster
     self._compile_everywhere = compile_everywhere
@@ -68,10 +70,12 @@ class LocalDispatcher:
     serial = threading.Lock() if serialize_execution else None
     # The devices of lost islands: reading an array deleted with one is that island's loss.
     self._lost_devices: dict = {}
-    self._schedulers = {
-      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices) for i in cluster.islands
-    }
     self.policy = PriorityPolicy()  # where priority programs go (backend/policy.py)
+    self._schedulers = {}
+    for island in cluster.islands:
+      scheduler = IslandScheduler(island.name, trace, serial, self._lost_devices, launch_window)
+      scheduler.progress = self.policy.place_held  # programs held back for their share
+      self._schedulers[island.name] = scheduler
     self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
@@ -380,6 +384,7 @@ class LocalDispatcher:
 
   def close(self) -> None:
     self._compiler.shutdown(wait=True, cancel_futures=True)
+    self.policy.place_held(everything=True)  # before the stop: every program runs or fails
     for scheduler in self._schedulers.values():
       scheduler.stop()
     self._cross.stop()
