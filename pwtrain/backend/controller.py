@@ -239,6 +239,14 @@ class Controller:
     self._local_only("a priority share")
     self._dispatcher.set_priority_share(share)
 
+  def set_launch_window(self, window: int) -> None:
+    """From now on, each local island launches at most `window` computations that have not
+    finished (0: no bound), where execution is not serialized (backend/scheduler.py)."""
+    if window < 0:
+      raise ConfigError(f"launch window {window} must be >= 0 (0: no bound)")
+    self._local_only("a launch window")
+    self._dispatcher.set_launch_window(window)
+
   def start_publishing(self) -> None:
     """From now on, the carried outputs of every program (a train state) are published on their
     islands, under the output's name, as the nodes that produce them launch; a node reads the

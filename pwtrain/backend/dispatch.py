@@ -5,8 +5,7 @@ one FIFO queue (backend/scheduler.py), so all devices of an island run the compu
 program in the same order. In distributed mode every process walks every program in the same
 order but launches only its own islands' nodes; another process's node leaves a stand-in (an
 array with no data here) that a transfer can read from, and transfers between processes go by
-pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put.
-"""
+pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put."""
 
 import concurrent.futures
 import contextlib
@@ -42,8 +41,7 @@ class LocalDispatcher:
   """Compiles with `jax.jit` and launches on this process's devices (see the module doc).
 
   `serialize_execution` (default: on for CPU devices), `compile_everywhere`, `launch_window`:
-  see backend.Controller.
-  """
+  see backend.Controller."""
 
   def __init__(
     self,
@@ -71,11 +69,11 @@ class LocalDispatcher:
     # The devices of lost islands: reading an array deleted with one is that island's loss.
     self._lost_devices: dict = {}
     self.policy = PriorityPolicy()  # where priority programs go (backend/policy.py)
-    self._schedulers = {}
-    for island in cluster.islands:
-      scheduler = IslandScheduler(island.name, trace, serial, self._lost_devices, launch_window)
-      scheduler.progress = self.policy.place_held  # programs held back for their share
-      self._schedulers[island.name] = scheduler
+    place = self.policy.place_held  # as work finishes: the programs held back for their share
+    self._schedulers = {
+      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices, launch_window, place)
+      for i in cluster.islands
+    }
     self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
@@ -285,6 +283,10 @@ class LocalDispatcher:
 
   def set_priority_share(self, share: float) -> None:
     self.policy.set_share(share, self._schedulers.values())
+
+  def set_launch_window(self, window: int) -> None:
+    for scheduler in self._schedulers.values():
+      scheduler.queue.set_window(window)
 
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""

@@ -116,6 +116,11 @@ class OrderedQueue:
       return True
     return sum(self.in_flight.values()) < self.window
 
+  def set_window(self, window: int) -> None:
+    with self.lock:
+      self.window = window
+      self.lock.notify()
+
   def finished(self, work) -> None:
     """A computing item handed out has finished (or failed, or was never launched)."""
     with self.lock:
@@ -141,10 +146,12 @@ class IslandScheduler:
     serial,
     lost_devices: dict | None = None,
     launch_window: int = 0,
+    progress=None,
   ):
     """`lost_devices`: {device: IslandLost} of the lost islands (the dispatcher's): a work whose
     input was deleted with one of them fails with its IslandLost. `launch_window`: see the
-    module doc (serialized execution needs none: each item runs to completion)."""
+    module doc (serialized execution needs none: each item runs to completion). `progress`:
+    called with no lock held whenever an item has finished (the policy places held work)."""
     self.name = name
     self.trace = trace
     self.serial = serial
@@ -153,8 +160,7 @@ class IslandScheduler:
     self.lost: IslandLost | None = None
     self.published: dict[str, Any] = {}  # name -> the newest value published here
     self.clock = IslandClock()  # its busy time, the priority client's apart (policy.py)
-    # Called with no lock held whenever an item has finished (the policy places held work).
-    self.progress = None
+    self.progress = progress
     self._lost_devices = {} if lost_devices is None else lost_devices
     self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
     # Unserialized: when each launched computation finishes (its trace event's end, the clock,
