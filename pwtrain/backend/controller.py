@@ -208,8 +208,9 @@ class Controller:
     """Enqueues every node of `program`; returns a future per program output, immediately.
 
     Blocks only to honour `max_inflight` (waiting for the oldest in-flight program's results).
-    `priority`: placed ahead of queued ordinary work by the islands' policy (backend/policy.py:
-    its inputs may be program.Latest values and the client's own earlier outputs only), and
+    `priority`: placed ahead of queued ordinary work by the islands' policy, or held back until
+    its share allows it (backend/policy.py: its inputs may be program.Latest values and the
+    client's own earlier outputs only; its futures resolve once it is placed and launched), and
     neither bounded nor waited for by `wait` (its client waits for it). Remote islands run
     every program in the order it was sent, priority ones too: those wait behind the work
     already sent (at most `max_inflight` programs of other clients). Not in distributed mode.
