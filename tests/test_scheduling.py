@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain.backend import Cluster, Controller, Node, Program, Trace, Transfer
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
 from pwtrain.backend.scheduler import IslandScheduler, Work
 
@@ -202,7 +203,7 @@ def _greedy_share(path, share, seconds=3.0, warmup=0.5):
   program: the priority client's share of the programs dispatched in `seconds` after `warmup`
   (each client waits for its earlier ones, so it dispatches as fast as they finish), a clock
   other than the one that enforces the share; and those counts."""
-  with _controller(path, max_inflight=2) as controller:
+  with _controller(path, max_inflight=8) as controller:
     controller.set_priority_share(share)
     program, x = _loop_program(controller, "island0", 32)
     jax.block_until_ready(controller.run(program, {"x": x})["y"].result())
@@ -240,13 +241,41 @@ def _greedy_share(path, share, seconds=3.0, warmup=0.5):
 def test_the_share_holds_under_a_greedy_priority_client(path):
   """The greedy priority client asks for most of the island (unbounded, as at share 1, it takes
   over 0.8 of it); with a share of 0.25 it gets about that and the ordinary client the rest.
-  Above the share: the enforcement is off or leaks (its programs in flight not counted: 0.36-0.44;
-  a priority item's debt forgiven beyond one ordinary item's earning: 0.30-0.35). The bound below
-  is looser: a client starved of this machine's CPU may ask for less than its share."""
+  The bounds are loose: on this shared machine a client starved of CPU leaves the island empty
+  now and then (priority work may use it: policy.py) or asks for less than its share; the
+  clock's finer rules have the exact test below."""
   share = 0.25
   measured, counts = _greedy_share(path, share)
   assert counts[False] > 0 and counts[True] > 0, counts
-  assert share / 2 < measured < share + 0.06, (measured, counts)
+  assert share / 3 < measured < share + 0.1, (measured, counts)
+
+
+def test_the_balance_counts_priority_work_in_flight_and_charges_each_item_in_full():
+  """The island clock at share 0.25 (ordinary seconds earn a third of themselves): a priority
+  node placed and not finished counts against the balance at its last run time, so a second
+  one cannot go on the same positive balance; and a priority item costing more than one
+  ordinary item's earning is charged in full, so it takes that much ordinary work to repay."""
+  clock = IslandClock(share=0.25)
+
+  def ran(priority, seconds, reserved=0.0):
+    work = Work("p" if priority else "o", None, [], concurrent.futures.Future(), reserved=reserved)
+    clock.add(priority, seconds, work)
+
+  ran(False, 0.3)  # earns 0.1
+  assert clock.may_go_ahead()
+  assert clock.reserve("p") == 0.0  # never ran: nothing to reserve yet
+  ran(True, 0.3)  # 0.1 - 0.3: a debt of 0.2, more than one ordinary item's earning
+  for _ in range(2):
+    assert not clock.may_go_ahead()
+    ran(False, 0.3)
+  assert not clock.may_go_ahead()  # 0.0: the whole 0.3 repaid, not a part of it
+  ran(False, 0.3)
+  assert clock.may_go_ahead()  # 0.1
+  reserved = clock.reserve("p")  # placed: 0.3, its last run time, until it finishes
+  assert reserved == 0.3
+  assert not clock.may_go_ahead()  # 0.1 - 0.3 in flight
+  ran(True, 0.3, reserved)
+  assert clock.totals() == {"priority": 0.6, "ordinary": 1.2}
 
 
 @pytest.mark.parametrize("serialized", (True, False))

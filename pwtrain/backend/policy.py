@@ -16,7 +16,7 @@ orders (gang scheduling).
              most advanced of them has begun.
   share      a priority program goes ahead only while the priority client is within its share
              on every island it touches; otherwise it is held back, in the client's order, until
-             it is (or until none of those islands has ordinary work queued or running), and
+             it is (or until every island it touches is empty: nothing queued or running), and
              then placed as above. Each island keeps a balance (IslandClock): ordinary work run
              there earns the priority client share / (1 - share) of its seconds, priority work
              run there spends its own, and priority work placed there and not yet finished is
@@ -25,10 +25,12 @@ orders (gang scheduling).
              the balance less what is in flight is positive. Under saturating load the priority
              client so gets `share` of each island's time and the others the rest: a flood of
              priority work slows them by that fraction and never starves them. The balance is
-             held within one ordinary item's earning either way (the longest of the last few),
-             so neither an idle spell nor a burst carries over; before any ordinary work has run
-             on an island, priority work goes ahead there, and so it does on an island with no
-             ordinary work queued or running (and on a lost one, where it fails at once).
+             held within one ordinary item's earning (the longest of the last few), a debt
+             within that or one priority item's cost (so that every item is charged in full),
+             so neither an idle spell nor a burst carries over. Before any ordinary work has run
+             on an island, priority work goes ahead there; so it does on an empty island, one
+             program at a time (a client that leaves the island empty now and then so gains
+             one program per gap, charged in full), and on a lost one, where it fails at once.
 
 A priority program may read only its inputs, published values (program.Latest) and its own
 client's earlier outputs: an output of a program it passes would be computed after it.

@@ -128,8 +128,8 @@ class OrderedQueue:
       self.lock.notify()
 
   def idle(self) -> bool:
-    """Whether no ordinary item is queued or in flight here (call with `lock` held)."""
-    return not self.in_flight[False] and all(w is None or w.priority for w in self._items)
+    """Whether nothing is queued or in flight here (call with `lock` held)."""
+    return not any(self.in_flight.values()) and all(w is None for w in self._items)
 
   def __len__(self) -> int:
     with self.lock:
