@@ -212,6 +212,7 @@ RULES = (
     _is("backend.mode", "distributed"),
   ),
   _rule(("fault.max_restarts",), _is("backend.mode", "remote", "distributed")),
+  _rule(("backend.launch_window",), _is("backend.mode", "embedded", "distributed")),
   _rule(
     ("fault.heartbeat_s",),
     _any(_is("backend.mode", "remote", "distributed"), _is("fault.elastic", True)),

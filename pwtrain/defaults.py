@@ -192,6 +192,9 @@ def get_config():
   c.backend = ml_collections.ConfigDict()
   c.backend.mode = "embedded"
   c.backend.max_inflight_steps = 1  # unfinished steps allowed when enqueueing the next (0: sync)
+  # Where execution is not serialized (GPUs, TPUs): computations each island may have launched
+  # and not finished; the rest wait in its queue, where serving can go ahead (0: no bound).
+  c.backend.launch_window = 2
   c.backend.trace = False  # write <workdir>/trace.json (Chrome/Perfetto)
   # Remote islands (backend.mode="remote"): one island worker per island
   # (`python -m pwtrain.backend.remote.worker`).

@@ -4,6 +4,7 @@ benchmarks build and drive one.
   cluster     parallel/plan.make_cluster: the local devices carved into islands, or the workers
   plan        parallel/plan.build: the layout (meshes, cells, stages, exchange)
   controller  backend.Controller with the config's run-ahead bound (backend.max_inflight_steps)
+              and launch window (backend.launch_window)
   program     parallel.build_step_program: the compiled StepProgram (parallel/program.py)
 
 then `init()` for a fresh train state, `step(state, batch, i)` to dispatch step i and
@@ -94,7 +95,8 @@ class Harness:
     unless `cluster` is given; the plan is `plan_lib.build(config, cluster, resources)` unless
     `plan` (laid out on the given `cluster`) is: its islands are allocated from `resources`
     (default: a fresh manager for the cluster). The controller is a new `Controller(cluster,
-    max_inflight=backend.max_inflight_steps, trace=trace, serialize_execution=...)` unless
+    max_inflight=backend.max_inflight_steps, launch_window=backend.launch_window, trace=trace,
+    serialize_execution=...)` unless
     `controller` is given (then `trace` and `serialize_execution` must be left unset).
     With `saved_dir` (and a controller that `saves_pieces`), the compiled pieces are kept there
     under what built them (`build_key`), and a later build of the same key loads them without
@@ -117,6 +119,7 @@ class Harness:
         controller = Controller(
           cluster,
           max_inflight=config.backend.max_inflight_steps,
+          launch_window=config.backend.launch_window,
           trace=trace,
           serialize_execution=serialize_execution,
           pull_timeout_s=config.backend.pull_timeout_s,

@@ -54,6 +54,7 @@ SETTINGS = {
   "backend.mode='remote'": ({}, {"backend.mode": "remote"}),
   "backend.mode='distributed'": ({}, {"backend.mode": "distributed"}),
   "backend.mode='remote' or 'distributed'": ({}, {"backend.mode": "remote"}),
+  "backend.mode='embedded' or 'distributed'": ({"backend.mode": "remote"}, {}),
   "(backend.mode='remote' or 'distributed') or (fault.elastic=True)": (
     {},
     {"fault.elastic": True},

@@ -19,7 +19,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pwtrain.backend import Cluster, Controller, Node, Program, Trace, Transfer
+from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
+from pwtrain.backend.scheduler import IslandScheduler, Work
 
 
 @pytest.fixture(scope="module")
@@ -139,50 +142,167 @@ def test_a_reader_placed_ahead_of_a_donating_step_reads_the_value_before_it(clus
       missing["y"].result()
 
 
-def test_the_share_bounds_priority_time_under_saturating_load(cluster):
-  """An ordinary client and a priority client each keep island 0 busy; the priority client's
-  share of the island's busy time stays below about `share`, and neither is starved."""
-  share, seconds = 0.25, 2.0
-  with Controller(cluster, max_inflight=2) as controller:
-    controller.set_priority_share(share)
-    sharding = _sharding(cluster, "island0")
-    arg = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=sharding)
+# -- on both paths: serialized execution (the CPU default) and one-device islands with it off,
+# the path accelerators take, where the launch window keeps work in the island's queue --------
 
-    def work(iterations):
-      return lambda x: jax.lax.fori_loop(0, iterations, lambda _, y: jnp.tanh(y @ y), x)
+PATHS = ("serialized", "unserialized")
 
-    programs = {}  # as in serving, the priority client's work comes in smaller pieces
-    for priority, iterations in ((False, 16), (True, 4)):
-      exe = controller.compile(f"w{iterations}", work(iterations), "island0", (arg,),
-                               out_shardings=sharding)  # fmt: skip
-      programs[priority] = Program((Node("w", exe, ("x",)),), {"y": ("w", 0)})
-    x = jax.device_put(np.eye(256, dtype=np.float32), sharding)
-    for program in programs.values():  # compiled, warm
+
+def _controller(path, **kwargs):
+  """A controller of two one-device islands on the path (unserialized, XLA's CPU collectives
+  may deadlock with several multi-device computations at once)."""
+  return Controller(Cluster.local([1, 1]), serialize_execution=path == "serialized", **kwargs)
+
+
+def _loop_program(controller, island, iterations, size=256):
+  """A one-node program on `island` running `iterations` matmuls of `size`^2: x -> y."""
+  mesh = controller.cluster[island].mesh({"d": 1})
+  sharding = NamedSharding(mesh, PartitionSpec())
+  arg = jax.ShapeDtypeStruct((size, size), jnp.float32, sharding=sharding)
+
+  def work(x):
+    return jax.lax.fori_loop(0, iterations, lambda _, y: jnp.tanh(y @ y), x)
+
+  exe = controller.compile(f"loop{iterations}", work, island, (arg,), out_shardings=sharding)
+  x = jax.device_put(np.eye(size, dtype=np.float32) * 0.5, sharding)
+  return Program((Node(f"loop{iterations}", exe, ("x",)),), {"y": (f"loop{iterations}", 0)}), x
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_priority_program_goes_ahead_of_steps_queued_behind_a_running_one(path):
+  """A long step runs and five short ones are dispatched behind it: the island launches at most
+  the launch window of them (serialized: the one running), the rest wait in its queue, and a
+  priority program dispatched then goes ahead of those. Unbounded, every step is on the device
+  stream before the priority program arrives, and it runs last."""
+  window = 2
+  trace = Trace(record_completion=False)
+  with _controller(path, max_inflight=8, trace=trace, launch_window=window) as controller:
+    long, x = _loop_program(controller, "island0", 2048)
+    short, _ = _loop_program(controller, "island0", 4)
+    for program in (long, short):  # compiled, warm
       jax.block_until_ready(controller.run(program, {"x": x})["y"].result())
-    stop, counts = threading.Event(), {True: 0, False: 0}
+    trace.events.clear()
+    outs = [controller.run(long, {"x": x})]  # program 2
+    outs += [controller.run(short, {"x": x}) for _ in range(5)]  # programs 3-7
+    taken = 1 if path == "serialized" else window
+    queue = controller._dispatcher._schedulers["island0"].queue
+    deadline = time.monotonic() + 60
+    while len(queue) > 6 - taken:  # until the island has taken what it may
+      assert time.monotonic() < deadline, "the island never took its work"
+      time.sleep(0.001)
+    outs.append(controller.run(short, {"x": x}, priority=True))  # program 8
+    for out in outs:
+      jax.block_until_ready(out["y"].result())
+  steps = list(range(2, 8))
+  assert _order(trace, "island0") == [*steps[:taken], 8, *steps[taken:]]
 
-    def client(priority):
-      # The ordinary client runs ahead as a trainer does (bounded by max_inflight), so it always
-      # has work queued; the priority client waits for each result, as the serving engine does.
+
+def _greedy_share(path, share, seconds=3.0, warmup=0.5):
+  """Island 0 under an ordinary client that runs ahead as a trainer does and a greedy priority
+  client that keeps 4 programs in flight, as the serving engine does, both running the same
+  program: the priority client's share of the programs dispatched in `seconds` after `warmup`
+  (each client waits for its earlier ones, so it dispatches as fast as they finish), a clock
+  other than the one that enforces the share; and those counts."""
+  with _controller(path, max_inflight=8) as controller:
+    controller.set_priority_share(share)
+    program, x = _loop_program(controller, "island0", 32)
+    jax.block_until_ready(controller.run(program, {"x": x})["y"].result())
+    stop, counting, counts = threading.Event(), threading.Event(), {True: 0, False: 0}
+
+    def ordinary():
       while not stop.is_set():
-        out = controller.run(programs[priority], {"x": x}, priority=priority)
-        if priority:
-          jax.block_until_ready(out["y"].result())
-        counts[priority] += 1
+        controller.run(program, {"x": x})
+        counts[False] += counting.is_set()
       controller.wait()
 
-    before = controller.island_time()["island0"]
-    threads = [threading.Thread(target=client, args=(p,)) for p in (True, False)]
+    def greedy():
+      in_flight = []
+      while not stop.is_set():
+        in_flight.append(controller.run(program, {"x": x}, priority=True)["y"])
+        counts[True] += counting.is_set()
+        if len(in_flight) == 4:
+          jax.block_until_ready(in_flight.pop(0).result())
+      jax.block_until_ready([f.result() for f in in_flight])
+
+    threads = [threading.Thread(target=f) for f in (ordinary, greedy)]
     for t in threads:
       t.start()
+    time.sleep(warmup)
+    counting.set()
     time.sleep(seconds)
+    counting.clear()
     stop.set()
     for t in threads:
       t.join()
-    after = controller.island_time()["island0"]
-  busy = {k: after[k] - before[k] for k in after}
-  measured = busy["priority"] / (busy["priority"] + busy["ordinary"])
+  return counts[True] / (counts[True] + counts[False]), counts
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_share_holds_under_a_greedy_priority_client(path):
+  """The greedy priority client asks for most of the island (unbounded, as at share 1, it takes
+  over 0.8 of it); with a share of 0.25 it gets about that and the ordinary client the rest.
+  The bounds are loose: on this shared machine a client starved of CPU leaves the island empty
+  now and then (priority work may use it: policy.py) or asks for less than its share; the
+  clock's finer rules have the exact test below."""
+  share = 0.25
+  measured, counts = _greedy_share(path, share)
   assert counts[False] > 0 and counts[True] > 0, counts
-  # A bound from above: the priority client, waiting for each result, leaves gaps the ordinary
-  # one fills, so it may get less; it must get a real part, and the ordinary client its turns.
-  assert share / 2 < measured < share + 0.05, (measured, counts)
+  assert share / 3 < measured < share + 0.1, (measured, counts)
+
+
+def test_the_balance_counts_priority_work_in_flight_and_charges_each_item_in_full():
+  """The island clock at share 0.25 (ordinary seconds earn a third of themselves): a priority
+  node placed and not finished counts against the balance at its last run time, so a second
+  one cannot go on the same positive balance; and a priority item costing more than one
+  ordinary item's earning is charged in full, so it takes that much ordinary work to repay."""
+  clock = IslandClock(share=0.25)
+
+  def ran(priority, seconds, reserved=0.0):
+    work = Work("p" if priority else "o", None, [], concurrent.futures.Future(), reserved=reserved)
+    clock.add(priority, seconds, work)
+
+  ran(False, 0.3)  # earns 0.1
+  assert clock.may_go_ahead()
+  assert clock.reserve("p") == 0.0  # never ran: nothing to reserve yet
+  ran(True, 0.3)  # 0.1 - 0.3: a debt of 0.2, more than one ordinary item's earning
+  for _ in range(2):
+    assert not clock.may_go_ahead()
+    ran(False, 0.3)
+  assert not clock.may_go_ahead()  # 0.0: the whole 0.3 repaid, not a part of it
+  ran(False, 0.3)
+  assert clock.may_go_ahead()  # 0.1
+  reserved = clock.reserve("p")  # placed: 0.3, its last run time, until it finishes
+  assert reserved == 0.3
+  assert not clock.may_go_ahead()  # 0.1 - 0.3 in flight
+  ran(True, 0.3, reserved)
+  assert clock.totals() == {"priority": 0.6, "ordinary": 1.2}
+
+
+@pytest.mark.parametrize("serialized", (True, False))
+def test_a_device_lost_as_a_computation_finishes_loses_its_island(serialized):
+  """A computation whose outputs report that their devices are gone when waited on (a status of
+  devices gone, as a slice down under Pathways reports it) loses its island, serialized or
+  watched after launch: the next work fails with IslandLost instead of running on."""
+
+  class Gone:  # an output whose device failed while it was computed
+    def block_until_ready(self):
+      raise jax.errors.JaxRuntimeError("UNAVAILABLE: the slice of these devices is down")
+
+  scheduler = IslandScheduler("island1", None, threading.Lock() if serialized else None)
+  try:
+    first, second = concurrent.futures.Future(), concurrent.futures.Future()
+    scheduler.queue.put(Work("node", Gone, [], first))
+    if serialized:
+      with pytest.raises(IslandLost, match="island island1 lost: UNAVAILABLE"):
+        first.result(timeout=30)
+    else:  # launched: its owner has its outputs; the island is lost once the watcher waits
+      first.result(timeout=30)
+      deadline = time.monotonic() + 30
+      while scheduler.lost is None:
+        assert time.monotonic() < deadline, "the island was never lost"
+        time.sleep(0.01)
+    scheduler.queue.put(Work("next", lambda: 1, [], second))
+    with pytest.raises(IslandLost, match="island island1 lost: UNAVAILABLE"):
+      second.result(timeout=30)
+  finally:
+    scheduler.stop()

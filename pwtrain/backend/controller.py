@@ -29,10 +29,11 @@ import jax
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.completion import here_only
 from pwtrain.backend.dispatch import LocalDispatcher
 from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.backend.program import Executable, Program
-from pwtrain.backend.scheduler import here_only
+from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW
 from pwtrain.backend.trace import Trace
 from pwtrain.errors import ConfigError
 
@@ -62,6 +63,7 @@ class Controller:
     pull_timeout_s: float = 600.0,
     compile_everywhere: bool = False,
     donate: bool = True,
+    launch_window: int = DEFAULT_LAUNCH_WINDOW,
   ):
     """`donate=False`: compile every piece without donating its inputs, so that a program's
     inputs outlive it (elastic pods in distributed mode: a step may finish on some processes
@@ -70,9 +72,14 @@ class Controller:
     another process may take to arrive before that process is taken for dead (backend/pulls.py).
     `compile_everywhere`: distributed mode, compile other processes' islands' pieces too, as
     every process did before it traced them to outlines (`compile`); for
-    experiments/bench_distributed.py's comparison of the two, nothing else."""
+    experiments/bench_distributed.py's comparison of the two, nothing else. `launch_window`:
+    where execution is not serialized, how many computations each island may have launched and
+    not finished (0: no bound); the rest wait in its queue, where priority work can go ahead of
+    them (backend/scheduler.py). Remote workers run each operation in turn."""
     if max_inflight < 0:
       raise ConfigError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
+    if launch_window < 0:
+      raise ConfigError(f"backend.launch_window={launch_window} must be >= 0 (0: no bound)")
     self.cluster = cluster
     self.trace = trace
     self.max_inflight = max_inflight
@@ -83,7 +90,7 @@ class Controller:
       self._dispatcher = RemoteDispatcher(cluster, trace)
     else:
       self._dispatcher = LocalDispatcher(
-        cluster, trace, serialize_execution, pull_timeout_s, compile_everywhere
+        cluster, trace, serialize_execution, pull_timeout_s, compile_everywhere, launch_window
       )
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held
@@ -201,8 +208,9 @@ class Controller:
     """Enqueues every node of `program`; returns a future per program output, immediately.
 
     Blocks only to honour `max_inflight` (waiting for the oldest in-flight program's results).
-    `priority`: placed ahead of queued ordinary work by the islands' policy (backend/policy.py:
-    its inputs may be program.Latest values and the client's own earlier outputs only), and
+    `priority`: placed ahead of queued ordinary work by the islands' policy, or held back until
+    its share allows it (backend/policy.py: its inputs may be program.Latest values and the
+    client's own earlier outputs only; its futures resolve once it is placed and launched), and
     neither bounded nor waited for by `wait` (its client waits for it). Remote islands run
     every program in the order it was sent, priority ones too: those wait behind the work
     already sent (at most `max_inflight` programs of other clients). Not in distributed mode.
@@ -231,6 +239,14 @@ class Controller:
       raise ConfigError(f"priority share {share} must be in (0, 1]")
     self._local_only("a priority share")
     self._dispatcher.set_priority_share(share)
+
+  def set_launch_window(self, window: int) -> None:
+    """From now on, each local island launches at most `window` computations that have not
+    finished (0: no bound), where execution is not serialized (backend/scheduler.py)."""
+    if window < 0:
+      raise ConfigError(f"launch window {window} must be >= 0 (0: no bound)")
+    self._local_only("a launch window")
+    self._dispatcher.set_launch_window(window)
 
   def start_publishing(self) -> None:
     """From now on, the carried outputs of every program (a train state) are published on their

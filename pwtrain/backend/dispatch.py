@@ -5,8 +5,7 @@ one FIFO queue (backend/scheduler.py), so all devices of an island run the compu
 program in the same order. In distributed mode every process walks every program in the same
 order but launches only its own islands' nodes; another process's node leaves a stand-in (an
 array with no data here) that a transfer can read from, and transfers between processes go by
-pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put.
-"""
+pull where they can (backend/pulls.py) or by JAX's ordered cross-host device_put."""
 
 import concurrent.futures
 import contextlib
@@ -23,11 +22,12 @@ from pwtrain.backend import outline as outline_lib
 from pwtrain.backend import pulls as pulls_lib
 from pwtrain.backend import saved as saved_lib
 from pwtrain.backend.cluster import Cluster
+from pwtrain.backend.completion import CompletionWatcher, stamp
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.futures import resolved, select
 from pwtrain.backend.policy import PriorityPolicy
 from pwtrain.backend.program import Executable, Node, Program, Transfer
-from pwtrain.backend.scheduler import CompletionWatcher, IslandScheduler, Work, stamp
+from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW, IslandScheduler, Work
 from pwtrain.backend.trace import Trace
 from pwtrain.backend.transfers import device_put, dispatch_order, has_local_devices
 from pwtrain.sharding import stand_in
@@ -40,9 +40,8 @@ log = logging.getLogger(__name__)
 class LocalDispatcher:
   """Compiles with `jax.jit` and launches on this process's devices (see the module doc).
 
-  `serialize_execution` (default: on for CPU devices), `compile_everywhere`: see
-  backend.Controller.
-  """
+  `serialize_execution` (default: on for CPU devices), `compile_everywhere`, `launch_window`:
+  see backend.Controller."""
 
   def __init__(
     self,
@@ -51,6 +50,7 @@ class LocalDispatcher:
     serialize_execution: bool | None,
     pull_timeout_s: float = 600.0,
     compile_everywhere: bool = False,
+    launch_window: int = DEFAULT_LAUNCH_WINDOW,
   ):
     self.cluster = cluster
     self._compile_everywhere = compile_everywhere
@@ -68,10 +68,12 @@ class LocalDispatcher:
     serial = threading.Lock() if serialize_execution else None
     # The devices of lost islands: reading an array deleted with one is that island's loss.
     self._lost_devices: dict = {}
-    self._schedulers = {
-      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices) for i in cluster.islands
-    }
     self.policy = PriorityPolicy()  # where priority programs go (backend/policy.py)
+    place = self.policy.place_held  # as work finishes: the programs held back for their share
+    self._schedulers = {
+      i.name: IslandScheduler(i.name, trace, serial, self._lost_devices, launch_window, place)
+      for i in cluster.islands
+    }
     self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
@@ -282,6 +284,10 @@ class LocalDispatcher:
   def set_priority_share(self, share: float) -> None:
     self.policy.set_share(share, self._schedulers.values())
 
+  def set_launch_window(self, window: int) -> None:
+    for scheduler in self._schedulers.values():
+      scheduler.queue.set_window(window)
+
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""
     return {name: s.clock.totals() for name, s in self._schedulers.items()}
@@ -380,6 +386,7 @@ class LocalDispatcher:
 
   def close(self) -> None:
     self._compiler.shutdown(wait=True, cancel_futures=True)
+    self.policy.place_held(everything=True)  # before the stop: every program runs or fails
     for scheduler in self._schedulers.values():
       scheduler.stop()
     self._cross.stop()

@@ -6,6 +6,16 @@ The queue is one order per island. Ordinary work joins at its end; a priority cl
 be placed ahead of queued work that has not been taken yet (backend/policy.py says where), never
 ahead of work already taken. Every item carries its place in that order (`Work.order`).
 
+The launch window. Where computations run to completion one at a time (serialized execution,
+CPU), the scheduler takes an item only once the one before it has finished. Elsewhere (GPUs,
+TPUs) a launch returns at once and the computation runs later on the device, so the scheduler
+takes computing work only while fewer than `launch_window` of the island's computing items are
+launched and not finished (0: no bound): the rest wait in the queue, where priority work can
+still go ahead of them. An item finishes when its outputs are ready on the device: a watcher
+thread (`CompletionWatcher`) waits for them in launch order. A window of 2 keeps the device
+busy (the next item is launched while one runs) and lets priority work wait for at most the
+two launched ahead of it.
+
 Published values. A node's outputs may be published when it launches (`Work.publishes`), and a
 node may read, as an argument, the newest value published under a name on its island
 (`program.Latest`), resolved when it launches. Both happen on the island's thread, in queue
@@ -16,7 +26,6 @@ the value before the donation: the controller's way of reading live training sta
 import concurrent.futures
 import contextlib
 import dataclasses
-import queue
 import threading
 import time
 import weakref
@@ -24,11 +33,16 @@ from typing import Any
 
 import jax
 
+from pwtrain.backend.completion import CompletionWatcher, block_ready
+from pwtrain.backend.completion import here_only as here_only  # backend.scheduler.here_only
 from pwtrain.backend.faults import IslandLost, is_device_loss, read_of_lost
 from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
 from pwtrain.backend.trace import Event, Trace
 
+# Computations an island may have launched and not finished where execution is not serialized
+# (the module doc): chosen by experiments/bench_window.py (docs/benchmarks.md).
+DEFAULT_LAUNCH_WINDOW = 2
 LAST = (float("inf"),)  # the place of the item that stops a scheduler: after everything
 
 
@@ -38,9 +52,11 @@ class Work:
   `program.Latest` args read from the island's published values), its result into `out`.
   `after`: a future to wait for before starting; `computes=False`: an offer or a pull of a
   transfer between processes (backend/pulls.py), or a publication, launched outside the CPU
-  lock and not waited on. `order`: its place in the island's one order (policy.py);
-  `priority`: a priority client's (its time is counted apart: IslandClock); `publishes`:
-  (name, output index or None for the whole result) to publish when it launches."""
+  lock and the launch window, and not waited on. `order`: its place in the island's one order
+  (policy.py); `priority`: a priority client's (its time is counted apart: IslandClock), and
+  `reserved` the seconds it is expected to take, counted against that client's share until it
+  finishes; `publishes`: (name, output index or None for the whole result) to publish when it
+  launches."""
 
   name: str
   launch: Any
@@ -52,17 +68,23 @@ class Work:
   order: tuple = ()
   priority: bool = False
   publishes: tuple = ()
+  reserved: float = 0.0
 
 
 class OrderedQueue:
   """The island's queue: items sorted by `Work.order`; `put` appends (ordinary work comes in
   order), `insert` places an item at its order. Holding `lock`, a caller may read `taken` (the
-  order of the last item handed to the scheduler) and insert consistently with it."""
+  order of the last item handed to the scheduler) and `idle`, and insert consistently with them.
 
-  def __init__(self):
+  `window` (0: no bound): computing items are handed out only while fewer than that many are
+  in flight (handed out and not yet `finished`)."""
+
+  def __init__(self, window: int = 0):
     self.lock = threading.Condition()
     self._items: list = []
     self.taken: tuple = ()
+    self.window = window
+    self.in_flight = {False: 0, True: 0}  # computing items handed out, not finished, by priority
 
   def put(self, work) -> None:
     with self.lock:
@@ -77,14 +99,37 @@ class OrderedQueue:
     self.lock.notify()
 
   def get(self):
-    """The next item (None: stop), waiting for one."""
+    """The next item (None: stop), waiting for one, and for room in the window if it computes."""
     with self.lock:
-      while not self._items:
+      while not self._items or not self._room_for(self._items[0]):
         self.lock.wait()
       work = self._items.pop(0)
-      if work is not None and work.order:
-        self.taken = work.order
+      if work is not None:
+        if work.order:
+          self.taken = work.order
+        if work.computes:
+          self.in_flight[work.priority] += 1
       return work
+
+  def _room_for(self, work) -> bool:
+    if work is None or not work.computes or not self.window:
+      return True
+    return sum(self.in_flight.values()) < self.window
+
+  def set_window(self, window: int) -> None:
+    with self.lock:
+      self.window = window
+      self.lock.notify()
+
+  def finished(self, work) -> None:
+    """A computing item handed out has finished (or failed, or was never launched)."""
+    with self.lock:
+      self.in_flight[work.priority] -= 1
+      self.lock.notify()
+
+  def idle(self) -> bool:
+    """Whether nothing is queued or in flight here (call with `lock` held)."""
+    return not any(self.in_flight.values()) and all(w is None for w in self._items)
 
   def __len__(self) -> int:
     with self.lock:
@@ -94,89 +139,147 @@ class OrderedQueue:
 class IslandScheduler:
   """One thread, one queue of `Work`: launches the island's work strictly in queue order."""
 
-  def __init__(self, name: str, trace: Trace | None, serial, lost_devices: dict | None = None):
+  def __init__(
+    self,
+    name: str,
+    trace: Trace | None,
+    serial,
+    lost_devices: dict | None = None,
+    launch_window: int = 0,
+    progress=None,
+  ):
     """`lost_devices`: {device: IslandLost} of the lost islands (the dispatcher's): a work whose
-    input was deleted with one of them fails with its IslandLost."""
+    input was deleted with one of them fails with its IslandLost. `launch_window`: see the
+    module doc (serialized execution needs none: each item runs to completion). `progress`:
+    called with no lock held whenever an item has finished (the policy places held work)."""
     self.name = name
     self.trace = trace
     self.serial = serial
-    self.queue = OrderedQueue()
+    self.queue = OrderedQueue(launch_window if serial is None else 0)
     # Set while the island is lost (backend/faults.py): every work fails with it, unlaunched.
     self.lost: IslandLost | None = None
     self.published: dict[str, Any] = {}  # name -> the newest value published here
     self.clock = IslandClock()  # its busy time, the priority client's apart (policy.py)
+    self.progress = progress
     self._lost_devices = {} if lost_devices is None else lost_devices
     self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
+    # Unserialized: when each launched computation finishes (its trace event's end, the clock,
+    # the window). Serialized: exact on this thread, nothing else runs meanwhile.
+    self.watcher = CompletionWatcher(name, self._watch_error) if serial is None else None
+    self._record = trace is not None and trace.record_completion
+    self._last_done = 0.0
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
-    # Completion times: exact when serialized; otherwise a watcher thread waits on the outputs
-    # (a lower bound for nodes whose outputs were all donated onwards before it looked). The
-    # clock needs them too once priority work shares the island.
-    record = trace is not None and trace.record_completion and serial is None
-    self.watcher = CompletionWatcher(name) if record else None
-    self._clock_watcher: CompletionWatcher | None = None
-    self._last_done = 0.0
 
   def _loop(self):
     while True:
       work = self.queue.get()
       if work is None:
         return
-      event = work.event
-      if self.lost is not None:
-        work.out.set_exception(self.lost)
-        continue
-      if work.after is not None:  # see Controller._dispatch_local
-        concurrent.futures.wait([work.after])
-      values = []
+      outcome = None
       try:
-        values = [self._value(a) for a in work.args]
-        if not work.computes:  # offers, pulls, publications: return at once, no lock
-          if event is not None:
-            event.launch = self.trace.now()
+        outcome = self._run(work)
+      finally:
+        if work.computes and outcome is not WATCHED:  # ran to completion, failed or never ran
+          self._finished(work, outcome)
+
+  def _run(self, work: Work):
+    """Launches `work`: WATCHED (the watcher finishes it), the seconds it ran to completion
+    (serialized), or None (failed, or nothing to time)."""
+    event = work.event
+    if self.lost is not None:
+      work.out.set_exception(self.lost)
+      return None
+    if work.after is not None:  # see Controller._dispatch_local
+      concurrent.futures.wait([work.after])
+    values = []
+    outcome = None
+    try:
+      values = [self._value(a) for a in work.args]
+      if not work.computes:  # offers, pulls, publications: return at once, no lock
+        if event is not None:
+          event.launch = self.trace.now()
+        result = work.launch(*values)
+        if event is not None:
+          event.done = self.trace.now()
+      elif self.serial is None:
+        launched = time.perf_counter()
+        if event is not None:
+          event.launch = self.trace.now()
+        with jax.profiler.TraceAnnotation(work.name):  # the node's name in a profiler trace
           result = work.launch(*values)
-          if event is not None:
-            event.done = self.trace.now()
-        elif self.serial is None:
+        self.watcher.watch(
+          result, self._ready_callback(work, launched), self._finished_callback(work)
+        )
+        outcome = WATCHED
+      else:
+        # Inputs pulled from another process are awaited before the lock is taken: the
+        # computation that sends them may wait on one of this process's (no cycle of waits).
+        block_ready(values)
+        with self.serial:  # see Controller: run to completion, one computation at a time
           launched = time.perf_counter()
           if event is not None:
             event.launch = self.trace.now()
-          with jax.profiler.TraceAnnotation(work.name):  # the node's name in a profiler trace
+          with jax.profiler.TraceAnnotation(work.name):
             result = work.launch(*values)
-          if self.watcher:
-            self.watcher.watch(result, stamp(event, self.trace))
-          self._count_async(result, work.priority, launched)
-        else:
-          # Inputs pulled from another process are awaited before the lock is taken: the
-          # computation that sends them may wait on one of this process's (no cycle of waits).
-          _block_ready(values)
-          with self.serial:  # see Controller: run to completion, one computation at a time
-            launched = time.perf_counter()
-            if event is not None:
-              event.launch = self.trace.now()
-            with jax.profiler.TraceAnnotation(work.name):
-              result = work.launch(*values)
-              _block_ready(result)
-            if event is not None:  # exact: nothing else runs until this has finished
-              event.done = self.trace.now()
-            self.clock.add(work.priority, time.perf_counter() - launched)
-        for name, index in work.publishes:  # before the next work is taken: see the module doc
-          self.published[name] = result if index is None else _output(result, index)
-      except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
-        if is_device_loss(e):  # this island's devices are gone: every node of it is lost
-          self.lost = IslandLost(self.name, str(e).splitlines()[0])
-          e = self.lost
-        elif self._lost_devices:  # it read an array that a lost island took with it
-          e = read_of_lost(values, self._lost_devices) or e
-        work.out.set_exception(e)
-        continue
-      self._remember(result)
-      if self.lost is not None and work.computes:  # lost while it ran: its outputs go too
-        self.delete_made()
-        work.out.set_exception(self.lost)
-        continue
-      work.out.set_result(result)
-      del values, result  # held no longer than the work: a published value's old copy goes
+            block_ready(result)
+          if event is not None:  # exact: nothing else runs until this has finished
+            event.done = self.trace.now()
+          outcome = time.perf_counter() - launched
+      for name, index in work.publishes:  # before the next work is taken: see the module doc
+        self.published[name] = result if index is None else _output(result, index)
+    except BaseException as e:  # noqa: BLE001 - forwarded to whoever waits on the future
+      if is_device_loss(e):  # this island's devices are gone: every node of it is lost
+        self.lost = IslandLost(self.name, str(e).splitlines()[0])
+        e = self.lost
+      elif self._lost_devices:  # it read an array that a lost island took with it
+        e = read_of_lost(values, self._lost_devices) or e
+      work.out.set_exception(e)
+      return outcome
+    self._remember(result)
+    if self.lost is not None and work.computes:  # lost while it ran: its outputs go too
+      self.delete_made()
+      work.out.set_exception(self.lost)
+      return outcome
+    work.out.set_result(result)
+    return outcome
+
+  def _ready_callback(self, work: Work, launched: float):
+    """Once `work`'s outputs are ready: its trace event's end, and its busy time on the clock
+    (from its launch or its predecessor's end, whichever is later: one island runs its
+    computations in launch order)."""
+    event = work.event if self._record else None
+
+    def ready() -> None:
+      now = time.perf_counter()
+      self.clock.add(work.priority, max(now - max(launched, self._last_done), 0.0), work)
+      self._last_done = now
+      if event is not None:
+        event.done = self.trace.now()
+
+    return ready
+
+  def _finished_callback(self, work: Work):
+    def finished() -> None:
+      self.queue.finished(work)
+      if self.progress is not None:
+        self.progress()
+
+    return finished
+
+  def _finished(self, work: Work, seconds: float | None) -> None:
+    """`work` finished on this thread: `seconds` it ran (None: it failed or never ran)."""
+    if seconds is None:
+      self.clock.release(work.reserved)
+    else:
+      self.clock.add(work.priority, seconds, work)
+    self._finished_callback(work)()
+
+  def _watch_error(self, error: BaseException) -> None:
+    """A launched computation failed on the device: a device loss loses the island (its owner
+    reads any other error from the outputs)."""
+    if is_device_loss(error) and self.lost is None:
+      self.lost = IslandLost(self.name, str(error).splitlines()[0])
 
   def _value(self, arg):
     if isinstance(arg, concurrent.futures.Future):
@@ -187,21 +290,6 @@ class IslandScheduler:
       value = self.published[arg.name]
       return {k: value[k] for k in arg.keys} if arg.keys else value
     return arg
-
-  def _count_async(self, result, priority: bool, launched: float) -> None:
-    """Unserialized (accelerators): the clock's busy time from when outputs become ready, once
-    priority work runs here (each item from its launch or its predecessor's end, whichever is
-    later: one queue runs in order). Ordinary work alone is not watched."""
-    if self._clock_watcher is None:
-      if not priority:
-        return
-      self._clock_watcher = CompletionWatcher(f"{self.name}-clock")
-
-    def done(now: float) -> None:
-      self.clock.add(priority, max(now - max(launched, self._last_done), 0.0))
-      self._last_done = now
-
-    self._clock_watcher.watch(result, lambda: done(time.perf_counter()))
 
   def _remember(self, result) -> None:
     for x in jax.tree.leaves(result):
@@ -223,9 +311,11 @@ class IslandScheduler:
   def stop(self):
     self.queue.put(None)  # after everything queued: see _order
     self.thread.join()
-    for watcher in (self.watcher, self._clock_watcher):
-      if watcher:
-        watcher.stop()
+    if self.watcher:
+      self.watcher.stop()
+
+
+WATCHED = "watched"  # IslandScheduler._run: the watcher finishes the item
 
 
 def _output(result, index: int):
@@ -236,53 +326,3 @@ def _output(result, index: int):
 def _order(work) -> tuple:
   """A queued item's place in the order; the stop (None) is after everything."""
   return LAST if work is None else work.order
-
-
-def stamp(event, trace):
-  """A completion callback that stamps `event`'s end on `trace`'s clock."""
-
-  def done():
-    event.done = trace.now()
-
-  return done
-
-
-class CompletionWatcher:
-  """Waits for results in launch order and calls each one's callback once it is ready."""
-
-  def __init__(self, name):
-    self.queue: queue.Queue = queue.Queue()
-    self.thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
-    self.thread.start()
-
-  def watch(self, value, callback):
-    self.queue.put((value, callback))
-
-  def _loop(self):
-    while True:
-      item = self.queue.get()
-      if item is None:
-        return
-      value, callback = item
-      _block_ready(value)
-      callback()
-
-  def stop(self):
-    self.queue.put(None)
-    self.thread.join()
-
-
-def _block_ready(value) -> None:
-  """Waits for a node's outputs, for the trace; outputs already donated onwards are skipped,
-  and so are those with no data on this process (distributed mode)."""
-  for x in jax.tree.leaves(value):
-    try:
-      jax.block_until_ready(here_only(x))
-    except RuntimeError:  # JaxRuntimeError too
-      pass  # donated to a successor: its completion is stamped on the successor's event
-
-
-def here_only(value) -> list:
-  """The leaves of `value` with data on this process (in distributed mode, another process's
-  node leaves arrays without any here; waiting on them would wait forever)."""
-  return [x for x in jax.tree.leaves(value) if not isinstance(x, jax.Array) or x.addressable_shards]
