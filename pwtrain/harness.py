@@ -94,10 +94,9 @@ class Harness:
     The cluster is `plan_lib.make_cluster(config, devices)` (devices: default all local ones)
     unless `cluster` is given; the plan is `plan_lib.build(config, cluster, resources)` unless
     `plan` (laid out on the given `cluster`) is: its islands are allocated from `resources`
-    (default: a fresh manager for the cluster). The controller is a new `Controller(cluster,
-    max_inflight=backend.max_inflight_steps, launch_window=backend.launch_window, trace=trace,
-    serialize_execution=...)` unless
-    `controller` is given (then `trace` and `serialize_execution` must be left unset).
+    (default: a fresh manager for the cluster). The controller is a new `Controller` with the
+    backend.* bounds (module docstring), `trace` and `serialize_execution` unless `controller`
+    is given (then `trace` and `serialize_execution` must be left unset).
     With `saved_dir` (and a controller that `saves_pieces`), the compiled pieces are kept there
     under what built them (`build_key`), and a later build of the same key loads them without
     tracing (backend/saved.py).
