@@ -3,15 +3,13 @@ benchmarks build and drive one.
 
   cluster     parallel/plan.make_cluster: the local devices carved into islands, or the workers
   plan        parallel/plan.build: the layout (meshes, cells, stages, exchange)
-  controller  backend.Controller with the config's run-ahead bound (backend.max_inflight_steps)
-              and launch window (backend.launch_window)
+  controller  backend.Controller: backend.max_inflight_steps run ahead, backend.launch_window
   program     parallel.build_step_program: the compiled StepProgram (parallel/program.py)
 
 then `init()` for a fresh train state, `step(state, batch, i)` to dispatch step i and
-`evaluate(state, batches)` for the summed eval losses of a state. A caller
-may bring its own cluster (remote workers it attached itself), resource manager (islands shared
-with other clients) or controller (shared with other clients); the harness closes only what it
-created.
+`evaluate(state, batches)` for the summed eval losses of a state. A caller may bring its own
+cluster (remote workers it attached itself), resource manager (islands shared with other
+clients) or controller (shared with other clients); the harness closes only what it created.
 """
 
 import concurrent.futures
