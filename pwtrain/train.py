@@ -73,11 +73,17 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
       before = workdir_lib.snapshot(workdir)
       try:
         return _run(config, workdir, dataclasses.replace(context, serve_socket=sock), cluster, plan)
-      except UserError:
-        # Refused before the first step (data, tokenizer, resume checks): the workdir is left
-        # as it was. Once training has begun nothing is removed.
-        if goodput.loop_start is None and jax.process_count() == 1:
+      except Exception as e:
+        # Refused before the first step (data, tokenizer, resume checks), or a write the
+        # storage refused (a full disk; said in one line): the workdir is left as it was.
+        # Once training has begun nothing is removed.
+        refused = workdir_lib.start_failed(e, workdir)
+        if not (isinstance(e, UserError) or refused) or goodput.loop_start is not None:
+          raise
+        if jax.process_count() == 1:
           workdir_lib.undo(workdir, before)
+        if refused is not None:
+          raise refused from e
         raise
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it; the
@@ -207,6 +213,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         out = steps.step(state, batch, step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
+        ckpt.check_saves()  # a save that failed since stops the run here, in one line
         if step == start + 1:  # the record of what this start trains with, once it trains
           workdir_lib.save_config(host_dir, config, start)
         profiler.after_step(step, out.metrics.result)
