@@ -143,3 +143,25 @@ def test_a_torn_last_row_of_the_metrics_is_set_aside_on_resume(tmp_path, caplog)
   said = [r.getMessage() for r in caplog.records if "torn" in r.getMessage()]
   assert len(said) == 1 and str(path) in said[0], said
   json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_a_synchronous_save_in_parts_is_committed_when_save_returns(tmp_path):
+  """train.async_checkpoint=False where a save is written in parts (remote islands, a
+  distributed run of several islands: a commit thread of its own, here with distributed mode's
+  part writer in one process): the step is committed when `save` returns, as in embedded mode
+  (it was ignored there: the commit ran on while the steps went on)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pwtrain.checkpoint import Checkpointer, ProcessParts
+
+  state = {"w": jnp.asarray(np.random.default_rng(0).random((2048, 4096)), jnp.float32)}
+  ckpt = Checkpointer(
+    str(tmp_path / "checkpoints"), keep=3, every=1, async_save=False, part_writer=ProcessParts
+  )
+  try:
+    for step in (1, 2):
+      ckpt.save(step, state, {"pos": step})
+      assert ckpt.all_steps() == list(range(1, step + 1))  # no wait: committed already
+  finally:
+    ckpt.close()
