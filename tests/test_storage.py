@@ -15,6 +15,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO, TINY, metrics_rows
@@ -165,3 +166,47 @@ def test_a_synchronous_save_in_parts_is_committed_when_save_returns(tmp_path):
       assert ckpt.all_steps() == list(range(1, step + 1))  # no wait: committed already
   finally:
     ckpt.close()
+
+
+class _DiesNoisily:
+  def __del__(self):
+    raise RuntimeError("a thread's own unraisable error")
+
+
+def test_a_damaged_restore_keeps_other_threads_errors_where_they_go(tmp_path, monkeypatch):
+  """While a damaged checkpoint is read (its failure one line; what Orbax's abandoned reads
+  print dropped), another thread's unraisable errors still reach the hook that was there: the
+  restore swaps no process-wide hook (it once held and dropped every one while it read)."""
+  import threading
+
+  import test_reliability as damaged
+
+  from pwtrain.checkpoint import Checkpointer
+
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+  directory = str(tmp_path / "checkpoints")
+  damaged._two_checkpoints(directory)
+  damaged.DAMAGE["truncated array file"](os.path.join(directory, "2"))
+  ckpt = Checkpointer(directory, keep=3, every=1)
+  reading, emitted = threading.Event(), []
+
+  def noisy():
+    while not reading.is_set():
+      time.sleep(0.01)
+    while reading.is_set():
+      _DiesNoisily()
+      emitted.append(1)
+      time.sleep(0.05)
+
+  thread = threading.Thread(target=noisy)
+  thread.start()
+  reading.set()
+  try:
+    assert ckpt.restore_latest(damaged._abstract())[0] == 1
+  finally:
+    reading.clear()
+    thread.join()
+    ckpt.close()
+  assert len(emitted) >= 5  # the read took its half second at least
+  assert seen.count("a thread's own unraisable error") == len(emitted)
