@@ -16,7 +16,7 @@ from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace, modes, run_mode
 from pwtrain.backend.faults import IslandLost
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint, saving
 from pwtrain.data import (
   TrainBatches,
   build_eval_set,
@@ -74,16 +74,14 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
       try:
         return _run(config, workdir, dataclasses.replace(context, serve_socket=sock), cluster, plan)
       except Exception as e:
-        # Refused before the first step (data, tokenizer, resume checks), or a write the
-        # storage refused (a full disk; said in one line): the workdir is left as it was.
-        # Once training has begun nothing is removed.
-        refused = workdir_lib.start_failed(e, workdir)
-        if not (isinstance(e, UserError) or refused) or goodput.loop_start is not None:
-          raise
-        if jax.process_count() == 1:
-          workdir_lib.undo(workdir, before)
-        if refused is not None:
-          raise refused from e
+        # Refused before the first step (data, tokenizer, resume checks; a full disk, in one
+        # line): the workdir is left as it was. Once training has begun nothing is removed.
+        refused = saving.start_refused(e, workdir)
+        if goodput.loop_start is None and (refused or isinstance(e, UserError)):
+          if jax.process_count() == 1:
+            workdir_lib.undo(workdir, before)
+          if refused:
+            raise refused from e
         raise
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it; the

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 
-from pwtrain.errors import ConfigError, UserError
+from pwtrain.errors import ConfigError
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
@@ -145,23 +145,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     else:
       out[f"{prefix}{key}"] = value
   return out
-
-
-def start_failed(error: BaseException, workdir: str) -> UserError | None:
-  """What a start that failed before its first step with `error` says, as a UserError (one
-  line) where the workdir's storage refused a write (a full disk: `saving.storage_reason`);
-  None for any other error (a UserError already says it; a bug keeps its traceback)."""
-  from pwtrain.checkpoint import saving
-  from pwtrain.checkpoint.integrity import one_line
-
-  reason = None if isinstance(error, UserError) else saving.storage_reason(error)
-  if reason is None:
-    return None
-  return UserError(
-    f"a write under --workdir={workdir} failed: {reason} ({one_line(error)}); nothing was "
-    "left of this start in it. Free space on that filesystem (or raise its quota or file size "
-    "limit) and run again"
-  )
 
 
 def snapshot(workdir: str) -> set[str] | None:

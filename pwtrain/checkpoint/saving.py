@@ -15,6 +15,7 @@ import shutil
 import threading
 
 from pwtrain.checkpoint import quiet
+from pwtrain.checkpoint.integrity import one_line
 from pwtrain.errors import UserError
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
@@ -117,3 +118,17 @@ class InFlight:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     self.manager.reload()
     raise save_failed(self.step, self.directory, reason, self.manager.latest_step()) from None
+
+
+def start_refused(error: BaseException, workdir: str) -> UserError | None:
+  """What a start that failed before its first step with `error` says, as a UserError (one
+  line) where the workdir's storage refused a write (a full disk: `storage_reason`); None for
+  any other error (a UserError already says it; a bug keeps its traceback)."""
+  reason = None if isinstance(error, UserError) else storage_reason(error)
+  if reason is None:
+    return None
+  return UserError(
+    f"a write under --workdir={workdir} failed: {reason} ({one_line(error)}); nothing was "
+    "left of this start in it. Free space on that filesystem (or raise its quota or file size "
+    "limit) and run again"
+  )
