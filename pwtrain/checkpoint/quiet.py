@@ -14,10 +14,11 @@ line (a damaged checkpoint set aside, a save that could not be written), so:
   to the DEBUG log, and passes every other unraisable error to the hook that was there. It is
   never swapped in or out while threads run; no exception hook (sys.excepthook,
   threading.excepthook) is touched.
-- `OrbaxFailures`, a filter on the "absl" logger, holds the ERROR records Orbax's own code
-  (files under orbax/) logs while an operation the caller watches runs (a restore, a save in
-  flight); records of every other code pass as usual. The caller then drops them (the
-  operation failed: it reports that itself; they go to the DEBUG log) or lets them out.
+- `OrbaxFailures`, a filter on the "absl" and "asyncio" loggers, holds the ERROR records of
+  Orbax's operations (logged by its code, or of an exception raised in it) while an operation
+  the caller watches runs (a restore, a save in flight); records of every other code pass as
+  usual. The caller then drops them (the operation failed: it reports that itself; they go to
+  the DEBUG log, as do those that come later) or lets them out.
 
 `tests/test_reliability.py::test_a_damaged_checkpoint_prints_one_line_not_tracebacks` (a
 truncated array file) and `tests/test_storage.py` (a save that meets a file size limit) show
@@ -76,53 +77,76 @@ _install_lock = threading.Lock()
 
 
 def install() -> None:
-  """The unraisable filter in front of the current hook, once per process."""
+  """The unraisable filter in front of the current hook, and `FAILURES` on Orbax's loggers,
+  once per process."""
   with _install_lock:
     if not isinstance(sys.unraisablehook, _UnraisableFilter):
       sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
+    for name in OrbaxFailures.LOGGERS:
+      if FAILURES not in logging.getLogger(name).filters:
+        logging.getLogger(name).addFilter(FAILURES)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+  """Whether Orbax's code logged `record`, or it reports an exception raised there (asyncio's
+  "exception was never retrieved" of a write Orbax abandoned)."""
+  if f"{os.sep}orbax{os.sep}" in record.pathname:
+    return True
+  tb = record.exc_info[1].__traceback__ if record.exc_info and record.exc_info[1] else None
+  while tb is not None:
+    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 class OrbaxFailures(logging.Filter):
-  """Holds the ERROR records of Orbax's own code on the "absl" logger from `hold()` until
-  `drop()` (to DEBUG) or `release()` (logged as they came); others pass. Held while any holder
-  is (a count: a restore during a save in flight)."""
+  """On the "absl" and "asyncio" loggers (`install`): holds the ERROR records of Orbax's
+  operations (`_from_orbax`) from `hold()` until `drop()` (to DEBUG) or `release()` (logged as
+  they came); others pass. Held while any holder is (a count: a restore during a save in
+  flight). After a drop, asyncio's that come late (an abandoned write's future collected) are
+  dropped too: the failure was said."""
+
+  LOGGERS = ("absl", "asyncio")
 
   def __init__(self):
     super().__init__()
     self._lock = threading.Lock()
     self._holders = 0
+    self._dropped = False
     self._held: list[logging.LogRecord] = []
 
   def filter(self, record) -> bool:
-    if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+    if record.levelno < logging.ERROR or not _from_orbax(record):
       return True
     with self._lock:
       if self._holders:
         self._held.append(record)
         return False
+      if self._dropped and record.name == "asyncio":  # a write abandoned in a failure
+        log.debug("Orbax, after a failure: %s", record.getMessage())
+        return False
     return True
 
   def hold(self) -> None:
+    install()
     with self._lock:
-      if not self._holders:
-        logging.getLogger("absl").addFilter(self)
       self._holders += 1
 
-  def _end(self) -> list[logging.LogRecord]:
+  def _end(self, dropped: bool) -> list[logging.LogRecord]:
     with self._lock:
       self._holders -= 1
+      self._dropped = self._dropped or dropped
       held, self._held = (self._held, []) if not self._holders else ([], self._held)
-      if not self._holders:
-        logging.getLogger("absl").removeFilter(self)
     return held
 
   def drop(self) -> None:
-    for record in self._end():
+    for record in self._end(True):
       log.debug("Orbax, while failing: %s", record.getMessage())
 
   def release(self) -> None:
-    for record in self._end():
-      logging.getLogger("absl").handle(record)
+    for record in self._end(False):
+      logging.getLogger(record.name).handle(record)
 
 
 FAILURES = OrbaxFailures()  # one per process: the "absl" logger is
