@@ -19,6 +19,7 @@ same file, after the step's own rows, and to TensorBoard under eval/.
 """
 
 import json
+import logging
 import math
 import os
 import time
@@ -31,6 +32,8 @@ from tensorboardX import SummaryWriter
 
 from pwtrain import goodput as goodput_lib
 from pwtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 PROGRESS = ("auto", "bar", "lines", "none")  # --progress: how the console shows training
 
@@ -269,8 +272,9 @@ class MetricsLogger:
     self.wandb.log({"step": row["step"], **values})
 
   def _open_from(self, step: int):
-    """Opens the logs to continue after `step`: later rows set aside (returned, as dicts), later
-    events purged."""
+    """Opens the logs to continue after `step`: torn rows and later rows set aside (the later
+    returned, as dicts), later events purged."""
+    set_aside_torn(self.path)
     later = set_aside_after(self.path, step)
     return open(self.path, "a"), SummaryWriter(self._tb_dir, purge_step=step + 1), later
 
@@ -332,6 +336,38 @@ def start_wandb(project: str, entity: str, workdir: str, config: dict, start_ste
   return run
 
 
+def set_aside_torn(path: str) -> int:
+  """Moves the lines of `path` (JSONL) that are no whole row (a JSON object and a newline) to
+  `<path minus .jsonl>.torn.jsonl`, appending, and says so in one line; returns how many. A
+  write cut short (a full disk) tears its row, and the next start's first row would otherwise
+  be appended to that line, both lost for every reader."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  keep, torn = [], []
+  for line in lines:
+    try:
+      whole = line.endswith("\n") and isinstance(json.loads(line), dict)
+    except ValueError:
+      whole = False
+    (keep if whole else torn).append(line)
+  if not torn:
+    return 0
+  aside = path.removesuffix(".jsonl") + ".torn.jsonl"
+  with open(aside, "a") as f:
+    f.writelines(line if line.endswith("\n") else line + "\n" for line in torn)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  log.warning(
+    "%s: %d torn line%s (a write cut short, e.g. by a full disk) moved to %s",
+    path, len(torn), "" if len(torn) == 1 else "s", aside,
+  )  # fmt: skip
+  return len(torn)
+
+
 def set_aside_after(path: str, step: int) -> list[dict]:
   """Moves the rows of `path` (JSONL, each with a "step") whose step is after `step` to
   `<path minus .jsonl>.rolled_back.jsonl`, appending; the rows at or before it stay, in order.
@@ -346,7 +382,7 @@ def set_aside_after(path: str, step: int) -> list[dict]:
       row = json.loads(line)
       after = row["step"] > step
     except (ValueError, KeyError, TypeError):
-      after = False  # not a row of ours (a torn last line): leave it where it is
+      after = False  # not a row of ours: leave it where it is
     if after:
       later.append(line)
       moved.append(row)

@@ -16,7 +16,7 @@ from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.backend import Trace, modes, run_mode
 from pwtrain.backend.faults import IslandLost
-from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
+from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint, saving
 from pwtrain.data import (
   TrainBatches,
   build_eval_set,
@@ -73,11 +73,15 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
       before = workdir_lib.snapshot(workdir)
       try:
         return _run(config, workdir, dataclasses.replace(context, serve_socket=sock), cluster, plan)
-      except UserError:
-        # Refused before the first step (data, tokenizer, resume checks): the workdir is left
-        # as it was. Once training has begun nothing is removed.
-        if goodput.loop_start is None and jax.process_count() == 1:
-          workdir_lib.undo(workdir, before)
+      except Exception as e:
+        # Refused before the first step (data, tokenizer, resume checks; a full disk, in one
+        # line): the workdir is left as it was. Once training has begun nothing is removed.
+        refused = saving.start_refused(e, workdir)
+        if goodput.loop_start is None and (refused or isinstance(e, UserError)):
+          if jax.process_count() == 1:
+            workdir_lib.undo(workdir, before)
+          if refused:
+            raise refused from e
         raise
 
   # Remote mode launches (and after a lost worker restarts) the island workers around it; the
@@ -207,6 +211,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         out = steps.step(state, batch, step)
         state, step = out.state, step + 1
         logger.record(step, out.metrics)
+        ckpt.check_saves()  # a save that failed since stops the run here, in one line
         if step == start + 1:  # the record of what this start trains with, once it trains
           workdir_lib.save_config(host_dir, config, start)
         profiler.after_step(step, out.metrics.result)

@@ -127,3 +127,100 @@ def test_files_without_the_files_dataset_is_refused_before_anything_is_written(t
     "data.dataset='pystdlib'); set that, or leave data.files at its default ('')"
   )
   assert not workdir.exists()
+
+
+# Keys a training run reads only on an event, or that another command reads: where each is read.
+READ_ELSEWHERE = {
+  **{
+    f"serve.{name}": "with serve.enabled, and by the serving command (python -m pwtrain.serve)"
+    for name in (
+      "host",
+      "port",
+      "max_batch",
+      "max_len",
+      "prefill_chunk",
+      "queue_size",
+      "reload",
+      "reload_poll_s",
+      "token_file",
+    )
+  },  # fmt: skip
+  "train.resume": "when the workdir holds checkpoints (restore.finished)",
+  "train.rollback_skip_batches": "when a rollback happens (train._roll_back)",
+}
+# Reads that are no use of a key: the whole config serialised (config.json, W&B), and
+# validation itself (conditions.py, config.py).
+_NOT_A_USE = ("to_dict",)
+
+
+def _reads(monkeypatch):
+  """The config keys ("section.key"; a key of a section not known: its name) read after
+  `config.validate` passes, outside _NOT_A_USE: a spy on ml_collections' ConfigDict reads."""
+  import sys
+
+  import ml_collections
+
+  reads, sections, on = set(), {}, [False]
+
+  def use() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+      code = frame.f_code
+      if code.co_name in _NOT_A_USE or code.co_filename.endswith(
+        ("pwtrain/conditions.py", "pwtrain/config.py")
+      ):
+        return False
+      frame = frame.f_back
+    return True
+
+  def spy(read):
+    def spied(self, key):
+      value = read(self, key)
+      if on[0] and not key.startswith("_") and use():
+        section = sections.get(id(self))
+        reads.add(f"{section}.{key}" if section else key)
+      return value
+
+    return spied
+
+  cls = ml_collections.ConfigDict
+  monkeypatch.setattr(cls, "__getitem__", spy(cls.__getitem__))
+  monkeypatch.setattr(cls, "__getattr__", spy(cls.__getattr__))
+  validate = config_lib.validate
+
+  def validated(config):
+    validate(config)
+    sections.update({id(config[s]): s for s in config.keys() if isinstance(config[s], cls)})
+    on[0] = True
+
+  monkeypatch.setattr(config_lib, "validate", validated)
+  return reads, on
+
+
+@pytest.mark.slow
+def test_a_key_a_run_does_not_read_is_refused_where_it_is_set(tmp_path, monkeypatch):
+  """Finds a missing rule, where the rules table cannot find it in itself: a real run records
+  the config keys it reads (after validation); every key it does not read must, set away from
+  its default on that config, be refused (by the rules table or validation), or be one read
+  only elsewhere (READ_ELSEWHERE, each with where). A key the run neither reads nor refuses is
+  ignored in silence: its rule is missing."""
+  run = {"train.num_steps": 2}
+  validate = config_lib.validate
+  reads, on = _reads(monkeypatch)
+  train.run(small_config(**run), str(tmp_path / "run"), show_progress=False)
+  on[0] = False
+  default = defaults.get_config()
+  silent = []
+  for section in default.keys():
+    if not isinstance(default[section], type(default)):
+      continue
+    for name, value in default[section].items():
+      key = f"{section}.{name}"
+      if key in reads or name in reads or key in READ_ELSEWHERE:
+        continue
+      try:
+        validate(small_config(**{**run, key: _other(value)}))
+      except ValueError:  # ConfigError, or a library's refusal: refused where it is not read
+        continue
+      silent.append(key)
+  assert not silent, f"read by no code path of this run and refused nowhere: {silent}"

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import flags
 
 from pwtrain import processes
-from pwtrain.checkpoint import managers, process_parts, quiet
+from pwtrain.checkpoint import managers, process_parts, quiet, saving
 from pwtrain.checkpoint import parts as checkpoint_parts
 from pwtrain.checkpoint.integrity import (
   CorruptCheckpoint,
@@ -99,9 +99,9 @@ class Checkpointer:
     if os.path.isdir(self.pending_root) and not read_only and jax.process_index() == 0:
       log.warning("removing uncommitted checkpoint parts in %s", self.pending_root)
       shutil.rmtree(self.pending_root)
-    self._commit: threading.Thread | None = None
-    self._commit_error: BaseException | None = None
     self._discard_if = discard_if or (lambda error: False)
+    self._in_flight: saving.InFlight | None = None  # a save not yet seen finished
+    quiet.install()
 
   def _opened(self) -> ocp.CheckpointManager:
     """Orbax's manager of this directory (managers.py), opened on first use."""
@@ -133,9 +133,10 @@ class Checkpointer:
     return step % self.every == 0 or step == last_step
 
   def save(self, step: int, state, data_state: dict) -> None:
-    """Saves asynchronously. A state of references (leaves held by island workers) is written
-    by the workers through `part_writer` and committed in two phases; a failure of a previous
-    save is raised here or by `wait`."""
+    """Saves asynchronously (`async_save=False`: written when it returns). A state of
+    references (leaves held by island workers) is written by the workers through `part_writer`
+    and committed in two phases. A failure of a save in flight is raised here, by `check_saves`
+    or by `wait`; one of the storage (a full disk) as `saving.SaveFailed`, in one line."""
     if self.read_only:
       raise RuntimeError(f"{self.directory} was opened read-only: no saves")
     if not self._saves_here:  # another process saves alone
@@ -144,23 +145,44 @@ class Checkpointer:
     if refs or (self._part_writer is not None and self._part_writer.local_arrays):
       self._save_parts(step, state, data_state)
       return
-    self._join_commit()
+    self._finish_save(block=True)  # one save at a time; the previous one's failure raised
     fingerprints = fingerprint(state, here=self._writer is not None)
     if self._writer is not None:  # its arrays on the host, written by this process alone
       state = jax.tree.map(np.asarray, state)
-    self._opened().save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
-        integrity=ocp.args.JsonSave({"fingerprint": fingerprints}),
-      ),
-    )
+    self._in_flight = saving.InFlight(self._opened(), self.directory, step)
+    try:
+      self._opened().save(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=ocp.args.JsonSave(data_state),
+          integrity=ocp.args.JsonSave({"fingerprint": fingerprints}),
+        ),
+      )
+    except Exception as e:  # a synchronous save's failure (an asynchronous one's: later)
+      in_flight, self._in_flight = self._in_flight, None
+      in_flight.failed(e)
+    if not self._async_save:
+      self._finish_save(block=True)
+
+  def check_saves(self) -> None:
+    """Raises `saving.SaveFailed` (one line) at once if a save in flight has failed for want of
+    storage (a full disk, a quota, a file size limit), and any other failure of it as it is;
+    never waits. The trainer calls it after every step, so that a run whose save failed stops
+    at the first step after the failure, not at its next save."""
+    self._finish_save(block=False)
+
+  def _finish_save(self, *, block: bool) -> None:
+    """Once the save in flight is written (`block`: waits for it): its failure raised."""
+    in_flight = self._in_flight
+    if in_flight is not None and (block or not in_flight.running()):
+      self._in_flight = None
+      in_flight.finish()
 
   def _save_parts(self, step, state, data_state) -> None:
     if self._part_writer is None:
       raise TypeError("this state's leaves are references held elsewhere: pass a part_writer")
-    self._join_commit()  # one save at a time, as the manager does
+    self._finish_save(block=True)  # one save at a time, as the manager does
     manager = self._opened()  # opened here, in the trainer's thread, not in the commit's
     # Distributed mode: every process writes into the same pending directory (saves come in
     # the same order on every process); remote: a fresh name per save.
@@ -188,17 +210,23 @@ class Checkpointer:
             integrity=ocp.args.JsonSave({"fingerprint": fingerprints}),
           ),
         )
-      except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by _join_commit
+        manager.wait_until_finished()  # this thread's end is the save's (check_saves)
+      except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread (InFlight)
         if self._discarded(step, e):
           return
-        log.error("checkpoint %d not committed: %s", step, e)
-        self._commit_error = e
+        if saving.storage_reason(e) is None:  # a storage failure: one line (InFlight)
+          log.error("checkpoint %d not committed: %s", step, e)
+        in_flight.error = e
       finally:
         if not shared or jax.process_index() == 0:  # distributed: after process 0 moved all
           shutil.rmtree(pending, ignore_errors=True)  # parts not moved into a committed step
 
-    self._commit = threading.Thread(target=commit, name=f"commit-{step}", daemon=True)
-    self._commit.start()
+    in_flight = saving.InFlight(manager, self.directory, step)
+    in_flight.commit = threading.Thread(target=commit, name=f"commit-{step}", daemon=True)
+    self._in_flight = in_flight
+    in_flight.commit.start()
+    if not self._async_save:  # train.async_checkpoint=False: committed before the step goes on
+      self._finish_save(block=True)
 
   def _discarded(self, step: int, error: BaseException) -> bool:
     """Whether the failed save of `step` is only discarded (`discard_if`), said in one line."""
@@ -206,14 +234,6 @@ class Checkpointer:
       return False
     log.warning("checkpoint %d discarded: %s", step, error)
     return True
-
-  def _join_commit(self) -> None:
-    if self._commit is not None:
-      self._commit.join()
-      self._commit = None
-    error, self._commit_error = self._commit_error, None
-    if error is not None:
-      raise error
 
   def restore(self, step: int, abstract_state):
     """Restores (state, data_state) of `step` into the shardings carried by `abstract_state`.
@@ -355,8 +375,10 @@ class Checkpointer:
     self._opened().delete(step)
 
   def wait(self) -> None:
+    """Waits for the save in flight; its failure raised (a storage failure as
+    `saving.SaveFailed`, one line)."""
     try:
-      self._join_commit()
+      self._finish_save(block=True)
     finally:
       if self._manager is not None:
         self._manager.wait_until_finished()

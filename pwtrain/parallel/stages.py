@@ -153,9 +153,40 @@ def is_param_dict(x) -> bool:
 
 # -- a stacked leaf: an array (on the host or on devices), or its abstract value -----------------
 
+# Optax's placeholder for a state a parameter does not use (Adafactor's row and column
+# statistics of a parameter it does not factor, its full statistic of one it does): shape (1,)
+# whatever the parameter's shape, so one in either layout, the same for every layer. Every
+# other leaf of a param-shaped dict is a layer's, stacked along the leading axis when scanned
+# (a state of a parameter's shape, or of a factor of it: one dimension or more per layer).
+_SHARED = (1,)
 
-def _entries(leaf) -> list:
-  """A stacked leaf's entries along its leading ("layers") axis."""
+
+def _shared(leaf) -> bool:
+  return tuple(getattr(leaf, "shape", ())) == _SHARED
+
+
+def _length(tree) -> int | None:
+  """How many layers the stacks of the param-shaped dicts in `tree` hold (None: no stack)."""
+  lengths = set()
+
+  def visit(x):
+    if is_param_dict(x) and scan_lib.STACKED in x:
+      for leaf in jax.tree.leaves(x[scan_lib.STACKED], is_leaf=_is_axes):
+        if not _is_axes(leaf) and not _shared(leaf):
+          lengths.add(leaf.shape[0])
+    return x
+
+  jax.tree.map(visit, tree, is_leaf=is_param_dict)
+  if len(lengths) > 1:
+    raise ValueError(f"stacks of different lengths {sorted(lengths)} in one state")
+  return lengths.pop() if lengths else None
+
+
+def _entries(leaf, length: int) -> list:
+  """A stacked leaf's entries along its leading ("layers") axis; a shared one's (`_SHARED`),
+  itself for each of the `length` layers."""
+  if _shared(leaf):
+    return [leaf] * length
   if isinstance(leaf, jax.ShapeDtypeStruct):
     sharding = leaf.sharding
     if isinstance(sharding, NamedSharding):  # the layers axis is never split (sharding.py)
@@ -177,6 +208,8 @@ def _split(x):
 
 
 def _stack(leaves: list):
+  if all(_shared(x) for x in leaves):  # one for all the layers (`_SHARED`)
+    return leaves[0]
   if all(isinstance(x, np.ndarray) for x in leaves):
     return np.stack(leaves)
   return jnp.stack(leaves)
@@ -188,7 +221,7 @@ def _is_axes(x) -> bool:
 
 def _slice(leaf, start: int, stop: int):
   """Entries [start, stop) of a stacked leaf; a leaf's logical axis names stay as they are."""
-  if isinstance(leaf, tuple):
+  if isinstance(leaf, tuple) or _shared(leaf):
     return leaf
   if isinstance(leaf, jax.ShapeDtypeStruct):
     shape = (stop - start, *leaf.shape[1:])
@@ -199,12 +232,15 @@ def _slice(leaf, start: int, stop: int):
 # -- param-shaped dicts ---------------------------------------------------------------------------
 
 
-def unstacked(params: dict) -> dict:
-  """Param-shaped dict -> its unrolled layout (`blocks`); unrolled ones as they are."""
+def unstacked(params: dict, length: int | None = None) -> dict:
+  """Param-shaped dict -> its unrolled layout (`blocks`); unrolled ones as they are. `length`:
+  the layers its stacks hold (by default, its own leaves say)."""
   if scan_lib.STACKED not in params:
     return params
+  length = length or _length(params)
   out = {k: v for k, v in params.items() if k != scan_lib.STACKED}
-  return {**out, "blocks": scan_lib.unstack(params[scan_lib.STACKED], _entries)}
+  blocks = scan_lib.unstack(params[scan_lib.STACKED], lambda leaf: _entries(leaf, length))
+  return {**out, "blocks": blocks}
 
 
 def stacked(params: dict, period: int) -> dict:
@@ -215,8 +251,9 @@ def stacked(params: dict, period: int) -> dict:
 
 def unstack_state(tree):
   """Every param-shaped dict in `tree` unrolled: a state as checkpoints hold it."""
+  length = _length(tree)  # the params' stacks say it for an optimizer's shared leaves
   return jax.tree.map(
-    lambda x: unstacked(x) if is_param_dict(x) else x, tree, is_leaf=is_param_dict
+    lambda x: unstacked(x, length) if is_param_dict(x) else x, tree, is_leaf=is_param_dict
   )
 
 
@@ -253,10 +290,13 @@ def to_stage(tree, stage: Stage):
   )
 
 
-def merge_params(parts: list[dict], stages: list[Stage]) -> dict:
+def merge_params(parts: list[dict], stages: list[Stage], lengths=None) -> dict:
+  """The stages' param-shaped dicts `parts` -> the whole model's, unrolled; `lengths`: the
+  layers each stage's stacks hold (by default, their own leaves say)."""
   blocks = {}
-  for part, stage in zip(parts, stages, strict=True):
-    part_blocks = unstacked(part)["blocks"]
+  lengths = lengths or [None] * len(parts)
+  for part, stage, length in zip(parts, stages, lengths, strict=True):
+    part_blocks = unstacked(part, length)["blocks"]
     for k in range(stage.num_layers):
       blocks[stage.start + k] = part_blocks[k]
   # A shared embedding is identical on the first and last stage; the first stage's is kept.
@@ -270,8 +310,9 @@ def merge_params(parts: list[dict], stages: list[Stage]) -> dict:
 def to_whole(trees: list, stages: list[Stage]):
   """Per-stage states -> the whole-model state, unrolled (the checkpoint layout); non-param
   leaves are taken from stage 0."""
+  lengths = [_length(tree) for tree in trees]
   return jax.tree.map(
-    lambda *xs: merge_params(list(xs), stages) if is_param_dict(xs[0]) else xs[0],
+    lambda *xs: merge_params(list(xs), stages, lengths) if is_param_dict(xs[0]) else xs[0],
     *trees,
     is_leaf=is_param_dict,
   )

@@ -170,14 +170,25 @@ class CheckpointWeights:
     return step
 
   def _poll(self, poll_s: float) -> None:
+    """Every `poll_s` seconds: a newer checkpoint restored and published. A reload that fails
+    (a checkpoint being written or removed, a damaged one, a bug) is said in one line, once per
+    distinct failure, and tried again at the next poll; the last good weights stay served."""
+    said = None
     while not self._stop.wait(poll_s):
       try:
         latest = inference.latest_step(self.workdir)
         if latest is not None and latest > self.step:
           self.step = self._publish()
           log.info("serving the weights of checkpoint %d", self.step)
-      except (OSError, ValueError) as e:  # a checkpoint being written or removed: next time
-        log.warning("reloading %s: %s", os.path.join(self.workdir, "checkpoints"), e)
+        said = None
+      except Exception as e:  # noqa: BLE001 - said, and the thread goes on serving
+        failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if failure != said:
+          log.warning(
+            "reloading %s failed (%s); still serving checkpoint %d, trying again every %g s",
+            os.path.join(self.workdir, "checkpoints"), failure, self.step, poll_s,
+          )  # fmt: skip
+        said = failure
 
   def close(self) -> None:
     self._stop.set()

@@ -1,0 +1,212 @@
+"""Storage faults say one line and lose nothing: a save the disk refuses stops the run at once
+with its committed checkpoints intact, a start the disk refuses leaves no workdir behind, and a
+torn last row of metrics.jsonl is repaired on resume.
+
+A full disk is made here by a file size limit (RLIMIT_FSIZE, with SIGXFSZ ignored, as a shell's
+`ulimit -f` gives): every write past it fails in the kernel, in TensorStore's C++ writers as in
+Python's, as a full disk fails them (EFBIG, "File too large", where a full disk says ENOSPC,
+"No space left on device"); no filesystem can be mounted here.
+"""
+
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, TINY, metrics_rows
+
+from pwtrain import metrics as metrics_lib
+from pwtrain.checkpoint import saving
+
+FLAGS = [f"--config.{k}={v}" for k, v in TINY.items()] + [
+  "--config.data.max_files=40",
+  "--config.train.checkpoint_every=2",
+  "--config.train.log_every=2",
+  "--config.train.compile_cache_dir=off",
+  "--progress=none",
+]
+LIMIT = 64 * 1024  # the checkpoint's array files are larger; metrics, logs and configs smaller
+
+
+def _limited():
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
+
+
+def _main(workdir, *args, limited=False):
+  # No compilation cache: its entries would be writes past the limit too.
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  return subprocess.run(
+    [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *FLAGS,
+     f"--workdir={workdir}", *args],
+    cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    preexec_fn=_limited if limited else None,
+  )  # fmt: skip
+
+
+def _lines(out) -> list[str]:
+  """stderr's lines, less the platform line main prints first."""
+  return [ln for ln in out.stderr.splitlines() if ln.strip() and "main.py" not in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_save_the_disk_refuses_stops_the_run_at_once_in_one_line(tmp_path):
+  """Steps 1-4 saved (2, 4); the resume's save of step 6 meets a full disk: one line naming
+  the step, the directory, the OS error and the fix (once, as a run printed 3,335 lines and 408
+  tracebacks, going on 10 steps to its next save); no step past the next save runs, 2 and 4
+  stay committed, and the same command resumes from 4 once there is room."""
+  workdir = tmp_path / "run"
+  first = _main(workdir, "--config.train.num_steps=4")
+  assert first.returncode == 0, first.stderr[-3000:]
+  full = _main(workdir, "--config.train.num_steps=10", limited=True)
+  assert full.returncode == 1, full.stderr[-3000:]
+  lines = _lines(full)
+  # "resumed from step 4", the changed num_steps, and the error.
+  assert "Traceback" not in full.stderr and len(lines) == 3, full.stderr[-5000:]
+  assert lines[-1] == (
+    f"error: checkpoint 6 could not be written to {workdir}/checkpoints: File too large "
+    "(EFBIG); the run stopped here and the latest checkpoint, step 4, is intact. Free space on "
+    "that filesystem (or raise its quota or file size limit) and run the same command again "
+    "to resume from it"
+  )
+  assert max(r["step"] for r in metrics_rows(workdir)) <= 8  # stopped by its next save
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+  again = _main(workdir, "--config.train.num_steps=10")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resumed from step 4" in again.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "6", "8"]
+
+
+@pytest.mark.processes
+def test_a_start_the_disk_refuses_leaves_no_workdir(tmp_path):
+  """The first write past the limit is the data's (a prepared dataset, in the workdir): one
+  line naming the OS error, and the workdir this start made is gone."""
+  workdir = tmp_path / "run"
+  out = _main(workdir, limited=True)
+  assert out.returncode == 1, out.stderr[-3000:]
+  lines = _lines(out)
+  assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-5000:]
+  assert lines[0].startswith(f"error: a write under --workdir={workdir} failed: File too large")
+  assert not workdir.exists()
+
+
+def test_storage_failures_are_found_under_any_library_s_wording():
+  enospc = OSError(28, "No space left on device")
+  assert saving.storage_reason(enospc) == "No space left on device (ENOSPC)"
+  tensorstore = ValueError("Failed to write 1010841 bytes to file 12: ... [os_error_code='27']")
+  assert saving.storage_reason(tensorstore) == "File too large (EFBIG)"
+  assert saving.storage_reason(RuntimeError("write() failed: Disk quota exceeded")).startswith(
+    "Disk quota exceeded"
+  )
+  try:
+    try:
+      raise enospc
+    except OSError as e:
+      raise RuntimeError("commit failed") from e
+  except RuntimeError as wrapped:
+    assert saving.storage_reason(wrapped) == "No space left on device (ENOSPC)"
+  assert saving.storage_reason(TypeError("'NoneType' object is not subscriptable")) is None
+
+
+def _logger(workdir, start_step):
+  return metrics_lib.MetricsLogger(
+    str(workdir), start_step=start_step, num_steps=8, log_every=2, tokens_per_step=1,
+    flops_per_token=1.0, num_devices=1, peak_flops_per_device=None, progress="none",
+  )  # fmt: skip
+
+
+def test_a_torn_last_row_of_the_metrics_is_set_aside_on_resume(tmp_path, caplog):
+  """A full disk tore the last row (`..."loss": 0.754` with no end); the resume appended its
+  first row to that line, unparseable for good. Now the resume moves the torn tail to
+  metrics.torn.jsonl, says so in one line, and every line of metrics.jsonl parses."""
+  logger = _logger(tmp_path, 0)
+  for step in (1, 2, 3, 4):
+    logger.record(step, {"loss": 1.0 / step})
+  logger.close()
+  path = tmp_path / "metrics.jsonl"
+  whole = path.read_text()
+  torn = whole[: whole.rindex('"loss"') + 12]  # mid-number of step 4's row: no newline
+  path.write_text(torn)
+  caplog.set_level(logging.INFO, logger="pwtrain")
+  logger = _logger(tmp_path, 2)
+  for step in (3, 4):
+    logger.record(step, {"loss": 2.0})
+  logger.close()
+  rows = metrics_rows(tmp_path)  # every line parses
+  assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+  assert (tmp_path / "metrics.torn.jsonl").read_text() == torn[torn.rindex("\n") + 1 :] + "\n"
+  said = [r.getMessage() for r in caplog.records if "torn" in r.getMessage()]
+  assert len(said) == 1 and str(path) in said[0], said
+  json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_a_synchronous_save_in_parts_is_committed_when_save_returns(tmp_path):
+  """train.async_checkpoint=False where a save is written in parts (remote islands, a
+  distributed run of several islands: a commit thread of its own, here with distributed mode's
+  part writer in one process): the step is committed when `save` returns, as in embedded mode
+  (it was ignored there: the commit ran on while the steps went on)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pwtrain.checkpoint import Checkpointer, ProcessParts
+
+  state = {"w": jnp.asarray(np.random.default_rng(0).random((2048, 4096)), jnp.float32)}
+  ckpt = Checkpointer(
+    str(tmp_path / "checkpoints"), keep=3, every=1, async_save=False, part_writer=ProcessParts
+  )
+  try:
+    for step in (1, 2):
+      ckpt.save(step, state, {"pos": step})
+      assert ckpt.all_steps() == list(range(1, step + 1))  # no wait: committed already
+  finally:
+    ckpt.close()
+
+
+class _DiesNoisily:
+  def __del__(self):
+    raise RuntimeError("a thread's own unraisable error")
+
+
+def test_a_damaged_restore_keeps_other_threads_errors_where_they_go(tmp_path, monkeypatch):
+  """While a damaged checkpoint is read (its failure one line; what Orbax's abandoned reads
+  print dropped), another thread's unraisable errors still reach the hook that was there: the
+  restore swaps no process-wide hook (it once held and dropped every one while it read)."""
+  import threading
+
+  import test_reliability as damaged
+
+  from pwtrain.checkpoint import Checkpointer
+
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+  directory = str(tmp_path / "checkpoints")
+  damaged._two_checkpoints(directory)
+  damaged.DAMAGE["truncated array file"](os.path.join(directory, "2"))
+  ckpt = Checkpointer(directory, keep=3, every=1)
+  reading, emitted = threading.Event(), []
+
+  def noisy():
+    while not reading.is_set():
+      time.sleep(0.01)
+    while reading.is_set():
+      _DiesNoisily()
+      emitted.append(1)
+      time.sleep(0.05)
+
+  thread = threading.Thread(target=noisy)
+  thread.start()
+  reading.set()
+  try:
+    assert ckpt.restore_latest(damaged._abstract())[0] == 1
+  finally:
+    reading.clear()
+    thread.join()
+    ckpt.close()
+  assert len(emitted) >= 5  # the read took its half second at least
+  assert seen.count("a thread's own unraisable error") == len(emitted)
