@@ -19,6 +19,13 @@ import threading
 
 # Gloo's connection notices; the launcher drops the same lines from its console.
 NOTICE = re.compile(r"\[Gloo\]|connected peer ranks")
+# The first line of a crash dump: an absl FATAL line (JAX ending a process whose peer died), a
+# C++ terminate or check failure, a fatal signal's report, Python's fatal error and thread dump.
+# The launcher keeps a process's lines from there on off its console (in its log only).
+DUMP = re.compile(
+  r"^F\d{4} \d\d:\d\d:\d\d|^terminate called|^\*\*\* (Check failure|SIG\w+ received)|"
+  r"^Fatal Python error|Terminating process because the JAX distributed service"
+)
 
 _filter: dict = {}  # the running filter: its thread and the console's descriptor
 
