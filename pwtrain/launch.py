@@ -203,11 +203,14 @@ class Attempt:
 
   def _on_console(self, process: int, line: str) -> bool:
     """One console: process 0's lines and the others' warnings and errors, without Gloo's
-    notices unless pwtrain.main's flags set --verbosity, and without crash dumps: a process's
-    lines from the first of a dump on (console.DUMP) are in its log only, and the launcher
-    names the process and that log in one line when it ends (every line is in the logs)."""
+    notices unless pwtrain.main's flags set --verbosity, and without JAX's runtime lines about
+    a failure (console.RUNTIME_FAILURE) or crash dumps: a process's lines from the first of a
+    dump on (console.DUMP) are in its log only, and the launcher names the process and that
+    log in one line when it ends (every line is in the logs)."""
     if process in self.dumping or (console.DUMP.search(line) and not self.verbose):
       self.dumping.add(process)
+      return False
+    if console.RUNTIME_FAILURE.search(line) and not self.verbose:
       return False
     if process != 0 and _INFO_LINE.match(line):
       return False

@@ -150,8 +150,8 @@ def test_a_stopped_process_is_killed_and_the_run_goes_on(tmp_path):
 @pytest.mark.slow
 @pytest.mark.processes
 def test_a_dead_process_is_one_line_on_the_launchers_console(tmp_path):
-  """Process 0 (the coordination service's) SIGKILLed from outside: process 1 is ended by
-  JAX from C++ (a fatal line, a C++ stack, Python's thread dump), all of which goes to its log;
+  """Process 0 (the coordination service's) SIGKILLed from outside: process 1's runtime errors
+  and its end by JAX from C++ (a fatal line, a C++ stack, Python's thread dump) go to its log;
   the console has one line naming process 0, the signal and its log, and the launcher's verdict."""
   run = launch(tmp_path, 2, {**PODS, "train.num_steps": 400}, background=True)
   deadline = time.monotonic() + 240
@@ -170,7 +170,10 @@ def test_a_dead_process_is_one_line_on_the_launchers_console(tmp_path):
     "other processes"
   ), tail
   assert len(tail) == 2 and "giving up after 0 restart(s)" in tail[1], tail
-  assert not any(console.DUMP.search(line.split("] ", 1)[-1]) for line in stdout.splitlines())
+  shown = [line.split("] ", 1)[-1] for line in stdout.splitlines()]
+  assert not any(
+    console.DUMP.search(line) or console.RUNTIME_FAILURE.search(line) for line in shown
+  )
   dumped = open(tmp_path / "launch" / "process1.log").read()
   assert "Terminating process" in dumped or "Fatal" in dumped or "terminate" in dumped, dumped
 
