@@ -12,8 +12,9 @@ process's crash dump (a fatal runtime error, a C++ stack, a thread dump) goes to
 and the launcher's one line naming the process, how it ended and that log stands for it.
 
 Liveness is progress (pwtrain/liveness.py): each process touches <log dir>/process<i>.alive
-every fault.heartbeat_s, and one whose file is older than max(5 x fault.heartbeat_s, 10 s) is
-stopped or wedged: the launcher names it, SIGKILLs it, and it counts as a process that died.
+every fault.heartbeat_s, and one whose file is older than max(5 x fault.heartbeat_s, 10 s)
+while stopped (3 x that when not) makes no progress: the launcher names it, SIGKILLs it, and it
+counts as a process that died.
 
 Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
@@ -218,11 +219,14 @@ class Attempt:
 
   def stale(self, bound_s: float) -> list[tuple[int, float]]:
     """(process, seconds silent) of the running processes whose heartbeat file was last
-    touched more than `bound_s` ago (pwtrain/liveness.py): stopped or wedged."""
+    touched more than `bound_s` ago while the kernel shows them stopped, or more than
+    liveness.WEDGED x `bound_s` ago (pwtrain/liveness.py): stopped or wedged."""
     out = []
     for i, proc in enumerate(self.procs):
       silent = liveness.silent_s(self.beats[i])
-      if proc.poll() is None and silent is not None and silent > bound_s:
+      if proc.poll() is not None or silent is None or silent <= bound_s:
+        continue
+      if liveness.stopped(proc.pid) or silent > liveness.WEDGED * bound_s:
         out.append((i, silent))
     return out
 
@@ -333,8 +337,7 @@ def run(args) -> int:
       if not stopping.is_set():
         for i, silent in current[-1].stale(bound_s):
           print(f"{PREFIX} process {i} (pid {procs[i].pid}) has shown no progress for "
-                f"{silent:.1f} s (its heartbeat; the bound is {bound_s:.0f} s, "
-                f"max({liveness.PERIODS} x fault.heartbeat_s, {liveness.MIN_BOUND_S:.0f} s)): "
+                f"{silent:.1f} s (its heartbeat, pwtrain/liveness.py: bound {bound_s:.0f} s): "
                 "stopped or wedged; killing it (SIGKILL)")  # fmt: skip
           sys.stdout.flush()
           current[-1].kill(i)

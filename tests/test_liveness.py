@@ -9,6 +9,7 @@ Real processes on loopback, real signals from outside the run.
 import os
 import re
 import signal
+import subprocess
 import time
 
 import jax
@@ -37,6 +38,22 @@ def test_a_process_beats_until_it_leaves(tmp_path, monkeypatch):
     liveness.stop()
   assert not os.path.exists(path)
   assert liveness.bound_s(2.0) == 10.0 and liveness.bound_s(4.0) == 20.0
+
+
+def test_the_kernel_tells_a_stopped_process():
+  """A process stopped by SIGSTOP is killed at the bound; one merely starved only at WEDGED x
+  the bound (liveness.stopped tells them apart)."""
+  sleeper = subprocess.Popen(["sleep", "30"])
+  try:
+    assert not liveness.stopped(sleeper.pid)
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not liveness.stopped(sleeper.pid) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert liveness.stopped(sleeper.pid)
+  finally:
+    sleeper.kill()
+    sleeper.wait()
 
 
 def test_a_watched_process_waits_only_for_what_a_peers_death_may_cause():
