@@ -19,6 +19,20 @@ import threading
 
 # Gloo's connection notices; the launcher drops the same lines from its console.
 NOTICE = re.compile(r"\[Gloo\]|connected peer ranks")
+# JAX's distributed runtime's warnings and errors (absl's format) as a failure spreads, and the
+# gRPC detail lines under them: the launcher names the dead process itself, so they go to the
+# processes' logs only (pwtrain/watch.py drops them from a watched process's console alike).
+RUNTIME_FAILURE = re.compile(
+  r"^[WEF]\d{4} [\d:.]+\s+\d+ (coordination_service\w*|client|distributed\w*|preemption\w*)"
+  r"\.cc:\d+\]|^Additional GRPC error information|^:UNKNOWN:Error received from peer"
+)
+# The first line of a crash dump: an absl FATAL line (JAX ending a process whose peer died), a
+# C++ terminate or check failure, a fatal signal's report, Python's fatal error and thread dump.
+# The launcher keeps a process's lines from there on off its console (in its log only).
+DUMP = re.compile(
+  r"^F\d{4} \d\d:\d\d:\d\d|^terminate called|^\*\*\* (Check failure|SIG\w+ received)|"
+  r"^Fatal Python error|Terminating process because the JAX distributed service"
+)
 
 _filter: dict = {}  # the running filter: its thread and the console's descriptor
 

@@ -9,9 +9,12 @@ is the rest, by cause, each a fraction of the wall time (they and the goodput su
   checkpoint  handing a checkpoint to the writer (save's synchronous part: copies to the host)
   eval        evaluations
   data_wait   waiting for the next batch
-  rerun       steps run again: after a rollback the abandoned steps; after a lost pod the time
-              from the last step confirmed before the loss to the end of the drop (the failed
-              steps' first run, the detection, the drop itself; elastic/steps.py); after a
+  stall       elastic pods: the time between the last progress and a loss being declared: from
+              the last step confirmed before the loss (or the first failed step's start, if
+              later) to the drop (the failed steps' first run, the wait on the lost peer, the
+              detection; elastic/steps.py)
+  rerun       steps run again: after a rollback the abandoned steps; after a lost pod the drop
+              itself (moving the state, compiling where needed; elastic/steps.py); after a
               restart (a resume, or a start after a lost worker) the steps that an earlier start
               had trained and logged past the checkpoint it resumed from
               (metrics.MetricsLogger: metrics.jsonl says which)
@@ -30,7 +33,7 @@ import resource
 import sys
 import time
 
-CAUSES = ("compile", "checkpoint", "eval", "data_wait", "rerun", "degraded", "other")
+CAUSES = ("compile", "checkpoint", "eval", "data_wait", "stall", "rerun", "degraded", "other")
 
 
 class Goodput:

@@ -7,7 +7,14 @@ starts process 0..N-1 of `python -m pwtrain.main <args> --config.backend.mode=di
 with a coordinator on loopback (process 0 serves it) and, on CPU, `--devices_per_process`
 simulated devices each (default 8 / N, at least 1). Each process's output is kept whole in
 <workdir>/launch/process<i>.log (or --log_dir); the console shows process 0's, line by line
-prefixed "[p0] ", and of the others only their warnings and errors (one console per run).
+prefixed "[p0] ", and of the others only their warnings and errors (one console per run); a
+process's crash dump (a fatal runtime error, a C++ stack, a thread dump) goes to its log only,
+and the launcher's one line naming the process, how it ended and that log stands for it.
+
+Liveness is progress (pwtrain/liveness.py): each process touches <log dir>/process<i>.alive
+every fault.heartbeat_s, and one whose file is older than max(5 x fault.heartbeat_s, 10 s)
+while stopped (3 x that when not) makes no progress: the launcher names it, SIGKILLs it, and it
+counts as a process that died.
 
 Ctrl-C or SIGTERM to the launcher is passed to every process as SIGTERM (each checkpoints and
 exits 0, pwtrain/preemption.py). When a process dies the launcher names it and stops the others
@@ -37,7 +44,7 @@ import sys
 import threading
 import time
 
-from pwtrain import console
+from pwtrain import console, liveness
 from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
@@ -84,26 +91,17 @@ def _flag(args: list[str], name: str, default: str = "") -> str:
   return default
 
 
-def max_restarts(main_args: list[str]) -> int:
-  """fault.max_restarts of the config the processes will load (with its command-line
-  override)."""
-  override = _flag(main_args, "config.fault.max_restarts")
-  if override:
-    return int(override)
+def fault(main_args: list[str], key: str):
+  """fault.<key> of the config the processes will load, with its command-line override
+  (max_restarts: restarts after a process dies; elastic: a dead process's pod is dropped;
+  heartbeat_s: how often each touches its heartbeat file, pwtrain/liveness.py)."""
   from pwtrain import config as config_lib
 
-  return int(config_lib.load(_flag(main_args, "config", "palm_tiny")).fault.max_restarts)
-
-
-def elastic(main_args: list[str]) -> bool:
-  """Whether the config the processes will load (with its command-line overrides) sets
-  fault.elastic."""
-  from pwtrain import config as config_lib
-
-  override = _flag(main_args, "config.fault.elastic")
-  if override:
-    return override.lower() in ("true", "1")
-  return bool(config_lib.load(_flag(main_args, "config", "palm_tiny")).fault.elastic)
+  value = config_lib.load(_flag(main_args, "config", "palm_tiny")).fault[key]
+  override = _flag(main_args, f"config.fault.{key}")
+  if not override:
+    return value
+  return override.lower() in ("true", "1") if isinstance(value, bool) else type(value)(override)
 
 
 def free_port() -> int:
@@ -142,18 +140,24 @@ class Attempt:
       "--config.backend.mode=distributed",
     ]
     mode = "w" if attempt == 0 else "a"
-    self.logs = [open(os.path.join(log_dir, f"process{i}.log"), mode) for i in range(n)]
+    self.paths = [os.path.join(log_dir, f"process{i}.log") for i in range(n)]
+    self.logs = [open(path, mode) for path in self.paths]
+    self.beats = [liveness.file_for(log_dir, i) for i in range(n)]
     self._start = lambda i, env: subprocess.Popen(
       command,
-      env={**child_env(i, n, coordinator, devices), **env},
+      env={**child_env(i, n, coordinator, devices), liveness.HEARTBEAT_ENV: self.beats[i], **env},
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       start_new_session=True,  # our signals reach them only as we forward them
     )
     self.procs = []
+    # Processes whose output has begun a crash dump (a fatal runtime error, a C++ stack, a
+    # thread dump): from there on their lines go to their logs only (`_on_console`).
+    self.dumping: set[int] = set()
     for i in range(n):
       if attempt:
         self.logs[i].write(f"{PREFIX} restart {attempt}\n")
+      liveness.remove(self.beats[i])
       self.procs.append(self._start(i, {}))
     self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
     # The processes the run's barriers wait for, as process 0 last said (None: every one).
@@ -169,6 +173,8 @@ class Attempt:
     """Starts process `i` again in its dead predecessor's place, while the others go on
     (fault.elastic): $PWTRAIN_REJOIN tells it to join them at a step boundary."""
     self.logs[i].write(f"{PREFIX} started again\n")
+    liveness.remove(self.beats[i])  # its predecessor's, stale
+    self.dumping.discard(i)
     self.procs[i] = self._start(i, {REJOIN_ENV: "1"})
     self._open_streams += 1
     self._selector.register(self.procs[i].stdout, selectors.EVENT_READ, i)
@@ -198,10 +204,39 @@ class Attempt:
 
   def _on_console(self, process: int, line: str) -> bool:
     """One console: process 0's lines and the others' warnings and errors, without Gloo's
-    notices unless pwtrain.main's flags set --verbosity (every line is in the process logs)."""
+    notices unless pwtrain.main's flags set --verbosity, and without JAX's runtime lines about
+    a failure (console.RUNTIME_FAILURE) or crash dumps: a process's lines from the first of a
+    dump on (console.DUMP) are in its log only, and the launcher names the process and that
+    log in one line when it ends (every line is in the logs)."""
+    if process in self.dumping or (console.DUMP.search(line) and not self.verbose):
+      self.dumping.add(process)
+      return False
+    if console.RUNTIME_FAILURE.search(line) and not self.verbose:
+      return False
     if process != 0 and _INFO_LINE.match(line):
       return False
     return self.verbose or not console.NOTICE.search(line)  # Gloo's: in the process logs
+
+  def stale(self, bound_s: float) -> list[tuple[int, float]]:
+    """(process, seconds silent) of the running processes whose heartbeat file was last
+    touched more than `bound_s` ago while the kernel shows them stopped, or more than
+    liveness.WEDGED x `bound_s` ago (pwtrain/liveness.py): stopped or wedged."""
+    out = []
+    for i, proc in enumerate(self.procs):
+      silent = liveness.silent_s(self.beats[i])
+      if proc.poll() is not None or silent is None or silent <= bound_s:
+        continue
+      if liveness.stopped(proc.pid) or silent > liveness.WEDGED * bound_s:
+        out.append((i, silent))
+    return out
+
+  def kill(self, i: int) -> None:
+    """SIGKILLs process `i` (its process group), which a stopped process cannot hold off."""
+    try:
+      os.killpg(self.procs[i].pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    liveness.remove(self.beats[i])
 
   def signal_all(self, sig) -> None:
     for proc in self.procs:
@@ -259,10 +294,14 @@ def late_rejoins(codes: list[int], left: set[int], starts, drops: bool) -> list[
 def run(args) -> int:
   log_dir = args.log_dir or os.path.join(_flag(args.main_args, "workdir", "/tmp/pwtrain"), "launch")
   os.makedirs(log_dir, exist_ok=True)
-  restarts = args.max_restarts if args.max_restarts >= 0 else max_restarts(args.main_args)
+  restarts = args.max_restarts
+  if restarts < 0:
+    restarts = int(fault(args.main_args, "max_restarts"))
   # fault.elastic: a dead process other than 0 leaves the others going, and is started again
   # once process 0 says they have left it out, at most MAX_STARTS times.
-  drops = elastic(args.main_args)
+  drops = bool(fault(args.main_args, "elastic"))
+  # A process whose heartbeat file is older than this is stopped or wedged: it is killed.
+  bound_s = liveness.bound_s(float(fault(args.main_args, "heartbeat_s")))
   stopping = threading.Event()
   current: list[Attempt] = []
 
@@ -295,6 +334,13 @@ def run(args) -> int:
           sys.stdout.flush()
           current[-1].start_again(i)
           left.discard(i)
+      if not stopping.is_set():
+        for i, silent in current[-1].stale(bound_s):
+          print(f"{PREFIX} process {i} (pid {procs[i].pid}) has shown no progress for "
+                f"{silent:.1f} s (its heartbeat, pwtrain/liveness.py: bound {bound_s:.0f} s): "
+                "stopped or wedged; killing it (SIGKILL)")  # fmt: skip
+          sys.stdout.flush()
+          current[-1].kill(i)
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
@@ -306,6 +352,7 @@ def run(args) -> int:
       if failed is not None and not stopping.is_set():
         proc = procs[failed]
         died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
+        died += f" (its output: {current[-1].paths[failed]})"
         if drops and failed != 0:
           print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
           sys.stdout.flush()

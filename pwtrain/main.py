@@ -9,6 +9,7 @@ key that does not exist is one line naming the closest that does. `--print_confi
 resolved config and exits.
 """
 
+import atexit
 import difflib
 import logging as std_logging
 import math
@@ -29,6 +30,7 @@ from pwtrain import config as config_lib  # noqa: E402
 from pwtrain import (  # noqa: E402
   console,  # noqa: E402
   dryrun,
+  liveness,
   train,
   watch,
 )
@@ -107,6 +109,7 @@ def _join_distributed(config) -> None:
     distributed.initialize(config.backend, _heartbeat_timeout_s(config), config.fault.elastic)
   except UserError as e:
     raise SystemExit(f"error: {e}") from None
+  liveness.start(config.fault.heartbeat_s)  # under pwtrain.launch: stopped or wedged is killed
 
 
 def _heartbeat_timeout_s(config) -> int:
@@ -119,8 +122,25 @@ def _verdict_wait_s(config) -> float:
   """How long a watched process whose step failed waits for JAX's verdict on a dead peer
   before it reports its own error: the heartbeat timeout, the service's staleness check (once a
   second) and a heartbeat period, twice over for a loaded machine. A peer's death ends it
-  sooner; only an error of its own waits it out."""
+  sooner; a runtime error of its own waits it out, and any other error (a bug of its own) does
+  not wait at all (`may_be_a_peers_death`)."""
   return 2 * (_heartbeat_timeout_s(config) + 1.0 + config.fault.heartbeat_s)
+
+
+def may_be_a_peers_death(error: BaseException) -> bool:
+  """Whether `error` may be how a peer's death reached this process: an error of JAX's runtime
+  (a transfer from the peer, a collective with it, a call to the coordination service) or an
+  island found lost, anywhere in its chain. Any other exception is this process's own (a bug,
+  a bad value): its traceback is printed at once, without waiting for JAX's verdict."""
+  from pwtrain.backend.faults import IslandLost
+
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, (jax.errors.JaxRuntimeError, IslandLost)):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def main(argv):
@@ -150,12 +170,8 @@ def main(argv):
     if jax.process_index() == 0:
       std_logging.getLogger("pwtrain").info(platforms.describe())
     train.run(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
-    if _CONFIG.value.backend.mode == "distributed" and _CONFIG.value.fault.elastic:
-      from pwtrain.backend import distributed
-      from pwtrain.elastic import agreement
-
-      agreement.end_of_run()  # a process started again and not yet rejoined leaves too
-      distributed.leave()
+    if _CONFIG.value.backend.mode == "distributed":
+      _leave(_CONFIG.value)
   except BaseException as e:  # noqa: BLE001 - re-raised, or exits below
     distributed = _CONFIG.value.backend.mode == "distributed" and not _DRY_RUN.value
     if isinstance(e, UserError):
@@ -167,14 +183,41 @@ def main(argv):
     # A failed process exits at once: an orderly exit would wait for threads blocked on the
     # other processes and for jax.distributed's shutdown barrier, which they never reach.
     if not isinstance(e, SystemExit):
-      if watch.watched():  # a peer's death fails a step at once: JAX ends this process once
-        time.sleep(_verdict_wait_s(_CONFIG.value))  # its service names the peer
+      if watch.watched() and may_be_a_peers_death(e):  # JAX ends this process once its
+        time.sleep(_verdict_wait_s(_CONFIG.value))  # service names the dead peer
       traceback.print_exc()
     elif not isinstance(e.code, int):
       print(e.code, file=sys.stderr)
     console.flush()
     sys.stderr.flush()
     os._exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
+
+
+def _leave(config) -> None:
+  """Ends a distributed process whose run finished: it leaves the run in order, then exits 0
+  without finalizing the interpreter.
+
+  At finalization CPython ends every daemon thread that wants the GIL back with pthread_exit,
+  whose forced unwind through jaxlib's C++ frames (nanobind's catch-all, noexcept) aborts the
+  process: "terminate called after throwing an instance of ''", "FATAL: exception not
+  rethrown", "Fatal Python error: Aborted". A distributed process has such threads at exit: its
+  pull watchdog (backend/pulls.py) and the runtime's own threads that call back into Python, and
+  one of them in a GIL-released call of JAX when finalization begins aborts a run that finished
+  (on a loaded machine, now and then). So the exit handlers run here, in their order (JAX's
+  shutdown barrier and the coordination service's shutdown among them; the console's and
+  logging's flushes), and the process ends with os._exit(0), with no finalization to race."""
+  from pwtrain.backend import distributed
+
+  liveness.stop()
+  if config.fault.elastic:
+    from pwtrain.elastic import agreement
+
+    agreement.end_of_run()  # a process started again and not yet rejoined leaves too
+    distributed.leave()
+  atexit._run_exitfuncs()  # noqa: SLF001 - CPython's own handlers, in their order
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

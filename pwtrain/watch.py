@@ -13,10 +13,11 @@ not touch, keeps its console: it passes every line of the child's stderr on (its
 console's own), except JAX's lines about the failure, reads which process died from them, and
 says so in one line, `error: process 1 of the run is gone (...)`, then exits with status 1.
 
-A child whose step fails at once because a peer died (a transfer from it: "Error dispatching
-computation") waits for the service's verdict (for up to twice the heartbeat timeout, the
-service's check and a heartbeat period: main.py) before it reports its own error, so that the
-line names the peer rather than a traceback. Signals: a
+A child whose step fails with an error that a peer's death may cause (an error of JAX's runtime,
+such as a transfer from it: "Error dispatching computation") waits for the service's verdict
+(for up to twice the heartbeat timeout, the service's check and a heartbeat period: main.py)
+before it reports its own error, so that the line names the peer rather than a traceback; any
+other error is its own bug, and its traceback is printed at once. Signals: a
 SIGTERM or SIGINT to this parent asks the child to checkpoint and stop (SIGTERM; a terminal's
 Ctrl-C also reaches the child itself, as its process group's), and the child dies with it
 (distributed.die_with_parent). Exits with the child's status otherwise.

@@ -61,8 +61,18 @@ def flags_of(overrides: dict) -> list[str]:
 
 
 def launch(
-  workdir, nproc: int, overrides: dict, *, timeout=300, background=False, extra=(), devices=2
+  workdir,
+  nproc: int,
+  overrides: dict,
+  *,
+  timeout=300,
+  background=False,
+  extra=(),
+  devices=2,
+  env=None,
 ):
+  """`python -m pwtrain.launch` of `nproc` processes (`env`: added to the environment)."""
+  env = {**os.environ, **(env or {})}
   command = [
     sys.executable,
     "-m",
@@ -76,8 +86,19 @@ def launch(
     *flags_of(overrides),
   ]
   if background:
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(
+      command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# Every process of a run gets a thread that waits inside JAX's C++ until it exits
+# (tests/jax_thread_at_exit/sitecustomize.py): a finished run's processes must still exit 0.
+JAX_THREAD_AT_EXIT = {
+  "PYTHONPATH": os.pathsep.join(
+    [str(REPO / "tests" / "jax_thread_at_exit"), os.environ.get("PYTHONPATH", str(REPO))]
+  )
+}
 
 
 def process_logs(workdir) -> str:
@@ -140,10 +161,14 @@ def test_pods_on_two_processes_equal_embedded(embedded_pods, tmp_path):
 @pytest.mark.processes
 def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   """A 2-stage 1F1B pipeline, one stage per process: activations and gradients cross between
-  the processes every microbatch."""
+  the processes every microbatch. Each process has a thread waiting inside JAX's C++ as it
+  exits (JAX_THREAD_AT_EXIT), and each exits 0 (no abort at interpreter finalization)."""
   embedded = train.run(config_of(STAGES), str(tmp_path / "embedded"), show_progress=False)
-  result = launch(tmp_path / "dist", 2, {**STAGES, "train.num_steps": 6, "backend.trace": True})
-  assert result.returncode == 0, result.stdout[-3000:]
+  overrides = {**STAGES, "train.num_steps": 6, "backend.trace": True}
+  result = launch(tmp_path / "dist", 2, overrides, env=JAX_THREAD_AT_EXIT)
+  logs = process_logs(tmp_path / "dist")
+  assert result.returncode == 0, result.stdout[-3000:] + logs[-3000:]
+  assert "Fatal Python error" not in logs and "terminate called" not in logs, logs[-3000:]
   want = {r["step"]: r["loss"] for r in embedded.history}
   got = step_losses(tmp_path / "dist")
   assert got and all(got[s] == want[s] for s in got), (got, want)

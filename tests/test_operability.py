@@ -84,7 +84,7 @@ def test_metrics_rows_say_where_the_time_went(logged_run):
       assert key in r, (key, r)
     assert 0 < r["goodput"] <= 1
     shares = [v for k, v in r.items() if k.startswith("badput_")]
-    assert len(shares) == 7 and abs(r["goodput"] + sum(shares) - 1) < 1e-6, r
+    assert len(shares) == 8 and abs(r["goodput"] + sum(shares) - 1) < 1e-6, r
   assert intervals[-1]["badput_eval"] > 0 and intervals[-1]["badput_compile"] > 0
   times = [r["time"] for r in intervals]
   assert times == sorted(times)

@@ -294,14 +294,16 @@ class ElasticSteps:
     if redo:
       at = f"at step {redo[0].step + 1}"
       again = f"steps {redo[0].step + 1}-{redo[-1].step + 1} run again"
-    # What the loss cost: from the last step confirmed (or the first failed one's dispatch, if
-    # later) to now, unless a badput block the run is in counts it already (an evaluation).
-    since = max(self._confirmed_at, redo[0].dispatched_at) if redo else start
+    # What the loss cost: the stall, from the last step confirmed (or the first failed one's
+    # dispatch, if later) to the drop (the failed steps' first run and the detection), and the
+    # drop itself, unless a badput block the run is in counts it already (an evaluation).
+    since = max(self._confirmed_at, redo[0].dispatched_at) if redo else self._confirmed_at
     if self.goodput is not None and self.goodput.inside is None:
-      self.goodput.add("rerun", time.perf_counter() - since)
+      self.goodput.add("stall", start - since if redo else 0.0)
+      self.goodput.add("rerun", time.perf_counter() - start)
     self._record(
       "drop", lost, cause, at, time.perf_counter() - start, detect_s, again,
-      compile_s=compile_s, state_s=moved,
+      stall_s=start - since, compile_s=compile_s, state_s=moved,
     )  # fmt: skip
     for i, pending in enumerate(redo):
       try:
@@ -372,12 +374,15 @@ class ElasticSteps:
           self._agreement.await_ready(drill.pod)
         self._rejoining.add(drill.pod)
 
-  def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", **parts):
+  def _record(self, kind, pods, cause, at, seconds, detect_s=None, again="", stall_s=None,
+              **parts):  # fmt: skip
     """A drop's or a rejoin's log line (lines.py), `at` where it happened; `parts`: its seconds
-    by cause. A rejoin's seconds are badput of the degraded run it ends (a drop's: `_drop`)."""
+    by cause; `stall_s`: a drop's stall. A rejoin's seconds are badput of the degraded run it
+    ends (a drop's: `_drop`)."""
     if kind == "rejoin" and self.goodput is not None and self.goodput.inside is None:
       self.goodput.add("degraded", seconds)
     event = dict(kind=kind, pods=pods, cause=cause, at=at, live=len(self.live), again=again,
-                 num_pods=self.num_pods, seconds=seconds, detect_s=detect_s)  # fmt: skip
+                 num_pods=self.num_pods, seconds=seconds, detect_s=detect_s,
+                 stall_s=stall_s)  # fmt: skip
     hosts = getattr(self.step_program, "hosts", {}) if kind == "drop" else {}
     log.warning("%s", lines.line(event, parts, hosts))
