@@ -107,18 +107,32 @@ def _relaunch(workers, stop: threading.Event, period_s: float = 0.2) -> None:
 
 
 def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
-  """Externally started workers: wait until every address answers (someone restarts them)."""
+  """Externally started workers: wait until every address answers (someone restarts them).
+  Only a worker not up (UNAVAILABLE, DEADLINE_EXCEEDED) is waited for: one that refuses the
+  token or the TLS handshake is a ConfigError at once (WorkerClient), any other error raised."""
+  import grpc
+
   from pwtrain.backend.remote.client import WorkerClient
 
   token = auth.read_token(config.backend.token_file, config.backend.token_env)
   deadline = time.monotonic() + timeout_s
   clients = []
+  down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   for address in config.backend.workers:
     while True:
       try:
-        clients.append(WorkerClient(address, token, timeout_s=config.backend.rpc_timeout_s))
+        client = WorkerClient(
+          address,
+          token,
+          timeout_s=config.backend.rpc_timeout_s,
+          tls_ca=config.backend.tls_ca,
+          wait=False,
+        )
+        clients.append(client)
         break
-      except Exception:  # noqa: BLE001 - not up yet
+      except grpc.RpcError as e:
+        if e.code() not in down:
+          raise
         if time.monotonic() > deadline:
           raise WorkerLost(
             f"at {address}", f"its worker did not come back within {timeout_s:.0f} s"

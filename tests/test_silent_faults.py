@@ -1,0 +1,186 @@
+"""Silent faults in remote mode: a worker that stops answering (SIGSTOP from outside: alive, its
+sockets open) or whose execution wedges while its server answers is declared lost within a
+bound, every wait on it ends, and it is killed and replaced as a dead one is.
+
+Real worker processes on loopback; the signals come from outside the run (signals.Killer).
+"""
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import SGD, metrics_rows, small_config
+from signals import Kill, Killer
+
+from pwtrain import train
+from pwtrain.backend.remote import launcher
+from pwtrain.backend.remote import protocol_pb2 as pb
+from pwtrain.backend.remote.client import Monitor, WorkerClient
+from pwtrain.backend.remote.supervisor import _wait_for_workers
+from pwtrain.errors import ConfigError
+
+HEARTBEAT_S = 0.5
+# A silent worker is declared lost within 3 x (period + each ping's deadline, at least 2 s).
+DETECTION_BOUND_S = 3 * (HEARTBEAT_S + max(HEARTBEAT_S, 2.0))
+TWO_PODS = {
+  **SGD,
+  "parallel.islands": 2,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 2,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 8,
+  "train.num_steps": 10,
+  "train.checkpoint_every": 100,
+  "backend.mode": "remote",
+  "backend.launch_workers": True,
+  "fault.elastic": True,
+  "fault.heartbeat_s": HEARTBEAT_S,
+}
+
+
+class _Rows:
+  """When each training row of `workdir`/metrics.jsonl appeared (time.time()), from a thread."""
+
+  def __init__(self, workdir):
+    self.workdir, self.at = workdir, {}
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+
+  def _watch(self):
+    while not self._stop.wait(0.01):
+      for row in metrics_rows(self.workdir, running=True):
+        if "loss" in row:
+          self.at.setdefault(row["step"], time.time())
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(5)
+
+
+def _workers():
+  (workers,) = launcher.live()
+  return workers
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(tmp_path, caplog):
+  """Pod 1's worker is SIGSTOPped from outside after step 3 (it never answers again, its
+  sockets stay open). It is declared lost within the detection bound; pod 0's pulls from it and
+  the controller's waits on pod 0 end then, so the run goes on with pod 0 at once; the worker is
+  killed and relaunched, pod 1 rejoins (at step 8, as the drill says: the run would end before
+  the relaunched worker is up), and every step runs once. A guard SIGKILLs the stopped
+  worker 120 s after the stop (as the user who found the hang had to): without the rules the run
+  would then finish, but the step gap would be far over the bound."""
+  rows = _Rows(tmp_path)
+  stopped: dict = {}
+  stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
+  killer = Killer(tmp_path, [stop], seed=1)
+
+  def guard():
+    while killer.kills[0].at is None:
+      time.sleep(0.05)
+    stopped["pid"] = killer.kills[0].sent_to
+    time.sleep(120)
+    try:
+      os.kill(stopped["pid"], signal.SIGKILL)
+      stopped["guard_killed"] = True
+    except ProcessLookupError:
+      pass
+
+  threading.Thread(target=guard, daemon=True).start()
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    config = small_config(**TWO_PODS, **{"fault.inject": "rejoin:pod1@step8"})
+    result = train.run(config, str(tmp_path), show_progress=False)
+  killer.join()
+  rows.stop()
+  assert "guard_killed" not in stopped, "the stopped worker was never killed by the run"
+  assert result.final_step == 10
+  live = [row["pods_live"] for row in metrics_rows(tmp_path) if "loss" in row]
+  assert [r["step"] for r in metrics_rows(tmp_path) if "loss" in r] == list(range(1, 11))
+  assert live[:3] == [2, 2, 2] and 1 in live and live[7:] == [2, 2, 2], live
+  stop_at = killer.kills[0].at
+  lost = [
+    r
+    for r in caplog.records
+    if re.match(r"island island1 lost: .* missed heartbeat", r.getMessage())
+  ]
+  assert lost, [r.getMessage() for r in caplog.records]
+  detection_s = lost[0].created - stop_at
+  assert 0 < detection_s < DETECTION_BOUND_S + 3.0, detection_s
+  messages = [r.getMessage() for r in caplog.records]
+  assert any(m.startswith("killed worker") and "island1" in m for m in messages), messages
+  assert any(
+    re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
+  )
+  assert any(m.startswith("pod 1 rejoined") for m in messages), messages
+  # The step after the stop comes within the bound and the drop's cost (not the 120 s guard).
+  after = min(s for s, at in rows.at.items() if at > stop_at)
+  gap_s = rows.at[after] - stop_at
+  assert gap_s < DETECTION_BOUND_S + 30.0, (gap_s, rows.at)
+  print(f"stopped after step 3: lost {detection_s:.1f} s later, next step's row {gap_s:.1f} s")
+
+
+def _forever(x):
+  """A computation that never ends (x stays >= 0: adding 1 to a large float32 changes nothing)."""
+  import jax
+
+  return jax.lax.while_loop(lambda c: c[0] >= 0, lambda c: c + 1.0, x)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("progress_timeout_s", [1.0, 0.0])
+def test_a_wedged_worker_is_lost_once_one_op_runs_too_long(progress_timeout_s):
+  """A worker whose execution queue runs a computation that never ends answers Health all the
+  same; the monitor declares it lost once the op has run for progress_timeout_s (and, launched
+  here, kills it). With 0, never."""
+  import jax
+
+  with launcher.launch([1]) as workers:
+    client = WorkerClient(workers.addresses[0], workers.token, timeout_s=60)
+    monitor = Monitor([client], 0.2, isolate=True, progress_timeout_s=progress_timeout_s)
+    client.monitor = monitor
+    try:
+      x = np.zeros(1, np.float32)
+      exported = jax.export.export(jax.jit(_forever), platforms=("cpu",))(x)
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+      client.compile("forever", bytes(exported.serialize()), mesh, (), [1], None)
+      client.put_async("x", [x], uses=1).result()
+      run = pb.Execute(executable="forever", args=["x"], outputs=[pb.Output(handle="y", uses=-1)])
+      client.enqueue_async([pb.Op(name="forever", execute=run)]).result()
+      start = time.monotonic()
+      while not client.lost and time.monotonic() - start < 20:
+        time.sleep(0.05)
+      if not progress_timeout_s:
+        assert not client.lost, client.lost
+        assert client.health().running_s > 3  # it is wedged, and never declared so
+        return
+      assert client.lost and "is wedged: one op has run for" in client.lost, client.lost
+      assert time.monotonic() - start < progress_timeout_s + 10
+      workers.procs[0].wait(timeout=10)  # killed: a stopped or wedged worker is replaced
+    finally:
+      monitor.stop()
+      client.close()
+
+
+def test_a_worker_that_refuses_the_token_is_one_error_at_once():
+  """The supervisor waiting for external workers to come back does not take a refused token
+  (or TLS handshake) for a worker not up yet: one line, at once."""
+  from pwtrain.config import load
+
+  with launcher.launch([1]) as workers:
+    overrides = {"backend.mode": "remote", "backend.workers": tuple(workers.addresses)}
+    config = load("palm_tiny", overrides)
+    os.environ["PWTRAIN_TEST_WRONG_TOKEN"] = "x" * 32
+    config.backend.token_env = "PWTRAIN_TEST_WRONG_TOKEN"
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"refuses the token \(missing or wrong pwtrain token\)"):
+      _wait_for_workers(config)
+    assert time.monotonic() - start < 10
