@@ -9,19 +9,23 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 from helpers import SGD, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
-from pwtrain.backend.remote import launcher
+from pwtrain.backend.remote import arrays, auth, launcher
 from pwtrain.backend.remote import protocol_pb2 as pb
-from pwtrain.backend.remote.client import Monitor, WorkerClient
+from pwtrain.backend.remote.client import Monitor, WorkerClient, WorkerLost
 from pwtrain.backend.remote.supervisor import _wait_for_workers
+from pwtrain.backend.remote.values import rpc_error
 from pwtrain.errors import ConfigError
 
 HEARTBEAT_S = 0.5
@@ -126,6 +130,117 @@ def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(
   gap_s = rows.at[after] - stop_at
   assert gap_s < DETECTION_BOUND_S + 30.0, (gap_s, rows.at)
   print(f"stopped after step 3: lost {detection_s:.1f} s later, next step's row {gap_s:.1f} s")
+
+
+class _KillOn(logging.Handler):
+  """SIGKILLs `pid()` (once) as a log line starting with `prefix` is emitted."""
+
+  def __init__(self, prefix: str, pid):
+    super().__init__()
+    self.prefix, self.pid, self.at = prefix, pid, None
+
+  def emit(self, record):
+    if self.at is None and record.getMessage().startswith(self.prefix):
+      os.kill(self.pid(), signal.SIGKILL)
+      self.at = time.time()
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_path, caplog):
+  """Pod 1's worker is SIGKILLed after step 4 and rejoins at step 6; pod 0's worker is
+  SIGKILLed as "pod 1 rejoined" is logged, while pod 1's state is copied from it. Pod 1's copy
+  fails with pod 0's loss: no pod holds the state any more, so the loss (WorkerLost, not a plain
+  RuntimeError of the failed transfer) reaches the supervisor, which restarts the workers and
+  resumes from the step-4 checkpoint (fault.max_restarts=1); every step runs."""
+  overrides = {"fault.inject": "rejoin:pod1@step6", "fault.max_restarts": 1}
+  config = small_config(**TWO_PODS, **overrides, **{"train.checkpoint_every": 4})
+  killer = Killer(tmp_path, [Kill(after=4, pid=lambda: _workers().procs[1].pid)], seed=2)
+  kill_pod0 = _KillOn("pod 1 rejoined", lambda: _workers().procs[0].pid)
+  logger = logging.getLogger("pwtrain")
+  logger.addHandler(kill_pod0)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      result = train.run(config, str(tmp_path), show_progress=False)
+  finally:
+    logger.removeHandler(kill_pod0)
+  killer.join()
+  assert kill_pod0.at is not None
+  assert result.final_step == 10
+  messages = [r.getMessage() for r in caplog.records]
+  lost_pod0 = [m for m in messages if m.startswith("pod 0 lost")]
+  restarted = [m for m in messages if "restart 1 of 1: resuming from the last checkpoint" in m]
+  # Either pod 1's copy was whole before pod 0 died (pod 1 goes on alone), or the loss restarts.
+  assert restarted or lost_pod0, messages
+  if restarted:
+    assert restarted[0].startswith("island island0 lost"), restarted
+
+
+def _external_worker(island: str, token: str) -> tuple[subprocess.Popen, str]:
+  """A worker started by someone else (not this process's launcher: nothing here kills it)."""
+  cmd = [sys.executable, "-m", "pwtrain.backend.remote.worker", f"--island={island}"]
+  proc = subprocess.Popen(
+    [*cmd, "--devices=1"],
+    env={**os.environ, auth.TOKEN_ENV: token},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+  line = proc.stdout.readline()
+  assert line.startswith("READY "), line
+  return proc, f"127.0.0.1:{line.split()[1]}"
+
+
+@pytest.mark.processes
+def test_a_pull_from_a_worker_declared_lost_ends_then_as_its_loss():
+  """Two workers started outside this process; island0's is SIGSTOPped, and island1 pulls from
+  it a value it will never send. Once the monitor declares island0 lost (3 missed pings),
+  island1 abandons the pull at once (it would wait for as long as island0 is stopped: nothing
+  closes its connection), and the controller's fetch of the pulled value fails as island0's loss
+  (WorkerLost), not as the transfer's error."""
+  import jax
+
+  token = "t" * 32
+  procs = []
+  try:
+    for island in ("island0", "island1"):
+      procs.append(_external_worker(island, token))
+    (p0, address0), (_, address1) = procs
+    a, b = (WorkerClient(address, token, timeout_s=60) for address in (address0, address1))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sharding = arrays.sharding_to_proto(
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+
+    def pull(name, handle, into):
+      op = pb.Receive(source=address0, handle=handle, output=pb.Output(handle=into))
+      op.shardings.append(sharding)
+      b.enqueue_async([pb.Op(name=name, receive=op)]).result()
+
+    a.put_async("w", [np.ones(1, np.float32)], uses=1).result()
+    pull("warm", "w", "w1")  # island1 is connected to island0, as in a run
+    np.testing.assert_array_equal(b.fetch("w1", release=True)[0], [1.0])
+    os.kill(p0.pid, signal.SIGSTOP)
+    pull("copy", "x", "y")
+    monitor = Monitor([a, b], 0.5, isolate=True)
+    a.monitor = b.monitor = monitor
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:  # the deadline: only if the pull is never abandoned
+      stream = b.stub.Fetch(pb.FetchRequest(handle="y"), metadata=b._metadata, timeout=60)
+      arrays.from_chunks(stream)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+    assert (
+      f"transfer copy from {address0} failed: {address0} was declared lost" in e.value.details()
+    )
+    assert time.monotonic() - start < monitor.bound_s + 5
+    lost = rpc_error(b, e.value, frozenset({"island1"}))  # what the controller raises
+    assert isinstance(lost, WorkerLost) and lost.island == "island0", lost
+    assert p0.poll() is None  # not this process's to kill: someone restarts it
+    monitor.stop()
+  finally:
+    for proc, _ in procs:
+      proc.kill()
+      proc.wait()
 
 
 def _forever(x):
