@@ -4,10 +4,11 @@ A lost worker (dead, silent for 3 heartbeats, or wedged: client.Monitor) fails t
 flight with `WorkerLost`; a worker this process launched that is declared lost alive (stopped,
 wedged) is SIGKILLed then (Monitor.declare). With `fault.elastic` the run carries on without the
 worker's pod (pwtrain/elastic/), and the supervisor relaunches a worker it launched as soon as
-its process has exited, on its old port, so that the pod rejoins. Otherwise, or when too few pods are left,
-with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on their old
-ports), or waits for externally started ones to answer again and resets them, and runs the job
-again: it resumes from the last committed checkpoint, so at most the steps since then are lost.
+its process has exited, on its old port, so that the pod rejoins. Otherwise, or when too few
+pods are left, with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on
+their old ports), or waits for externally started ones to answer again and resets them, and runs
+the job again: it resumes from the last committed checkpoint, so at most the steps since then
+are lost.
 """
 
 import copy
