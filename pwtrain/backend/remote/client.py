@@ -3,6 +3,7 @@ call, and the releases of pinned values waiting to ride on the next Enqueue."""
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -77,6 +78,7 @@ class WorkerClient:
       raise ConfigError(f"worker {address}: {why}") from None
     self.island, self.num_devices, self.platform = info.island, info.num_devices, info.platform
     self.incarnation = info.incarnation  # the worker process this client serves (Monitor)
+    self.answered_at = time.monotonic()  # its last answer to a ping (Monitor)
 
   def _refused_now(self) -> str | None:
     try:
@@ -237,6 +239,7 @@ class WorkerClient:
     self.stub = pb_grpc.WorkerStub(self._channel)
     old.close()
     self.incarnation = self.health().incarnation  # before it is live again (Monitor)
+    self.answered_at = time.monotonic()
     with self._lock:
       self._releases = []  # handles of the lost worker's store
     self.lost = self._lost_island = None
@@ -316,6 +319,8 @@ class Monitor:
           reply = client.stub.Health(pb.Empty(), metadata=client._metadata, timeout=self.deadline_s)
           missed[i] = 0
           why = self._unwell(client, reply)
+          if why is None:
+            client.answered_at = time.monotonic()
         except grpc.RpcError as e:
           missed[i] += 1
           why = None
@@ -351,7 +356,9 @@ class Monitor:
           other.abandon(client.address, self.deadline_s)
         except grpc.RpcError:
           pass  # lost too, or soon found so
-    if launcher.kill_at(client.address):  # stopped or wedged: replaced as a dead one is
+    # Stopped or wedged, it is replaced as a dead one is; not a process started in its place
+    # since it last answered (the supervisor relaunches a dead one at once).
+    if launcher.kill_at(client.address, started_before=client.answered_at):
       log.warning("killed worker %s (island %s): it was lost", client.address, client.island)
 
   def check_now(self, islands=None) -> None:
