@@ -198,7 +198,13 @@ RULES = (
   ),
   # run modes
   _rule(
-    ("backend.token_file", "backend.token_env", "backend.tls_ca", "backend.rpc_timeout_s"),
+    (
+      "backend.token_file",
+      "backend.token_env",
+      "backend.tls_ca",
+      "backend.rpc_timeout_s",
+      "fault.progress_timeout_s",
+    ),
     _is("backend.mode", "remote"),
   ),
   _rule(

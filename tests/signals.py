@@ -1,6 +1,6 @@
-"""Faults as they really come: a SIGKILL sent from outside a run (a remote worker, a process of
-a distributed run) at a seeded random time after a step's metrics row appears, with no help
-from the run (not fault.inject).
+"""Faults as they really come: a SIGKILL (or SIGSTOP: a silent fault) sent from outside a run
+(a remote worker, a process of a distributed run) at a seeded random time after a step's metrics
+row appears, with no help from the run (not fault.inject).
 
 `Killer` watches a workdir's metrics.jsonl from a thread of the test; each of its kills waits
 for its step's row, then a delay drawn from its seed, then sends SIGKILL to whatever process
@@ -21,12 +21,13 @@ from helpers import step_losses
 
 @dataclasses.dataclass
 class Kill:
-  """SIGKILL `pid()` once step `after`'s metrics row is written, `within` seconds later at most
-  (uniformly drawn); `at` (time.time()) and `pid` are filled in when it is sent."""
+  """`sig` (SIGKILL) to `pid()` once step `after`'s metrics row is written, `within` seconds
+  later at most (uniformly drawn); `at` (time.time()) and `pid` are filled in when it is sent."""
 
   after: int
   pid: Callable[[], int | None]
   within: float = 0.05
+  sig: int = signal.SIGKILL
   at: float | None = None
   sent_to: int | None = None
 
@@ -63,7 +64,7 @@ class Killer:
       if pid is None:
         self.error = f"no process to kill after step {kill.after}"
         return
-      os.kill(pid, signal.SIGKILL)
+      os.kill(pid, kill.sig)
       kill.at, kill.sent_to = time.time(), pid
 
   def _steps(self) -> set[int]:

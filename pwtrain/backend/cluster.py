@@ -137,13 +137,15 @@ class Cluster:
     devices=None,
     timeout_s=30.0,
     heartbeat_s=2.0,
+    progress_timeout_s: float = 0.0,
     tls_ca: str = "",
     isolate_losses: bool = False,
   ) -> "Cluster":
     """Attaches island workers (remote mode), one island each, named as the workers say; over
     TLS verified against the PEM file `tls_ca` when given (backend/remote/channel.py).
-    `isolate_losses` (elastic pods): a lost worker loses its island only, not the cluster
-    (backend/remote/client.py's Monitor).
+    `isolate_losses` (elastic pods): a lost worker loses its island only, not the cluster;
+    `progress_timeout_s`: one op running longer on a worker loses it (0: never; both:
+    backend/remote/client.py's Monitor).
 
     Pieces are still traced on this process's devices (as many as the largest island has),
     which stand in for the worker's devices: only the mesh's shape travels.
@@ -164,7 +166,12 @@ class Cluster:
     names = [i.name for i in islands]
     if len(set(names)) != len(names):
       raise ConfigError(f"workers {list(addresses)} serve islands {names}: names must be unique")
-    monitor = Monitor([i.worker for i in islands], heartbeat_s, isolate=isolate_losses)
+    monitor = Monitor(
+      [i.worker for i in islands],
+      heartbeat_s,
+      isolate=isolate_losses,
+      progress_timeout_s=progress_timeout_s,
+    )
     for island in islands:
       island.worker.monitor = monitor
     return cls(tuple(islands))

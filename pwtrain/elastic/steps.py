@@ -265,8 +265,12 @@ class ElasticSteps:
     lost_islands = self.controller.lost or {error.island: error.cause}
     lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
     if not lost:  # nothing to drop: running the same steps again on the same pods would fail
-      raise RuntimeError(f"a step on the live pods {self.live} failed with a dropped pod's loss "
-                         f"({error}): it read something of that pod") from error  # fmt: skip
+      # The live pods' state depends on a dropped pod (remote: a rejoin's copy from a pod lost
+      # while it was made): the loss itself, which the restart path (fault.max_restarts) takes.
+      log.error("the live pods %s read what a lost pod made (%s): they cannot go on without it",
+                self.live, error)  # fmt: skip
+      self._fatal = error
+      raise error
     live = tuple(p for p in self.live if p not in lost)
     causes = [lost_islands.get(self._islands[p][0].name, error.cause) for p in lost]
     cause = "; ".join(dict.fromkeys(causes)) or error.cause  # each lost pod's, once

@@ -180,6 +180,7 @@ def make_cluster(config, devices=None) -> Cluster:
       devices,
       timeout_s=config.backend.rpc_timeout_s,
       heartbeat_s=config.fault.heartbeat_s,
+      progress_timeout_s=config.fault.progress_timeout_s,
       tls_ca=config.backend.tls_ca,
       isolate_losses=config.fault.elastic,
     )

@@ -303,6 +303,8 @@ class RemoteDispatcher:
     for worker, call in calls:  # one round trip for the whole program, all islands at once
       try:
         call.result()
+      except grpc.FutureCancelledError:  # the worker was declared lost meanwhile
+        raise worker.lost_error() from None
       except grpc.RpcError as e:
         raise rpc_error(worker, e, islands) from None
     wrapped: dict = {}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 
 from pwtrain.backend.remote import auth
@@ -76,6 +77,7 @@ class Workers:
         stderr=log,
         env=env,
       )
+      self.procs[i].started_at = time.monotonic()  # kill_at's `started_before`
       log.close()
     for i in which:
       self.ports[i] = self._wait_ready(i)
@@ -126,11 +128,15 @@ class Workers:
     self.stop()
 
 
-def kill_at(address: str) -> bool:
-  """SIGKILLs the live worker this process launched at `address`; whether there was one."""
+def kill_at(address: str, started_before: float = float("inf")) -> bool:
+  """SIGKILLs the live worker this process launched at `address`, if it was started before
+  `started_before` (time.monotonic(): not one started again in its place since); whether there
+  was one."""
   for workers in live():
     for i, (proc, port) in enumerate(zip(workers.procs, workers.ports, strict=True)):
-      if f"127.0.0.1:{port}" == address and proc is not None and proc.poll() is None:
+      if f"127.0.0.1:{port}" != address or proc is None or proc.poll() is not None:
+        continue
+      if getattr(proc, "started_at", started_before) < started_before:
         workers.kill(i)
         return True
   return False

@@ -84,6 +84,11 @@ class WorkerStub:
                 request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
                 response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/pwtrain.remote.Worker/Abandon',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -158,6 +163,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """Fails at once every Receive enqueued before this call that pulls from `source`: the
+        controller calls it on the other workers once it has declared the worker at `source` lost
+        (a silent worker never ends the pulls waiting on it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +224,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Timeline,
                     request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
                     response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AbandonRequest.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +501,33 @@ class Worker:
             '/pwtrain.remote.Worker/Timeline',
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.TimelineReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/Abandon',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.AbandonRequest.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

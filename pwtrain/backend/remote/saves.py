@@ -78,6 +78,8 @@ class PendingSave:
       try:
         call.result()
         self._workers.append(worker)
+      except grpc.FutureCancelledError:  # by the health monitor: the worker is lost
+        lost = lost or worker.lost_error()
       except grpc.RpcError as e:
         lost = lost or WorkerLost(worker.island, f"save not queued: {e.details()}")
     if lost is not None:  # the saves queued elsewhere end before their directory is removed

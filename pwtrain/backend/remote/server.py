@@ -3,8 +3,14 @@
 State: an object store of futures keyed by handle (store.py; values are flat lists of arrays), an
 executable cache, and one execution queue drained by one thread, so the island runs every
 program's computations in the order the controller enqueued them (gang scheduling). Transfers
-run beside the queue: a Receive pulls its value straight from the worker that holds it, and
-takes no place in the queue, so a node waiting for its inputs never holds up a transfer.
+run beside the queue (receives.py): a Receive pulls its value straight from the worker that
+holds it, and takes no place in the queue, so a node waiting for its inputs never holds up a
+transfer.
+
+Health says how the queue is doing: how many ops it has finished, and how long its current op
+has run since its inputs and executable were there (`running_s`: grows on a wedged worker, whose
+server still answers; the controller's monitor declares it lost past `fault.progress_timeout_s`).
+Its `incarnation`, random per process, tells a worker started again from the one it replaced.
 
 A worker trusts nothing it is sent beyond the token: programs are StableHLO, arrays are bytes
 with checked headers, and no message is ever unpickled.
@@ -16,6 +22,7 @@ import queue
 import re
 import threading
 import time
+import uuid
 
 import grpc
 import jax
@@ -26,6 +33,7 @@ from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
+from pwtrain.backend.remote.receives import Receives, describe
 from pwtrain.backend.remote.store import Store
 from pwtrain.checkpoint import integrity
 from pwtrain.checkpoint import parts as checkpoint_parts
@@ -50,8 +58,10 @@ class Worker(pb_grpc.WorkerServicer):
     self._executables: dict[str, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
     self._queue: queue.Queue = queue.Queue()
-    self._peers: dict[str, pb_grpc.WorkerStub] = {}
-    self._peers_lock = threading.Lock()
+    self._receives = Receives(self)
+    self.incarnation = uuid.uuid4().hex
+    self._running_since = 0.0  # time.monotonic() the current op started running; 0: none
+    self._done_ops = 0
     self._saves: dict[str, concurrent.futures.Future] = {}  # ticket -> SaveReply
     self._saves_lock = threading.Lock()
     self._spans: list = []  # traced ops' (trace_id, start, end), until Timeline takes them
@@ -70,6 +80,9 @@ class Worker(pb_grpc.WorkerServicer):
       pending_ops=self._queue.qsize(),
       stored_values=len(self.store),
       time=time.time(),
+      incarnation=self.incarnation,
+      running_s=time.monotonic() - since if (since := self._running_since) else 0.0,
+      done_ops=self._done_ops,
     )
 
   def Compile(self, request, context):
@@ -92,7 +105,7 @@ class Worker(pb_grpc.WorkerServicer):
         self._queue.put((op, None))
       else:
         out = self.store.create(op.receive.output.handle, op.receive.output.uses)
-        threading.Thread(target=self._receive, args=(op, out), daemon=True).start()
+        self._receives.submit(op, out)
     if request.release:
       self._queue.put((None, list(request.release)))
     return pb.Empty()
@@ -113,7 +126,7 @@ class Worker(pb_grpc.WorkerServicer):
     try:
       leaves = self.store.lookup(request.handle).result()
     except Exception as e:  # noqa: BLE001 - the failure travels to whoever fetches
-      context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.handle}: {_describe(e)}")
+      context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.handle}: {describe(e)}")
     try:
       yield from arrays.to_chunks(request.handle, [np.asarray(x) for x in leaves])
     finally:
@@ -132,6 +145,11 @@ class Worker(pb_grpc.WorkerServicer):
       self._saves.pop(request.ticket, None)
     return reply
 
+  def Abandon(self, request, context):
+    n = self._receives.abandon(request.source)
+    logging.warning("island %s: %d transfer(s) from %s abandoned", self.island, n, request.source)
+    return pb.Empty()
+
   def Release(self, request, context):
     self._queue.put((None, list(request.handles)))
     return pb.Empty()
@@ -146,7 +164,7 @@ class Worker(pb_grpc.WorkerServicer):
       spans, self._spans = self._spans, []
     return pb.TimelineReply(spans=[pb.Span(trace_id=i, start=a, end=b) for i, a, b in spans])
 
-  def _record(self, op, start: float) -> None:
+  def record(self, op, start: float) -> None:
     if op.trace_id:
       with self._spans_lock:
         self._spans.append((op.trace_id, start, time.time()))
@@ -196,21 +214,25 @@ class Worker(pb_grpc.WorkerServicer):
         for handle in outs:
           self.store.release(handle)
         continue
-      if op.WhichOneof("kind") == "save":
-        self._save(op.save)
-        continue
       try:
-        start = self._execute(op.execute, outs, block=bool(op.trace_id))
-        self._record(op, start)
-      except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
-        error = RuntimeError(f"{self.island}: {op.name} failed: {_describe(e)}")
-        logging.error("%s", error)
-        for out in outs:
-          if not out.done():
-            out.set_exception(error)
+        if op.WhichOneof("kind") == "save":
+          self._save(op.save)
+          continue
+        try:
+          start = self._execute(op.execute, outs, block=bool(op.trace_id))
+          self.record(op, start)
+        except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
+          error = RuntimeError(f"{self.island}: {op.name} failed: {describe(e)}")
+          logging.error("%s", error)
+          for out in outs:
+            if not out.done():
+              out.set_exception(error)
+        finally:
+          for handle in op.execute.args:
+            self.store.read(handle)
       finally:
-        for handle in op.execute.args:
-          self.store.read(handle)
+        self._running_since = 0.0  # idle, or waiting for the next op's inputs
+        self._done_ops += 1
 
   def _leaves(self, handle: str) -> list:
     """The arrays of an Execute argument, once there: a handle, or `<handle>#i,j,...`, leaves
@@ -229,6 +251,7 @@ class Worker(pb_grpc.WorkerServicer):
     for handle in op.args:
       leaves.extend(self._leaves(handle))
     start = time.time()
+    self._running_since = time.monotonic()  # Health's running_s: inputs and executable there
     if len(leaves) != len(exe.in_shardings):
       raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
     leaves = [
@@ -253,8 +276,8 @@ class Worker(pb_grpc.WorkerServicer):
     future = self._saves[op.ticket]
 
     def fail(e: BaseException) -> None:
-      logging.error("island %s: save %s failed: %s", self.island, op.ticket, _describe(e))
-      future.set_result(pb.SaveReply(error=f"{self.island}: {_describe(e)}"))
+      logging.error("island %s: save %s failed: %s", self.island, op.ticket, describe(e))
+      future.set_result(pb.SaveReply(error=f"{self.island}: {describe(e)}"))
 
     try:
       tree = {}
@@ -262,6 +285,7 @@ class Worker(pb_grpc.WorkerServicer):
         value = self.store.lookup(item.handle).result()
         for index, name in zip(item.leaves, item.names, strict=True):
           checkpoint_parts.insert(tree, name, value[index])
+      self._running_since = time.monotonic()  # its values are there (Health's running_s)
       # Fingerprinted on device before the queue goes on: what is written is what was computed.
       # The nested dict's paths are the names, so the keys are the whole-model paths.
       fingerprints = integrity.fingerprint(tree)
@@ -283,62 +307,6 @@ class Worker(pb_grpc.WorkerServicer):
         saver.close()
 
     threading.Thread(target=finish, name=f"save-{op.ticket}", daemon=True).start()
-
-  def _receive(self, op, out):
-    r = op.receive
-    start = time.time()
-    try:
-      if r.source:
-        leaves = self._pull(r.source, r.handle)
-      else:
-        leaves = self.store.lookup(r.handle).result()
-        self.store.read(r.handle)
-      if len(r.shardings) != len(leaves):
-        raise ValueError(f"{len(leaves)} arrays but {len(r.shardings)} shardings")
-      placed = [
-        jax.device_put(x, arrays.sharding_from_proto(s, self.devices))
-        for x, s in zip(leaves, r.shardings, strict=True)
-      ]
-      if op.trace_id:
-        jax.block_until_ready(placed)
-      out.set_result(placed)
-      self._record(op, start)
-    except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the output
-      out.set_exception(RuntimeError(f"{self.island}: transfer {op.name} failed: {_describe(e)}"))
-
-  def _pull(self, address: str, handle: str) -> list:
-    """The arrays of `handle`, fetched from the worker at `address`. A channel whose connection
-    was refused waits out a backoff before it connects again, and refuses calls meanwhile; so
-    a peer started again on the same address (a pod rejoining: elastic pods) would be refused
-    for seconds after it answers. A refused pull therefore gets a new channel and one more try."""
-    for attempt in range(2):
-      try:
-        stream = self._peer(address).Fetch(
-          pb.FetchRequest(handle=handle), metadata=auth.call_metadata(self.token)
-        )
-        _, received = arrays.from_chunks(stream)
-        return [x for x, _ in received]
-      except grpc.RpcError as e:
-        if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
-          raise
-        self._peer(address, fresh=True)
-    raise AssertionError("unreachable")
-
-  def _peer(self, address: str, fresh: bool = False) -> pb_grpc.WorkerStub:
-    """The stub of the worker at `address`, its channel kept for later pulls (`fresh`: a new
-    channel in place of the kept one). Each channel has its own connection (subchannel) rather
-    than one shared by every channel to the address, so a new one connects at once."""
-    with self._peers_lock:
-      if fresh or address not in self._peers:
-        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        self._peers[address] = pb_grpc.WorkerStub(grpc.insecure_channel(address, options=options))
-      return self._peers[address]
-
-
-def _describe(e: BaseException) -> str:
-  if isinstance(e, grpc.RpcError):
-    return f"{e.code().name}: {e.details()}"
-  return f"{type(e).__name__}: {e}"
 
 
 def serve(

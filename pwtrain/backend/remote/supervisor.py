@@ -1,12 +1,14 @@
 """Remote mode's supervisor: starts the island workers if asked, and survives losing one.
 
-A lost worker (dead, or silent for `fault.heartbeat_s` x 3) fails the step in flight with
-`WorkerLost`. With `fault.elastic` the run carries on without the worker's pod
-(pwtrain/elastic/), and the supervisor relaunches a worker it launched as soon as its process
-has exited, on its old port, so that the pod rejoins. Otherwise, or when too few pods are left,
-with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on their old
-ports), or waits for externally started ones to answer again and resets them, and runs the job
-again: it resumes from the last committed checkpoint, so at most the steps since then are lost.
+A lost worker (dead, silent for 3 heartbeats, or wedged: client.Monitor) fails the step in
+flight with `WorkerLost`; a worker this process launched that is declared lost alive (stopped,
+wedged) is SIGKILLed then (Monitor.declare). With `fault.elastic` the run carries on without the
+worker's pod (pwtrain/elastic/), and the supervisor relaunches a worker it launched as soon as
+its process has exited, on its old port, so that the pod rejoins. Otherwise, or when too few
+pods are left, with `fault.max_restarts > 0` the supervisor restarts the workers it launched (on
+their old ports), or waits for externally started ones to answer again and resets them, and runs
+the job again: it resumes from the last committed checkpoint, so at most the steps since then
+are lost.
 """
 
 import copy
@@ -107,18 +109,32 @@ def _relaunch(workers, stop: threading.Event, period_s: float = 0.2) -> None:
 
 
 def _wait_for_workers(config, timeout_s: float = 300.0) -> None:
-  """Externally started workers: wait until every address answers (someone restarts them)."""
+  """Externally started workers: wait until every address answers (someone restarts them).
+  Only a worker not up (UNAVAILABLE, DEADLINE_EXCEEDED) is waited for: one that refuses the
+  token or the TLS handshake is a ConfigError at once (WorkerClient), any other error raised."""
+  import grpc
+
   from pwtrain.backend.remote.client import WorkerClient
 
   token = auth.read_token(config.backend.token_file, config.backend.token_env)
   deadline = time.monotonic() + timeout_s
   clients = []
+  down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   for address in config.backend.workers:
     while True:
       try:
-        clients.append(WorkerClient(address, token, timeout_s=config.backend.rpc_timeout_s))
+        client = WorkerClient(
+          address,
+          token,
+          timeout_s=config.backend.rpc_timeout_s,
+          tls_ca=config.backend.tls_ca,
+          wait=False,
+        )
+        clients.append(client)
         break
-      except Exception:  # noqa: BLE001 - not up yet
+      except grpc.RpcError as e:
+        if e.code() not in down:
+          raise
         if time.monotonic() > deadline:
           raise WorkerLost(
             f"at {address}", f"its worker did not come back within {timeout_s:.0f} s"

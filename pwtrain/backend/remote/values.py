@@ -5,6 +5,7 @@ an island (`WorkerLost`) when a worker it depends on is gone, else as the worker
 """
 
 import dataclasses
+import re
 import threading
 import weakref
 from typing import Any
@@ -65,12 +66,21 @@ def fetch_value(ref: Ref):
   return jax.tree.unflatten(ref.treedef, placed)
 
 
+# How a worker reports a failed pull from another worker (receives.py).
+_FAILED_PULL = re.compile(r"transfer \S+ from (\S+) failed")
+
+
 def rpc_error(worker: WorkerClient, e: grpc.RpcError, islands=frozenset()) -> Exception:
   """WorkerLost if the worker of `islands` (those the failed call depends on; every island if
-  none are named) is gone (a failed transfer on a live worker may be the symptom), else the
-  worker's own error message."""
+  none are named), or the worker a failed transfer pulled from (named in the error: a value
+  copied from a worker lost since, which may not be of `islands`), is gone (a failed transfer
+  on a live worker may be the symptom), else the worker's own error message."""
   if worker.monitor is not None:
     try:
+      for address in _FAILED_PULL.findall(e.details() or ""):
+        source = worker.monitor.find(address)
+        if source is not None:
+          worker.monitor.check_now({source.island})
       worker.monitor.check_now(islands or None)
     except WorkerLost as lost:
       return lost

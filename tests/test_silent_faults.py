@@ -1,0 +1,308 @@
+"""Silent faults in remote mode: a worker that stops answering (SIGSTOP from outside: alive, its
+sockets open) or whose execution wedges while its server answers is declared lost within a
+bound, every wait on it ends, and it is killed and replaced as a dead one is.
+
+Real worker processes on loopback; the signals come from outside the run (signals.Killer).
+"""
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from helpers import SGD, metrics_rows, small_config
+from signals import Kill, Killer
+
+from pwtrain import train
+from pwtrain.backend.remote import arrays, auth, launcher
+from pwtrain.backend.remote import protocol_pb2 as pb
+from pwtrain.backend.remote.client import Monitor, WorkerClient, WorkerLost
+from pwtrain.backend.remote.supervisor import _wait_for_workers
+from pwtrain.backend.remote.values import rpc_error
+from pwtrain.errors import ConfigError
+
+HEARTBEAT_S = 0.5
+# A silent worker is declared lost within 3 x (period + each ping's deadline, at least 2 s).
+DETECTION_BOUND_S = 3 * (HEARTBEAT_S + max(HEARTBEAT_S, 2.0))
+TWO_PODS = {
+  **SGD,
+  "parallel.islands": 2,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 2,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 8,
+  "train.num_steps": 10,
+  "train.checkpoint_every": 100,
+  "backend.mode": "remote",
+  "backend.launch_workers": True,
+  "fault.elastic": True,
+  "fault.heartbeat_s": HEARTBEAT_S,
+}
+
+
+class _Rows:
+  """When each training row of `workdir`/metrics.jsonl appeared (time.time()), from a thread."""
+
+  def __init__(self, workdir):
+    self.workdir, self.at = workdir, {}
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+
+  def _watch(self):
+    while not self._stop.wait(0.01):
+      for row in metrics_rows(self.workdir, running=True):
+        if "loss" in row:
+          self.at.setdefault(row["step"], time.time())
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(5)
+
+
+def _workers():
+  (workers,) = launcher.live()
+  return workers
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(tmp_path, caplog):
+  """Pod 1's worker is SIGSTOPped from outside after step 3 (it never answers again, its
+  sockets stay open). It is declared lost within the detection bound; pod 0's pulls from it and
+  the controller's waits on pod 0 end then, so the run goes on with pod 0 at once; the worker is
+  killed and relaunched, pod 1 rejoins (at step 8, as the drill says: the run would end before
+  the relaunched worker is up), and every step runs once. A guard SIGKILLs the stopped
+  worker 120 s after the stop (as the user who found the hang had to): without the rules the run
+  would then finish, but the step gap would be far over the bound."""
+  rows = _Rows(tmp_path)
+  stopped: dict = {}
+  stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
+  killer = Killer(tmp_path, [stop], seed=1)
+
+  def guard():
+    while killer.kills[0].at is None:
+      time.sleep(0.05)
+    stopped["pid"] = killer.kills[0].sent_to
+    time.sleep(120)
+    try:
+      os.kill(stopped["pid"], signal.SIGKILL)
+      stopped["guard_killed"] = True
+    except ProcessLookupError:
+      pass
+
+  threading.Thread(target=guard, daemon=True).start()
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    config = small_config(**TWO_PODS, **{"fault.inject": "rejoin:pod1@step8"})
+    result = train.run(config, str(tmp_path), show_progress=False)
+  killer.join()
+  rows.stop()
+  assert "guard_killed" not in stopped, "the stopped worker was never killed by the run"
+  assert result.final_step == 10
+  live = [row["pods_live"] for row in metrics_rows(tmp_path) if "loss" in row]
+  assert [r["step"] for r in metrics_rows(tmp_path) if "loss" in r] == list(range(1, 11))
+  assert live[:3] == [2, 2, 2] and 1 in live and live[7:] == [2, 2, 2], live
+  stop_at = killer.kills[0].at
+  lost = [
+    r
+    for r in caplog.records
+    if re.match(r"island island1 lost: .* missed heartbeat", r.getMessage())
+  ]
+  assert lost, [r.getMessage() for r in caplog.records]
+  detection_s = lost[0].created - stop_at
+  assert 0 < detection_s < DETECTION_BOUND_S + 3.0, detection_s
+  messages = [r.getMessage() for r in caplog.records]
+  assert any(m.startswith("killed worker") and "island1" in m for m in messages), messages
+  assert any(
+    re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
+  )
+  assert any(m.startswith("pod 1 rejoined") for m in messages), messages
+  # Pod 0's first step alone comes within the bound and the drop's cost (not the 120 s guard).
+  alone = min(row["step"] for row in metrics_rows(tmp_path) if row.get("pods_live") == 1)
+  gap_s = rows.at[alone] - stop_at
+  assert gap_s < DETECTION_BOUND_S + 30.0, (gap_s, rows.at)
+  print(f"stopped after step 3: lost {detection_s:.1f} s later, alone at {gap_s:.1f} s")
+
+
+class _KillOn(logging.Handler):
+  """SIGKILLs `pid()` (once) as a log line starting with `prefix` is emitted."""
+
+  def __init__(self, prefix: str, pid):
+    super().__init__()
+    self.prefix, self.pid, self.at = prefix, pid, None
+
+  def emit(self, record):
+    if self.at is None and record.getMessage().startswith(self.prefix):
+      os.kill(self.pid(), signal.SIGKILL)
+      self.at = time.time()
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_path, caplog):
+  """Pod 1's worker is SIGKILLed after step 2 and rejoins at step 7; pod 0's worker is
+  SIGKILLed as "pod 1 rejoined" is logged, while pod 1's state is copied from it. Pod 1's copy
+  fails with pod 0's loss: no pod holds the state any more, so the loss (WorkerLost, not a plain
+  RuntimeError of the failed transfer) reaches the supervisor, which restarts the workers and
+  resumes from the step-4 checkpoint (fault.max_restarts=1); every step runs."""
+  overrides = {"fault.inject": "rejoin:pod1@step7", "fault.max_restarts": 1}
+  config = small_config(**{**TWO_PODS, **overrides, "train.checkpoint_every": 4})
+  killer = Killer(tmp_path, [Kill(after=2, pid=lambda: _workers().procs[1].pid)], seed=2)
+  kill_pod0 = _KillOn("pod 1 rejoined", lambda: _workers().procs[0].pid)
+  logger = logging.getLogger("pwtrain")
+  logger.addHandler(kill_pod0)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      result = train.run(config, str(tmp_path), show_progress=False)
+  finally:
+    logger.removeHandler(kill_pod0)
+  killer.join()
+  assert kill_pod0.at is not None
+  assert result.final_step == 10
+  messages = [r.getMessage() for r in caplog.records]
+  lost_pod0 = [m for m in messages if m.startswith("pod 0 lost")]
+  restarted = [m for m in messages if "restart 1 of 1: resuming from the last checkpoint" in m]
+  # Either pod 1's copy was whole before pod 0 died (pod 1 goes on alone), or the loss restarts.
+  assert restarted or lost_pod0, messages
+  if restarted:
+    assert restarted[0].startswith("island island0 lost"), restarted
+  print("restarted from the checkpoint" if restarted else "pod 1's copy was whole: pod 0 dropped")
+
+
+def _external_worker(island: str, token: str) -> subprocess.Popen:
+  """A worker started by someone else (not this process's launcher: nothing here kills it);
+  `_ready` reads its address."""
+  cmd = [sys.executable, "-m", "pwtrain.backend.remote.worker", f"--island={island}"]
+  return subprocess.Popen(
+    [*cmd, "--devices=1"],
+    env={**os.environ, auth.TOKEN_ENV: token},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+
+
+def _ready(proc: subprocess.Popen) -> tuple[subprocess.Popen, str]:
+  line = proc.stdout.readline()
+  assert line.startswith("READY "), line
+  return proc, f"127.0.0.1:{line.split()[1]}"
+
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture(scope="module")
+def external():
+  """Two workers started outside this process, island0 and island1: (process, address) each."""
+  procs = []
+  try:
+    for island in ("island0", "island1"):  # started together
+      procs.append(_external_worker(island, TOKEN))
+    yield [_ready(proc) for proc in procs]
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+
+
+@pytest.mark.processes
+def test_a_worker_that_refuses_the_token_is_one_error_at_once(external, monkeypatch):
+  """The supervisor waiting for external workers to come back does not take a refused token
+  (or TLS handshake) for a worker not up yet: one line, at once."""
+  from pwtrain.config import load
+
+  overrides = {"backend.mode": "remote", "backend.workers": (external[1][1],)}
+  config = load("palm_tiny", overrides)
+  monkeypatch.setenv("PWTRAIN_TEST_WRONG_TOKEN", "x" * 32)
+  config.backend.token_env = "PWTRAIN_TEST_WRONG_TOKEN"
+  start = time.monotonic()
+  with pytest.raises(ConfigError, match=r"refuses the token \(missing or wrong pwtrain token\)"):
+    _wait_for_workers(config)
+  assert time.monotonic() - start < 10
+
+
+@pytest.mark.processes
+def test_a_pull_from_a_worker_declared_lost_ends_then_as_its_loss(external):
+  """island0's worker is SIGSTOPped, and island1 pulls from it a value it will never send.
+  Once the monitor declares island0 lost (3 missed pings), island1 abandons the pull at once
+  (it would wait for as long as island0 is stopped: nothing closes its connection), and the
+  controller's fetch of the pulled value fails as island0's loss (WorkerLost), not as the
+  transfer's error. Nothing kills island0: it was started outside this process."""
+  import jax
+
+  (p0, address0), (_, address1) = external
+  a, b = (WorkerClient(address, TOKEN, timeout_s=60) for address in (address0, address1))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+  sharding = arrays.sharding_to_proto(
+    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  )
+
+  def pull(name, handle, into):
+    op = pb.Receive(source=address0, handle=handle, output=pb.Output(handle=into))
+    op.shardings.append(sharding)
+    b.enqueue_async([pb.Op(name=name, receive=op)]).result()
+
+  a.put_async("w", [np.ones(1, np.float32)], uses=1).result()
+  pull("warm", "w", "w1")  # island1 is connected to island0, as in a run
+  np.testing.assert_array_equal(b.fetch("w1", release=True)[0], [1.0])
+  os.kill(p0.pid, signal.SIGSTOP)
+  pull("copy", "x", "y")
+  monitor = Monitor([a, b], 0.5, isolate=True)
+  a.monitor = b.monitor = monitor
+  start = time.monotonic()
+  with pytest.raises(grpc.RpcError) as e:  # the deadline: only if the pull is never abandoned
+    stream = b.stub.Fetch(pb.FetchRequest(handle="y"), metadata=b._metadata, timeout=60)
+    arrays.from_chunks(stream)
+  monitor.stop()
+  assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+  assert f"transfer copy from {address0} failed: {address0} was declared lost" in e.value.details()
+  assert time.monotonic() - start < monitor.bound_s + 5
+  lost = rpc_error(b, e.value, frozenset({"island1"}))  # what the controller raises
+  assert isinstance(lost, WorkerLost) and lost.island == "island0", lost
+  assert p0.poll() is None  # not this process's to kill: someone restarts it
+
+
+def _forever(x):
+  """A computation that never ends (x stays >= 0: adding 1 to a large float32 changes nothing)."""
+  import jax
+
+  return jax.lax.while_loop(lambda c: c[0] >= 0, lambda c: c + 1.0, x)
+
+
+@pytest.mark.processes
+def test_a_wedged_worker_is_lost_once_one_op_runs_too_long():
+  """A worker whose execution queue runs a computation that never ends answers Health all the
+  same; the monitor declares it lost once the op has run for progress_timeout_s, and, launched
+  here, kills it."""
+  progress_timeout_s = 1.0
+  import jax
+
+  with launcher.launch([1]) as workers:
+    client = WorkerClient(workers.addresses[0], workers.token, timeout_s=60)
+    monitor = Monitor([client], 0.2, isolate=True, progress_timeout_s=progress_timeout_s)
+    client.monitor = monitor
+    try:
+      x = np.zeros(1, np.float32)
+      exported = jax.export.export(jax.jit(_forever), platforms=("cpu",))(x)
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+      client.compile("forever", bytes(exported.serialize()), mesh, (), [1], None)
+      client.put_async("x", [x], uses=1).result()
+      run = pb.Execute(executable="forever", args=["x"], outputs=[pb.Output(handle="y", uses=-1)])
+      client.enqueue_async([pb.Op(name="forever", execute=run)]).result()
+      start = time.monotonic()
+      while not client.lost and time.monotonic() - start < 20:
+        time.sleep(0.05)
+      assert client.lost and "is wedged: one op has run for" in client.lost, client.lost
+      assert time.monotonic() - start < progress_timeout_s + 10
+      workers.procs[0].wait(timeout=10)  # killed: a stopped or wedged worker is replaced
+    finally:
+      monitor.stop()
+      client.close()
