@@ -256,4 +256,3 @@ def test_every_response_is_at_most_one_step_stale(served_run):
   assert not stale, f"(steps finished at the start, the tokens' steps): {stale[:3]}"
   assert len({s for _, steps in served for s in steps}) > 1, "the weights never moved"
   assert max(started for started, _ in served) >= 2, "no request started after a step finished"
-
