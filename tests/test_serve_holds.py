@@ -69,10 +69,12 @@ class _Watch:
     self._thread.join()
 
 
-def _watched(monkeypatch, watch: _Watch, gates: dict) -> None:
+def _watched(monkeypatch, watch: _Watch, gates: dict, *, steps: bool = True) -> None:
   """Wraps the run's own functions to observe it: MetricsLogger.record (each step's metrics
   future), serve.attached (the device bytes just before the server attaches, and the server),
-  and the training batches (reading batch i first waits until `gates[i]()` holds)."""
+  and the training batches (reading batch i first waits until `gates[i]()` holds). Not
+  `steps`: the steps are not watched (elastic pods confirm a step as its metrics are read, on
+  the run's thread alone)."""
   record, attached, batches = metrics_lib.MetricsLogger.record, serve.attached, train._train_batches
 
   def recording(self, step, future):
@@ -91,7 +93,8 @@ def _watched(monkeypatch, watch: _Watch, gates: dict) -> None:
   def gated(*args):
     return _Gated(batches(*args), gates)
 
-  monkeypatch.setattr(metrics_lib.MetricsLogger, "record", recording)
+  if steps:
+    monkeypatch.setattr(metrics_lib.MetricsLogger, "record", recording)
   monkeypatch.setattr(serve, "attached", attaching)
   monkeypatch.setattr(train, "_train_batches", gated)
 
@@ -256,3 +259,102 @@ def test_every_response_is_at_most_one_step_stale(served_run):
   assert not stale, f"(steps finished at the start, the tokens' steps): {stale[:3]}"
   assert len({s for _, steps in served for s in steps}) > 1, "the weights never moved"
   assert max(started for started, _ in served) >= 2, "no request started after a step finished"
+
+
+# -- elastic pods: a pod lost and rejoining under streaming clients ---------------------------
+
+STREAMS = 8
+
+
+def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path):
+  """2 pods of one island each, fault.elastic: pod 1 (served from) is lost before step 3 and
+  rejoins before step 6, while STREAMS clients stream completions all along. Serving moves to
+  pod 0 and back to pod 1, and no stream fails: at the loss and at the return the engine starts
+  again on the live weights. (Batch 1 waits until every client streams, batch 4 until serving
+  is on pod 0 and every client streams again, so the rejoin meets streams in flight; batch 7
+  until serving is back on pod 1, then the clients stop, so the run's end cuts nothing.)"""
+  config = small_config(
+    **{**BASE, "train.num_steps": 10, "serve.port": 0, "serve.max_batch": STREAMS,
+       "parallel.islands": 2, "parallel.pods": 2, "fault.elastic": True,
+       "fault.inject": "kill:pod1@step3,rejoin:pod1@step6"}
+  )  # fmt: skip
+  watch = _Watch()
+  lock = threading.Lock()
+  streaming = [False] * STREAMS  # a stream of the client's has given a token and not ended
+  finished = [0] * STREAMS  # the client's streams served whole
+  failed: list = []
+  islands: list = []  # the islands served from, in turn
+  stop, done = threading.Event(), threading.Event()
+  exited = [False] * STREAMS
+
+  def served_from(name: str) -> bool:
+    now = watch.server.engine.status()["islands"] if watch.server else []
+    if now and (not islands or islands[-1] != now):
+      islands.append(now)
+    return now == [name]
+
+  def all_streaming() -> bool:
+    with lock:
+      return all(streaming)
+
+  def back() -> bool:
+    if not served_from("island1") or ["island0"] not in islands:
+      return False
+    stop.set()
+    return all(exited)
+
+  gates = {
+    1: lambda: served_from("island1") and all_streaming(),
+    4: lambda: served_from("island0") and all_streaming(),
+    7: back,
+  }
+
+  def client(i: int) -> None:
+    try:
+      while watch.server is None and not done.is_set():
+        time.sleep(0.02)
+      if done.is_set() or not _wait_healthy(watch.server.url, done):
+        return
+      with httpx.Client(base_url=watch.server.url, timeout=120) as http:
+        n = 0
+        while not stop.is_set():
+          body = {"prompt": "def ", "max_tokens": 40, "temperature": 0.8, "seed": 100 * i + n}
+          n += 1
+          try:
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+              r.raise_for_status()
+              for line in r.iter_lines():
+                if line.startswith("data: {"):
+                  chunk = json.loads(line.removeprefix("data: "))
+                  if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                  with lock:
+                    streaming[i] = True
+            with lock:
+              finished[i] += 1
+          except (httpx.HTTPError, RuntimeError) as e:
+            with lock:
+              failed.append(f"client {i}: {e}")
+          finally:
+            with lock:
+              streaming[i] = False
+    finally:
+      exited[i] = True
+
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _watched(monkeypatch, watch, gates, steps=False)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+      t.start()
+    try:
+      result = train.run(config, str(tmp_path), show_progress=False)
+    finally:
+      done.set()
+      stop.set()
+      for t in threads:
+        t.join()
+      watch.close()
+  assert result.final_step == 10
+  assert islands == [["island1"], ["island0"], ["island1"]], islands
+  assert not failed, failed[:3]
+  assert all(finished), finished
