@@ -8,6 +8,7 @@ weights are at most one step behind the steps finished when it started, and a po
 import contextlib
 import gc
 import json
+import logging
 import threading
 import time
 
@@ -266,11 +267,12 @@ def test_every_response_is_at_most_one_step_stale(served_run):
 STREAMS = 8
 
 
-def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path):
+def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path, caplog):
   """2 pods of one island each, fault.elastic: pod 1 (served from) is lost before step 3 and
   rejoins before step 6, while STREAMS clients stream completions all along. Serving moves to
   pod 0 and back to pod 1, and no stream fails: at the loss and at the return the engine starts
-  again on the live weights. (Batch 1 waits until every client streams, batch 4 until serving
+  again on the live weights, with pieces built before the loss (every pod's at the start: the
+  failover compiles nothing). (Batch 1 waits until every client streams, batch 4 until serving
   is on pod 0 and every client streams again, so the rejoin meets streams in flight; batch 7
   until serving is back on pod 1, then the clients stop, so the run's end cuts nothing.)"""
   config = small_config(
@@ -347,7 +349,8 @@ def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path):
     for t in threads:
       t.start()
     try:
-      result = train.run(config, str(tmp_path), show_progress=False)
+      with caplog.at_level(logging.INFO, logger="pwtrain.serve"):
+        result = train.run(config, str(tmp_path), show_progress=False)
     finally:
       done.set()
       stop.set()
@@ -358,3 +361,9 @@ def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path):
   assert islands == [["island1"], ["island0"], ["island1"]], islands
   assert not failed, failed[:3]
   assert all(finished), finished
+  events = [m.split(" compiled")[0] if "compiled" in m else m for m in caplog.messages]
+  events = [m for m in events if m.startswith(("serving pieces", "serving from"))]
+  assert events[:3] == [
+    "serving pieces for islands island1", "serving pieces for islands island0",
+    "serving from islands island1",
+  ] and not any(m.startswith("serving pieces") for m in events[3:]), events  # fmt: skip
