@@ -105,7 +105,9 @@ class LocalDispatcher:
       scheduler.delete_made()
 
   def restore(self, island: str) -> None:
-    """`island` runs again (its devices are back)."""
+    """`island` runs again (its devices are back), with nothing published on it: what was is
+    gone with its loss, and a reader of it waits for the state copied there (NotPublished)."""
+    self._schedulers[island].published.clear()  # before its work can launch again
     self._schedulers[island].lost = None
     for device in self.cluster[island].devices:
       self._lost_devices.pop(device, None)

@@ -213,18 +213,18 @@ class Engine:
       return True
     if self._pieces is not None:  # a new layout: what is in flight belongs to the old one
       self._restart()
-    pieces = self._built.get(layout.key)
-    if pieces is None:
-      start = time.perf_counter()
-      pieces = pieces_lib.build(
-        self.controller, layout, max_batch=self.max_batch, max_len=self.max_len,
-        chunk=self.chunk, num_tokens=self.tokenizer.vocab_size,
-      )  # fmt: skip
-      self._built[layout.key] = pieces
-      log.info(
-        "serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
-        ",".join(layout.islands), time.perf_counter() - start, pieces.cache_bytes / 2**20,
-      )  # fmt: skip
+    for each in (layout, *self.source.spares()):  # spares built ahead: failover compiles nothing
+      if each.key not in self._built:
+        start = time.perf_counter()
+        self._built[each.key] = pieces = pieces_lib.build(
+          self.controller, each, max_batch=self.max_batch, max_len=self.max_len,
+          chunk=self.chunk, num_tokens=self.tokenizer.vocab_size,
+        )  # fmt: skip
+        log.info(
+          "serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
+          ",".join(each.islands), time.perf_counter() - start, pieces.cache_bytes / 2**20,
+        )  # fmt: skip
+    pieces = self._built[layout.key]
     try:
       probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
       fetch(probe, self.controller)

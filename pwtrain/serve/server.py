@@ -161,14 +161,16 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
   return Server(engine, source, app, sock)
 
 
-def device_bytes() -> int:
-  """The device memory of this process's live arrays (training state, weights, caches): each
-  buffer on each device once (a replicated array counts once per device holding it; an array
-  and the single-device views of its shards share their buffers)."""
+def device_bytes(arrays=None) -> int:
+  """The device memory of `arrays` (a tree of them; None: this process's live arrays, training
+  state, weights and caches): each buffer on each device once (a replicated array counts once
+  per device holding it; an array and the single-device views of its shards share their
+  buffers)."""
   import jax
 
   buffers = {}
-  for array in jax.live_arrays():
+  arrays = jax.live_arrays() if arrays is None else jax.tree.leaves(arrays)
+  for array in arrays:
     try:
       shards = [
         ((s.device.id, s.data.unsafe_buffer_pointer()), s.data.nbytes)

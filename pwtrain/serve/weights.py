@@ -117,8 +117,26 @@ class LiveWeights:
         break
     else:
       raise NoLivePod(f"every pod has a lost island: {sorted(lost)}")
+    return self._layout(plan, pod)
+
+  def spares(self) -> tuple[Layout, ...]:
+    """The layouts of the other pods whose islands are all live, in the current plan: the ones
+    serving may move to when the served pod is lost. The engine builds their pieces ahead, so
+    that a failover compiles nothing (a lost pod's work is hosted on the same plan)."""
+    plan = self._current().plan
+    lost = set(self.controller.lost)
+    served = self.layout().key
+    live = [
+      pod
+      for pod in range(plan.num_pods)
+      if not any(plan.cells[(pod, s)].name in lost for s in range(plan.num_stages))
+    ]
+    return tuple(x for x in (self._layout(plan, p) for p in live) if x.key != served)
+
+  def _layout(self, plan, pod: int) -> Layout:
     key = (id(plan), pod)
     if key not in self._layouts:
+      cells = [(pod, s) for s in range(plan.num_stages)]
       made = tuple(
         make_cell(self.config, _name(plan, c), plan.cells[c].name, plan.mesh(c), plan.stages[c[1]])
         for c in cells
@@ -160,6 +178,9 @@ class CheckpointWeights:
 
   def layout(self) -> Layout:
     return self._layout
+
+  def spares(self) -> tuple[Layout, ...]:
+    return ()  # one island
 
   def _publish(self) -> int:
     """Restores the latest readable checkpoint and publishes it; its step."""
