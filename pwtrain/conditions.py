@@ -118,6 +118,25 @@ RULES = (
     ("train.rollback_skip_batches", "train.max_rollbacks"), _at_least("train.rollback_after", 1)
   ),
   _rule(("train.compile_cache_max_bytes",), _is_not("train.compile_cache_dir", "off")),
+  _rule(
+    ("rl.temperature", "rl.top_k", "rl.top_p", "rl.clip_low", "rl.clip_high", "rl.kl_coef"),
+    _is("train.objective", "grpo"),
+  ),
+  _rule(
+    (
+      "rl.task",
+      "rl.prompts",
+      "rl.reward",
+      "rl.group_size",
+      "rl.max_tokens",
+      "rl.stop_at_eos",
+      "rl.normalize_std",
+      "rl.max_staleness",
+      "rl.init_from",
+    ),
+    _is("train.objective", "grpo"),
+  ),  # fmt: skip
+  _rule(("rl.prompt_field",), _all(_is("train.objective", "grpo"), _is("rl.task", ""))),
   # the optimizer and its schedule
   _rule(("optim.b2",), _is("optim.name", "adamw")),
   _rule(("optim.decay_rate",), _is("optim.name", "adafactor")),

@@ -132,6 +132,9 @@ def get_config():
   c.train.profile_steps = ()
   c.train.eval_every = 100  # evaluate on data.eval_split every N steps and at the end (0: never)
   c.train.eval_batches = 4  # batches of train.global_batch per evaluation
+  # What the step minimises (pwtrain/objectives.py): "lm" (next-token cross-entropy) or "grpo"
+  # (the policy gradient of sampled completions, docs/rl.md; batches from the RL loop).
+  c.train.objective = "lm"
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adafactor"  # "adafactor" (PaLM), "adamw" (cosine schedule) or "sgd"
@@ -215,6 +218,31 @@ def get_config():
   c.fault.min_pods = 1  # elastic: below this many live pods the loss stops the run
   c.fault.host_lost_pods = True  # elastic: survivors run lost pods' microbatches (else rebuild)
   c.fault.inject = ""  # elastic drills: "kill:pod1@step6,rejoin:pod1@step10"
+
+  # Reinforcement learning from sampled completions (train.objective="grpo", docs/rl.md).
+  c.rl = ml_collections.ConfigDict()
+  # The objective's (pwtrain/objectives.py): the distribution completions are sampled from, the
+  # same in the sampler and in the trainer's log-probabilities (top_k, top_p: 0 and 1 are off;
+  # a cut changes the behaviour policy), the ratio's clip range and the KL penalty to the
+  # initial parameters (k3; > 0 keeps a frozen copy of them in the train state).
+  c.rl.temperature = 1.0
+  c.rl.top_k = 0
+  c.rl.top_p = 1.0
+  c.rl.clip_low = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+  c.rl.clip_high = 0.2
+  c.rl.kl_coef = 0.0
+  # The loop's (pwtrain/rl/): where prompts come from, how they are scored and sampled.
+  c.rl.task = ""  # a built-in task ("shift": the toy of configs/grpo_toy.py); "": rl.prompts
+  c.rl.prompts = ""  # a JSONL file of prompts (rl.task="")
+  c.rl.prompt_field = "prompt"  # the field of each JSONL line that holds the prompt text
+  # "module:function" or a built-in ("exact_match", "last_number", "shift"); "": the task's
+  c.rl.reward = ""
+  c.rl.group_size = 8  # completions per prompt; train.global_batch / group_size prompts a step
+  c.rl.max_tokens = 16  # new tokens per completion at most
+  c.rl.stop_at_eos = True  # a completion ends at EOS (False: always rl.max_tokens tokens)
+  c.rl.normalize_std = True  # advantages divided by the group's std (False: Dr. GRPO)
+  c.rl.max_staleness = 0  # 0: step N's rollouts come from the weights after step N-1
+  c.rl.init_from = ""  # a run's workdir whose latest checkpoint's params the run starts from
 
   # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
   # and serve.enabled=True serves the training run's own parameters while it trains.

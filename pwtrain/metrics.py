@@ -97,6 +97,7 @@ class MetricsLogger:
     self.flops_per_token = flops_per_token
     self.peak = peak_flops_per_device * num_devices if peak_flops_per_device else None
     self._pending: list[tuple[int, object]] = []
+    self._host: dict[int, dict] = {}  # step -> its host metrics (`record`)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self._jsonl, self._tb, earlier = self._open_from(start_step)
@@ -139,9 +140,12 @@ class MetricsLogger:
     for k, x in values.items():
       self._tb.add_scalar(f"perf/{k}", x, step)
 
-  def record(self, step: int, metrics_future) -> None:
-    """`step` is the step number after the update (1-based)."""
+  def record(self, step: int, metrics_future, host: dict | None = None) -> None:
+    """`step` is the step number after the update (1-based); `host`: metrics of the step known
+    on the host (an RL step's rollouts: rl/rollouts.py), written into its row too."""
     self._pending.append((step, metrics_future))
+    if host:
+      self._host[step] = dict(host)
     if step % self.log_every == 0:
       self.flush()
 
@@ -158,6 +162,7 @@ class MetricsLogger:
     self._last_time, self._last_step = now, steps[-1]
     for step, v in zip(steps, values, strict=True):
       row = {"step": step, **{k: float(np.asarray(x)) for k, x in v.items()}}
+      row.update(self._host.pop(step, {}))
       self.history.append(row)
       self._jsonl.write(json.dumps(row) + "\n")
       for k, x in row.items():

@@ -44,6 +44,7 @@ LAYERS = (
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
   # steps over the live pods: a lost pod dropped, a returning one rejoined; serving over HTTP.
   ("dryrun", "elastic", "serve"),
+  ("rl",),  # the RL loop: prompts, rewards, rollouts from the live weights (serving's engine)
   ("train",),  # the training loop
   # entry points: training and the dry run; sampling; launcher; Hugging Face conversion
   ("main", "sample", "launch", "convert"),

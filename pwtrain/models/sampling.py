@@ -61,22 +61,24 @@ def next_token(logits, key, sampling: Sampling, num_tokens: int | None = None):
   return pick(logits, key, sampling.temperature, sampling.top_k, sampling.top_p, num_tokens)
 
 
-def pick(logits, keys, temperature, top_k, top_p, num_tokens: int | None = None):
-  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule, with `temperature`,
-  `top_k` and `top_p` each a Python number (every row's) or a [b] array (per row; validated by
-  the caller). `keys`: one key that all rows draw from, or [b] keys, one per row. A Python
-  number that turns a stage off leaves it out of the program (greedy alone is an argmax)."""
+def sampled_logits(logits, temperature, top_k, top_p, num_tokens: int | None = None):
+  """logits [..., vocab] -> the float32 logits of the distribution a draw uses (the module
+  docstring's rule for temperature > 0): divided by the temperature, the ids that top_k, top_p
+  and `num_tokens` cut set to float32's lowest, so that a softmax (or log-softmax) of them is the
+  distribution sampled. `temperature`, `top_k`, `top_p`: each a Python number (every row's) or
+  an array of the leading dims (per row); a temperature of 0 divides by 1. A Python number that
+  turns a cut off leaves it out of the program. The sampler's `pick` and the trainer's GRPO
+  log-probabilities (objectives.py) both use this function, so the two run the same code."""
   logits = logits.astype(jnp.float32)
-  num_rows, vocab = logits.shape
+  vocab = logits.shape[-1]
+  lead = logits.shape[:-1]
   neg_inf = jnp.finfo(jnp.float32).min
   if num_tokens is not None and num_tokens < vocab:
     logits = jnp.where(jnp.arange(vocab) < num_tokens, logits, neg_inf)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  if _static(temperature) and temperature == 0:
-    return greedy
-  per_row = lambda value, dtype: jnp.broadcast_to(jnp.asarray(value, dtype), (num_rows,))[:, None]
-  temperature = per_row(temperature, jnp.float32)
-  logits = logits / jnp.where(temperature > 0, temperature, 1.0)
+  per_row = lambda value, dtype: jnp.broadcast_to(jnp.asarray(value, dtype), lead)[..., None]
+  if not (_static(temperature) and temperature in (0, 1)):
+    t = per_row(temperature, jnp.float32)
+    logits = logits / jnp.where(t > 0, t, 1.0)
   if not (_static(top_k) and not 0 < top_k < vocab):
     k = per_row(top_k, jnp.int32)
     descending = -jnp.sort(-logits, axis=-1)
@@ -90,11 +92,31 @@ def pick(logits, keys, temperature, top_k, top_p, num_tokens: int | None = None)
     # The least probable id kept; the first (most probable) always is.
     cut = jnp.min(jnp.where(before < p, descending, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where((p < 1) & (logits < cut), neg_inf, logits)
+  return logits
+
+
+def pick(logits, keys, temperature, top_k, top_p, num_tokens: int | None = None):
+  """logits [b, vocab] -> [b] int32 ids by the module docstring's rule, with `temperature`,
+  `top_k` and `top_p` each a Python number (every row's) or a [b] array (per row; validated by
+  the caller). `keys`: one key that all rows draw from, or [b] keys, one per row. A Python
+  number that turns a stage off leaves it out of the program (greedy alone is an argmax). The
+  draw is from `sampled_logits`."""
+  logits = logits.astype(jnp.float32)
+  num_rows, vocab = logits.shape
+  if num_tokens is not None and num_tokens < vocab:
+    masked = jnp.where(jnp.arange(vocab) < num_tokens, logits, jnp.finfo(jnp.float32).min)
+  else:
+    masked = logits
+  greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+  if _static(temperature) and temperature == 0:
+    return greedy
+  logits = sampled_logits(logits, temperature, top_k, top_p, num_tokens)
   if keys.ndim:  # one key per row
     drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, logits)
   else:
     drawn = jax.random.categorical(keys, logits, axis=-1)
-  return jnp.where(temperature[:, 0] == 0, greedy, drawn.astype(jnp.int32))
+  temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (num_rows,))
+  return jnp.where(temperature == 0, greedy, drawn.astype(jnp.int32))
 
 
 def _static(value) -> bool:
