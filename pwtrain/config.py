@@ -6,7 +6,7 @@ import difflib
 import os
 import pathlib
 
-from pwtrain import conditions, defaults, optim
+from pwtrain import conditions, defaults, objectives, optim
 from pwtrain.backend import distributed
 from pwtrain.data.loader import check_streams
 from pwtrain.data.tokenizer import TOKENIZERS
@@ -180,6 +180,7 @@ def validate(config) -> None:
       "so it needs train.skip_nonfinite=True (or set train.rollback_after=0)"
     )
   validate_serve(config)
+  objectives.validate(config)
   conditions.check(config, defaults.get_config())  # no key set where nothing reads it
 
 
@@ -208,8 +209,7 @@ def validate_serve(config) -> None:
 
 
 def validate_scan(config) -> None:
-  """model.scan_layers: a bool; with MoE the scan's periods of moe.every layers must tile the
-  model; remote island workers cannot unstack a checkpoint's layers (models/scan.py)."""
+  """model.scan_layers: a bool whose periods (models/scan.py) tile the model; not remote."""
   scan = config.model.scan_layers
   if not isinstance(scan, bool):
     raise ConfigError(f"model.scan_layers={scan!r} must be True or False")

@@ -30,7 +30,7 @@ import jaxlib
 import numpy as np
 import optax
 
-from pwtrain import optim, processes
+from pwtrain import objectives, optim, processes
 from pwtrain import step as step_lib
 from pwtrain.backend import (
   Cluster,
@@ -243,6 +243,19 @@ class Harness:
     sp = self.step_program
     outs = [self.controller.run(sp.eval_program, {**state, **sp.feed(b)}) for b in batches]
     return [f for out in outs for f in out.values()]
+
+  def logprobs(self, state: dict, batch: dict, *, reference: bool = False) -> np.ndarray:
+    """[b, L] host log-probs of `batch`'s targets under the objective's distribution
+    (step.token_logprobs) with `state`'s params (or its `reference`'s), on the island."""
+    state = {k: v.result() if hasattr(v, "result") else v for k, v in state.items()}
+    params = self.step_program.to_checkpoint(state)["reference" if reference else "params"]
+    params = params if self.plan.single_island else jax.device_get(params)  # on one device
+    return np.asarray(self._logprobs(params, {k: batch[k] for k in ("inputs", "targets")}))
+
+  @functools.cached_property
+  def _logprobs(self):
+    fns = step_lib.model_fns(self.config.model, self.config.moe)
+    return jax.jit(step_lib.token_logprobs(fns, objectives.make(self.config)))
 
   def with_controller(self, controller: Controller) -> "Harness":
     """This compiled step dispatched by `controller` (e.g. one with a Trace), on the same

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from pwtrain import optim, processes
+from pwtrain import objectives, optim, processes
 from pwtrain import step as step_lib
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint
 from pwtrain.errors import ConfigError
@@ -54,7 +54,8 @@ def target(config, mesh):
   fns = step_lib.model_fns(config.model, config.moe)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   exchange = exchange_lib.make(config)  # what the run's state carries besides the optimizer
-  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange))
+  reference = objectives.holds_reference(config)  # the frozen reference policy (GRPO's KL)
+  whole = jax.eval_shape(lambda: train_state(fns, tx, config.seed, exchange, reference=reference))
   shardings = spmd.state_shardings(fns, mesh, whole)
   abstract = stages.unstack_state(spmd.with_shardings(whole, shardings))
   if exchange.per_pod_state:
@@ -120,3 +121,23 @@ def finished(config, workdir: str):
     directory, step, config.train.num_steps,
   )  # fmt: skip
   return step, state
+
+
+def state_from_params(config, step_program, params) -> dict:
+  """`step_program`'s state at step 0 for `config` with `params` (a whole-model params tree,
+  layers unrolled, host or device arrays: another run's, e.g. `latest(...)[1]["params"]`, or an
+  imported model's) in place of the seeded initialisation: a fresh optimizer state, the
+  exchange's entries, and with the objective's reference policy (GRPO with rl.kl_coef > 0) a
+  frozen copy of `params` as "reference". Made on one device, then laid out as the program's
+  state (its `abstract_state`'s shardings; every pod's copy with per-pod state)."""
+  fns = step_lib.model_fns(config.model, config.moe)
+  tx, _ = optim.build(config.optim, config.train.num_steps)
+  exchange = exchange_lib.make(config)
+  reference = objectives.holds_reference(config)
+  make = lambda p: train_state(fns, tx, config.seed, exchange, params=p, reference=reference)
+  whole = jax.jit(make)(jax.device_get(params))
+  abstract = step_program.abstract_state
+  if "pods" in abstract:
+    whole = {"pods": [whole] * len(abstract["pods"])}
+  whole = jax.device_put(whole, jax.tree.map(lambda a: a.sharding, abstract), may_alias=False)
+  return step_program.from_checkpoint(whole)

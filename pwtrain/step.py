@@ -1,8 +1,10 @@
 """The training step as pure functions: loss -> gradients -> (accumulate) -> update.
 
-State is a plain dict {"step", "params", "opt_state", "rng"} so that Orbax can save it and every
-parallel layout can shard it. Losses are carried as sums with their token counts until the very
-end, so that microbatches, data shards and pods combine exactly.
+State is a plain dict {"step", "params", "opt_state", "rng"} (plus "reference", the frozen
+reference policy's params, when the objective holds one) so that Orbax can save it and every
+parallel layout can shard it. What is minimised is the run's objective (objectives.py). Losses
+are carried as sums with their token counts until the very end, so that microbatches, data
+shards and pods combine exactly.
 """
 
 import dataclasses
@@ -13,12 +15,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from pwtrain import optim
+from pwtrain import objectives, optim
 from pwtrain.models import PaLM, lm_loss
 from pwtrain.models import moe as moe_lib
 from pwtrain.sharding import constrain
 
-STAT_KEYS = ("loss_sum", "ce_sum", "z_sum", "tokens")
+STAT_KEYS = objectives.LanguageModeling.stat_keys  # the LM objective's
 EVAL_KEYS = ("ce_sum", "z_sum", "tokens")  # what an evaluation sums (no MoE aux losses)
 
 
@@ -53,38 +55,73 @@ def model_fns(model_cfg, moe=None, **stage) -> ModelFns:
   return ModelFns(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes), model_cfg, moe)
 
 
-def init_state(fns: ModelFns, tx: optax.GradientTransformation, seed: int, params=None) -> dict:
-  """The state at step 0: `fns.init`'s parameters, or `params` given (an imported model's)."""
+def init_state(
+  fns: ModelFns,
+  tx: optax.GradientTransformation,
+  seed: int,
+  params=None,
+  *,
+  reference: bool = False,
+) -> dict:
+  """The state at step 0: `fns.init`'s parameters, or `params` given (an imported model's, or
+  another run's); with `reference` (objectives: `holds_reference`) also a frozen copy of them
+  as "reference", the policy a KL penalty measures against."""
   key = jax.random.key(seed)
   params_key, rng = jax.random.split(key)
   params = fns.init(params_key) if params is None else params
-  return {
+  state = {
     "step": jnp.zeros((), jnp.int32),
     "params": params,
     "opt_state": tx.init(params),
     "rng": jax.random.key_data(rng),
   }
+  if reference:
+    state["reference"] = jax.tree.map(jnp.copy, params)
+  return state
 
 
-def loss_and_grads(fns: ModelFns, *, z_loss: float) -> Callable:
-  """(params, batch) -> (grads of the summed loss, {"loss_sum", "ce_sum", "z_sum", "tokens"}).
+def loss_and_grads(fns: ModelFns, *, z_loss: float | None = None, objective=None) -> Callable:
+  """(params, batch[, reference]) -> (grads of the summed loss, stats).
 
-  An MoE model's summed loss adds its weighted aux losses, and its stats the MoE sums
-  (models/moe.py STAT_KEYS).
+  The loss and its stats are `objective`'s (objectives.py; default: the LM objective with
+  `z_loss`), plus "loss_sum"; `batch` holds its columns. `reference` (the reference policy's
+  params) gives the objective the reference's logits of the same inputs (no gradient). An MoE
+  model's summed loss adds its weighted aux losses, and its stats the MoE sums (models/moe.py
+  STAT_KEYS).
   """
+  objective = objective or objectives.LanguageModeling(z_loss)
 
-  def loss_fn(params, batch):
+  def loss_fn(params, batch, reference=None):
     inputs = batch["inputs"]
     rngs = moe_lib.jitter_rngs(fns.moe, inputs)
     logits, moe_stats = fns.module(params).forward(inputs, train=True, rngs=rngs)
-    total, stats = lm_loss(logits, batch["targets"], z_loss=z_loss)
+    ref_logits = None
+    if reference is not None:
+      ref_logits = fns.module(reference).forward(inputs, train=True, rngs=rngs)[0]
+      ref_logits = jax.lax.stop_gradient(ref_logits)
+    labels = {k: batch[k] for k in objective.label_columns}
+    total, stats = objective.loss(logits, labels, ref_logits)
     if moe_stats:
       total = total + moe_lib.weighted_aux(fns.moe, moe_stats)
     return total, {**stats, **moe_stats}
 
-  def fn(params, batch):
-    (total, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  def fn(params, batch, reference=None):
+    (total, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, reference)
     return grads, {"loss_sum": total, **stats}
+
+  fn.merge = lambda a, b: (jax.tree.map(jnp.add, a[0], b[0]), objective.merge(a[1], b[1]))
+  return fn
+
+
+def token_logprobs(fns: ModelFns, objective) -> Callable:
+  """(params, batch) -> [b, L] float32: each target's log-prob under `objective`'s distribution
+  (GRPO's: the sampled one, objectives.py), 0 where the target is negative, from the forward
+  pass the train step differentiates (train=True): what the trainer's ratio uses."""
+
+  def fn(params, batch):
+    rngs = moe_lib.jitter_rngs(fns.moe, batch["inputs"])
+    logits, _ = fns.module(params).forward(batch["inputs"], train=True, rngs=rngs)
+    return objective.logprobs(logits, batch["targets"])
 
   return fn
 
@@ -101,26 +138,28 @@ def eval_sums(fns: ModelFns, *, z_loss: float) -> Callable:
 
 
 def accumulate(grad_fn: Callable, num_microbatches: int) -> Callable:
-  """Wraps a summed-loss grad_fn (or any function of (params, batch) whose outputs are sums) to
-  run over microbatches in a scan, adding up the sums.
+  """Wraps a summed-loss grad_fn (or any function of (params, batch, *rest) whose outputs are
+  sums) to run over microbatches in a scan, combining the outputs by `grad_fn.merge` (as
+  loss_and_grads' merges its objective's stats: sums added, maxima maxed), else adding them.
+  Zeros start the scan, so a statistic combined by its maximum must be >= 0.
 
   Microbatch m takes rows m, m+M, m+2M, ... so each device keeps its own rows (no resharding).
   """
   if num_microbatches == 1:
     return grad_fn
+  merge = getattr(grad_fn, "merge", lambda a, b: jax.tree.map(jnp.add, a, b))
 
   def split(x):
     x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
     return constrain(jnp.swapaxes(x, 0, 1), (None, "batch", "length"))
 
-  def fn(params, batch):
+  def fn(params, batch, *rest):
     micro = jax.tree.map(split, batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first, *rest))
 
     def body(carry, mb):
-      out = grad_fn(params, mb)
-      return jax.tree.map(jnp.add, carry, out), None
+      return merge(carry, grad_fn(params, mb, *rest)), None
 
     total, _ = jax.lax.scan(body, zeros, micro)
     return total
@@ -153,13 +192,18 @@ def with_norms(metrics: dict, sums: list[dict]) -> dict:
   }
 
 
-def apply_update(tx: optax.GradientTransformation, schedule, clip_norm: float) -> Callable:
+def apply_update(
+  tx: optax.GradientTransformation, schedule, clip_norm: float, objective=None
+) -> Callable:
   """(state, summed grads, summed stats[, sumsq]) -> (new state, metrics).
 
   Normalises the summed gradients by the token count, clips them to global norm `clip_norm`
   and steps the optimizer. `sumsq` is the squared norm of the summed gradients of the whole
   model; it defaults to that of `grads`, and is passed in when `grads` is one stage's share.
+  The metrics are `objective`'s of the stats (default: the LM objective's), plus "grad_norm"
+  and "lr".
   """
+  objective = objective or objectives.LanguageModeling(0.0)
 
   def fn(state, grads, stats, sumsq=None):
     tokens = jnp.maximum(stats["tokens"], 1.0)
@@ -170,10 +214,7 @@ def apply_update(tx: optax.GradientTransformation, schedule, clip_norm: float) -
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {
-      "loss": stats["loss_sum"] / tokens,
-      "ce_loss": stats["ce_sum"] / tokens,
-      "z_loss": stats["z_sum"] / tokens,
-      "tokens": stats["tokens"],
+      **objective.metrics(stats),
       "grad_norm": grad_norm,
       "lr": schedule(state["step"]),
     }
@@ -187,7 +228,8 @@ def train_step(grad_fn: Callable, update_fn: Callable) -> Callable:
   """(state, batch) -> (new state, metrics): gradients, the update, and its norms."""
 
   def step(state, batch):
-    grads, stats = grad_fn(state["params"], batch)
+    reference = (state["reference"],) if "reference" in state else ()
+    grads, stats = grad_fn(state["params"], batch, *reference)
     new_state, metrics = update_fn(state, grads, stats)
     return new_state, with_norms(metrics, [norm_sums(state["params"], new_state["params"])])
 

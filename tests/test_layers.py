@@ -34,6 +34,7 @@ LAYERS = (
   ("checkpoint",),  # the checkpoint store: Orbax saves, parts, integrity (remote workers use it)
   # The model, the runtime and the data: independent of each other.
   ("models", "backend", "data"),
+  ("objectives",),  # what the step minimises: a loss of the logits and its statistics
   ("step",),  # the train step as pure functions of a model
   ("parallel",),  # the plan, exchange strategies, step programs over islands
   ("config",),  # validation and loading (reads the exchange modes)

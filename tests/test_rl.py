@@ -2,7 +2,6 @@
 group advantages and the batch; rollouts sampled from the live weights by the serving engine,
 whose log-probs equal the trainer's recomputation; an RL run's one-line errors."""
 
-import importlib.util
 import json
 import math
 
@@ -27,11 +26,6 @@ SMALL = {
   "train.log_every": 1,
   "train.checkpoint_every": 2,
 }
-
-NEEDS_GRPO = pytest.mark.skipif(
-  importlib.util.find_spec("pwtrain.objectives") is None,
-  reason="the GRPO step (rl-core) not merged",
-)
 
 
 def toy_config(**overrides):
@@ -290,10 +284,6 @@ def boom_on_third_step(prompt, completion, step=0, **fields):
   return float(len(completion) % 2)
 
 
-@pytest.mark.skipif(
-  importlib.util.find_spec("pwtrain.objectives") is None,
-  reason="the GRPO step (rl-core) not merged",
-)
 def test_a_reward_that_fails_mid_run_stops_it_in_one_line_keeping_the_checkpoint(tmp_path):
   """Steps 1-2 train and checkpoint; the reward raises on the rows of step 3: one line naming
   the function and the row, and the checkpoint of step 2 is the latest, intact."""
@@ -322,7 +312,6 @@ SAME = ("loss", "pg_loss", "reward_mean", "reward_std", "zero_variance_groups", 
         "weights_step", "weights_step_behind", "logprob_mismatch_max", "tokens")  # fmt: skip
 
 
-@NEEDS_GRPO
 def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(tmp_path):
   """4 steps straight against 2 steps, then a second start that resumes from the checkpoint of
   step 2 and runs 2 more: the same rollouts, rewards, losses and parameters, bitwise; every

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from pwtrain import config as config_lib
-from pwtrain import defaults, optim, restore
+from pwtrain import defaults, objectives, optim, restore
 from pwtrain import step as step_lib
 from pwtrain import workdir as workdir_lib
 from pwtrain.checkpoint import Checkpointer
@@ -199,7 +199,8 @@ def _write_checkpoint(config, workdir: str, reader, entries, abstract) -> None:
   del shardings["params"]
 
   def rest(params):  # everything but the parameters, which stay the arrays read (no copy)
-    state = train_state(fns, tx, config.seed, exchange, params=params)
+    reference = objectives.holds_reference(config)  # a copy of the imported params
+    state = train_state(fns, tx, config.seed, exchange, params=params, reference=reference)
     return {k: v for k, v in state.items() if k != "params"}
 
   state = {**jax.jit(rest, out_shardings=shardings)(params), "params": params}

@@ -5,7 +5,7 @@ the abstract whole-model train state."""
 import dataclasses
 import math
 
-from pwtrain import optim
+from pwtrain import objectives, optim
 from pwtrain import step as step_lib
 from pwtrain.dryrun import shapes
 from pwtrain.dryrun.hardware import Hardware, hardware
@@ -62,7 +62,8 @@ def setup(config) -> Setup:
   plan = shapes.build_plan(config)
   tx, _ = optim.build(config.optim, config.train.num_steps)
   fns = shapes.model_fns(config.model, config.moe)
-  whole = shapes.abstract_state(fns, tx, config.seed, plan.exchange)
+  reference = objectives.holds_reference(config)
+  whole = shapes.abstract_state(fns, tx, config.seed, plan.exchange, reference)
   return Setup(config, hardware(config), plan, fns, whole)
 
 

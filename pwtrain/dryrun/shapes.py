@@ -58,10 +58,11 @@ def model_fns(model_cfg, moe=None) -> step_lib.ModelFns:
   )
 
 
-def abstract_state(fns, tx, seed: int, exchange: Exchange) -> dict:
-  """The whole-model train state as ShapeDtypeStructs: step, params, opt_state, rng, and the
-  entries `exchange` adds (stale gradients, DiLoCo's anchor, error-feedback residuals)."""
-  return jax.eval_shape(lambda: train_state(fns, tx, seed, exchange))
+def abstract_state(fns, tx, seed: int, exchange: Exchange, reference: bool = False) -> dict:
+  """The whole-model train state as ShapeDtypeStructs: step, params, opt_state, rng, the
+  entries `exchange` adds (stale gradients, DiLoCo's anchor, error-feedback residuals), and with
+  `reference` the reference policy's params (objectives.holds_reference)."""
+  return jax.eval_shape(lambda: train_state(fns, tx, seed, exchange, reference=reference))
 
 
 def shard_bytes(leaf, sharding, mesh_shape: dict[str, int]) -> int:

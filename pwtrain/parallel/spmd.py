@@ -11,10 +11,9 @@ import functools
 from collections.abc import Callable
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pwtrain import guard
+from pwtrain import guard, objectives
 from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
@@ -36,6 +35,7 @@ class SpmdProgram:
   period: int = 0  # scanned layers: layers per stacked period (models/scan.py); 0: unrolled
   state_keys: tuple = ("state",)
   exchange_bytes: int = 0  # bytes sent across pods per step (one island: none)
+  columns: tuple = ("inputs", "targets")  # the batch's columns (the objective's)
 
   def program_for(self, step: int) -> Program:
     del step
@@ -46,7 +46,7 @@ class SpmdProgram:
     return self.build_eval()
 
   def feed(self, batch: dict) -> dict:
-    return {"batch": batch}
+    return {"batch": {k: batch[k] for k in self.columns}}
 
   def feed_rows(self, num_rows: int) -> dict[str, range]:
     return {"batch": range(num_rows)}
@@ -97,7 +97,8 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
   island = plan.cells[(0, 0)]
   mesh = plan.mesh((0, 0))
   fns = step_lib.model_fns(config.model, config.moe)
-  init_fn = lambda: step_lib.init_state(fns, tx, config.seed)
+  objective = objectives.make(config)
+  init_fn = lambda: step_lib.init_state(fns, tx, config.seed, reference=objective.holds_reference)
   abstract = jax.eval_shape(init_fn)
   shardings = state_shardings(fns, mesh, abstract)
   abstract_state = with_shardings(abstract, shardings)
@@ -105,14 +106,15 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
   batch_sharding = sharding_lib.named_sharding(mesh, ("batch", "length"))
   batch_shape = (config.train.global_batch, config.data.seq_len)
   abstract_batch = {
-    k: jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding)
-    for k in ("inputs", "targets")
+    k: jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_sharding)
+    for k, dtype in objective.columns.items()
   }
+  eval_batch = {k: abstract_batch[k] for k in ("inputs", "targets")}
   grad_fn = step_lib.accumulate(
-    step_lib.loss_and_grads(fns, z_loss=config.model.z_loss), config.train.num_microbatches
+    step_lib.loss_and_grads(fns, objective=objective), config.train.num_microbatches
   )
   update_fn = guard.wrap_update(
-    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm, objective), config.train
   )
   if moe_lib.enabled(config.moe):
     update_fn = moe_lib.with_metrics(config.moe, update_fn)
@@ -156,7 +158,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
       "eval_step",
       lambda state, batch: sums(state["params"], batch),
       island.name,
-      (abstract_state, abstract_batch),
+      (abstract_state, eval_batch),
       mesh=mesh,
       out_shardings=replicated,
     )
@@ -171,5 +173,12 @@ def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
 
   period = scan_lib.period(config.model, config.moe) if config.model.scan_layers else 0
   return SpmdProgram(
-    program, unstack_state(abstract_state), init, executables, build_eval, shardings, period
+    program,
+    unstack_state(abstract_state),
+    init,
+    executables,
+    build_eval,
+    shardings,
+    period,
+    columns=tuple(objective.columns),
   )

@@ -1,40 +1,39 @@
 """rl.init_from: an RL run that has no checkpoint of its own starts from the parameters of
 another run's latest checkpoint (a pretraining run, or a Hugging Face model imported with
-`python -m pwtrain.convert`, whose workdir holds one), read as `pwtrain.sample` reads it
-(restore.latest: written by any layout, onto one mesh) and placed as this run's step program
-lays its parameters out. Everything else (optimizer state, step 0, the reference policy of
-rl.kl_coef > 0, which is the parameters the run starts from) is this run's own initial state;
-from its first checkpoint on, the run resumes from its own checkpoints like any other.
+`python -m pwtrain.convert`, whose workdir holds one and its config.json).
+
+The checkpoint is read as `pwtrain.sample` reads it, with the config that run saved (its
+<workdir>/config.json, so its optimizer state may differ from this run's; without one, this
+run's config), onto one mesh whatever layout wrote it (restore.latest), and its model must be
+this run's. Its params become this run's step-0 state (restore.state_from_params): a fresh
+optimizer state, and with rl.kl_coef > 0 the reference policy is these params. From its first
+checkpoint on, the run resumes from its own checkpoints like any other.
 """
 
 import logging
 
-import jax
-
-from pwtrain import restore
+from pwtrain import inference, restore, workdir
+from pwtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REFERENCE = "reference"  # the train state's frozen reference parameters (objectives.py)
-
 
 def initial_state(config, step_program) -> dict:
-  """`step_program`'s initial state, with the params (and the reference) of rl.init_from's
-  latest checkpoint in an RL run that sets it; a ConfigError naming the fix if there is none or
-  it is another model's."""
-  workdir = config.rl.init_from
-  if config.train.objective != "grpo" or not workdir:
+  """`step_program`'s initial state: with rl.init_from in an RL run, the params of that run's
+  latest checkpoint (module doc); else `step_program.init()`."""
+  source = config.rl.init_from
+  if config.train.objective != "grpo" or not source:
     return step_program.init()
-  step, other = restore.latest(config, workdir, restore.reading_mesh(config))
-  if "pods" in other:
-    other = other["pods"][0]
-  whole = step_program.to_checkpoint(step_program.init())
-  pods = whole["pods"] if "pods" in whole else [whole]
-  for state in pods:
-    for key in ("params", REFERENCE):
-      if key in state:
-        state[key] = jax.tree.map(
-          lambda new, old: jax.device_put(new, old.sharding), other["params"], state[key]
-        )
-  log.info("rl.init_from: starting from the params of step %d of %s", step, workdir)
-  return step_program.from_checkpoint(whole)
+  _, saved = workdir.saved_config(source)
+  theirs = inference.load_config(None, source) if saved is not None else config
+  if saved is not None and dict(saved["model"]) != config.model.to_dict():
+    changed = sorted(k for k in saved["model"] if saved["model"][k] != config.model.get(k))
+    raise ConfigError(
+      f"rl.init_from={source!r} was trained with another model (model.{', model.'.join(changed)} "
+      "differ); set this config's model.* to that run's"
+    )
+  step, state = restore.latest(theirs, source, restore.reading_mesh(theirs))
+  if "pods" in state:
+    state = state["pods"][0]
+  log.info("rl.init_from: starting from the params of step %d of %s", step, source)
+  return restore.state_from_params(config, step_program, state["params"])

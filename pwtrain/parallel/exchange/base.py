@@ -17,7 +17,7 @@ pipeline/pieces.py (`CellPieces`).
 
 import jax.numpy as jnp
 
-from pwtrain.parallel.exchange import compression as codec
+from pwtrain import objectives
 
 MODES: dict[str, type] = {}  # exchange.mode -> its class, filled as the mode modules load
 
@@ -38,6 +38,7 @@ class Exchange:
     self.cfg = config.exchange
     self.num_pods = config.parallel.pods
     self.compression = "none" if self.num_pods == 1 else self.cfg.compression
+    self.objective = objectives.make(config)  # how the pods' statistics merge
 
   @classmethod
   def validate(cls, cfg) -> None:
@@ -66,9 +67,10 @@ class Exchange:
 
   def update(self, update, pod: int, state, grads, stats: list, sumsq, **extras):
     """One cell's optimizer step: `stats` are every pod's loss statistics (in pod order),
-    `sumsq` the squared gradient norm of the whole model, `extras` the mode's apply inputs."""
+    `sumsq` the squared gradient norm of the whole model, `extras` the mode's apply inputs.
+    The pods' statistics are merged in pod order by the run's objective (objectives.py)."""
     del pod, extras
-    new_state, metrics = update(state, grads, codec.tree_sum(stats), sumsq)
+    new_state, metrics = update(state, grads, self.objective.merge_all(stats), sumsq)
     if self.num_pods > 1:
       for q, st in enumerate(stats):
         metrics[f"pod{q}_loss"] = st["loss_sum"] / jnp.maximum(st["tokens"], 1.0)

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 
 from pwtrain.models import moe as moe_lib
 from pwtrain.parallel.exchange.sync import Sync
-from pwtrain.step import STAT_KEYS
 
 
 class Stale(Sync):
@@ -25,8 +24,7 @@ class Stale(Sync):
     """Last step's summed gradients, stats and squared norm (nothing yet: tokens = 0)."""
     pending = {
       "grads": jax.tree.map(jnp.zeros_like, params),
-      "stats": {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS}
-      | moe_lib.zero_stats(self.num_experts),
+      "stats": self.objective.zero_stats() | moe_lib.zero_stats(self.num_experts),
       "sumsq": jnp.zeros((), jnp.float32),
     }
     return {**super().init_state(params), "pending": pending}

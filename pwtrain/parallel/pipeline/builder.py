@@ -6,7 +6,7 @@ wiring.py, and the PipelineProgram (state.py) around it.
 import jax
 import jax.numpy as jnp
 
-from pwtrain import guard
+from pwtrain import guard, objectives
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program
 from pwtrain.models import family
@@ -25,10 +25,12 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
   assert not plan.single_island, "one stage on one island is spmd.build's job"
   exchange, stages = plan.exchange, list(plan.stages)
   whole_fns = step_lib.model_fns(config.model, config.moe)
-  whole_init = lambda: train_state(whole_fns, tx, config.seed, exchange)
+  objective = objectives.make(config)
+  reference = objective.holds_reference
+  whole_init = lambda: train_state(whole_fns, tx, config.seed, exchange, reference=reference)
   whole = jax.eval_shape(whole_init)
   update = guard.wrap_update(
-    step_lib.apply_update(tx, schedule, config.optim.clip_norm), config.train
+    step_lib.apply_update(tx, schedule, config.optim.clip_norm, objective), config.train
   )
   # MoE: each stage adds its weighted aux losses to what it differentiates, and passes the
   # running MoE stats forward with its activations, so the last stage's stats cover all stages.
@@ -101,6 +103,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     exchange=exchange,
     exchange_bytes=exchange.bytes_per_step(stage_grads),
     period=scan_lib.period(config.model, config.moe) if config.model.scan_layers else 0,
+    columns=tuple(objective.columns),
   )
 
 
@@ -113,7 +116,7 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
 
   def zeros_fn(state):  # the step's running gradient sums and loss statistics
     zero_grads = jax.tree.map(jnp.zeros_like, state["params"])
-    return zero_grads, pieces_lib.zero_stats(config.moe.num_experts)
+    return zero_grads, pieces_lib.zero_stats(cell.objective, config.moe.num_experts)
 
   cell.compile(
     "zeros",
@@ -122,7 +125,7 @@ def _compile_cell(cell, whole_init, update, exchange, moe, config, num_pods: int
     out_shardings=(cell.grads_sharding, cell.sharding_of(cell.stats_abs)),
   )
   split = splits_backward(config.parallel.schedule, stage)
-  compute.compile_stage(cell, moe, config.model.z_loss, config.parallel.stage_remat, split)
+  compute.compile_stage(cell, moe, config.parallel.stage_remat, split)
   exchange.compile_cell(cell)
 
   # A tied output layer's embedding, used on the first and the last stage.

@@ -13,7 +13,9 @@ Per cell and microbatch m (node names are "<p>:<kind><s>[.<m>]"):
                applies the VJP to them with no recomputation: a stage holds its residuals per
                microbatch in flight, and does the single device's work
        The chunks of exchange.mode="overlapped" are stages too.
-  FB   on the last stage: forward, loss and backward in one piece
+  FB   on the last stage: forward, the objective's loss (objectives.py) of the microbatch's
+       label columns, and backward in one piece; with a reference policy in the state (only a
+       one-stage pod's, objectives.validate) also the reference's forward, for the KL
   W    parallel.schedule="zero_bubble", on every stage after the first: the parameters'
        gradient, added into the running sums, split off the stage's B (or FB), which then
        returns the input's gradient (and FB the loss statistics). W never recomputes the
@@ -81,7 +83,7 @@ def f_outputs(moe, stage_remat: str) -> tuple[str, ...]:
   )
 
 
-def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split: bool) -> None:
+def compile_stage(cell: CellPieces, moe, stage_remat: str, split: bool) -> None:
   """A stage's F and B pieces, or its FB on the last stage, and with `split` (zero_bubble's
   stages after the first) its W.
 
@@ -113,17 +115,17 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
 
   if stage.last:
     if split:
-      _compile_split_fb(cell, forward, moe, z_loss)
+      _compile_split_fb(cell, forward, moe)
       return
 
-    def fb_fn(state, x, targets, grads, stats, moe_in=None):
-      loss_fn = _loss_fn(forward, moe, targets, z_loss)
+    def fb_fn(state, x, labels, grads, stats, moe_in=None):
+      loss_fn = _loss_fn(cell, forward, moe, labels, _reference_logits(forward, state, x))
       (total, (lm, own)), g = jax.value_and_grad(loss_fn, argnums, has_aux=True)(state["params"], x)
       if moe_in is not None:  # earlier stages' aux losses were differentiated there
         own = moe_lib.add_stats(moe_in, own)
         total = total + moe_lib.weighted_aux(moe, moe_in)
       grads = jax.tree.map(jnp.add, grads, g[0])
-      stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **lm, **own})
+      stats = cell.objective.merge(stats, {"loss_sum": total, **lm, **own})
       return (grads, stats) if stage.first else (grads, stats, g[1])
 
     cell.compile(
@@ -132,7 +134,7 @@ def compile_stage(cell: CellPieces, moe, z_loss: float, stage_remat: str, split:
       {
         "state": cell.state_abs,
         "x": cell.x_abs,
-        "targets": cell.tokens_abs,
+        "labels": cell.labels_abs,
         "grads": cell.grads_abs,
         "stats": cell.stats_abs,
         **moe_in,
@@ -235,13 +237,23 @@ def _compile_split_b(cell, inputs, keep, vjp_of, cotangent_of):
   _compile_w(cell, g_params, {**inputs, "grads": cell.grads_abs})
 
 
-def _loss_fn(forward, moe, targets, z_loss: float):
-  """The last stage's objective of (params, x): its LM loss plus its MoE aux losses, with
-  (the LM statistics, its own MoE stats) as aux."""
+def _reference_logits(forward, state, x):
+  """The reference policy's logits of the microbatch (no gradient), where the cell's state
+  holds the reference (a one-stage pod's whole model: objectives.validate), else None."""
+  if "reference" not in state:
+    return None
+  return jax.lax.stop_gradient(forward(state["reference"], x)[0])
+
+
+def _loss_fn(cell, forward, moe, labels: list, reference_logits=None):
+  """The last stage's objective of (params, x): the run's objective's loss (cell.objective) of
+  the microbatch's `labels` (the label columns, in objective.label_columns order) plus its MoE
+  aux losses, with (the objective's statistics, its own MoE stats) as aux."""
+  named = dict(zip(cell.objective.label_columns, labels, strict=True))
 
   def loss_fn(params, x):
     out, own = forward(params, x)
-    total, lm = lm_loss(out, targets, z_loss=z_loss)
+    total, lm = cell.objective.loss(out, named, reference_logits)
     if moe is not None:
       total = total + moe_lib.weighted_aux(moe, own)
     return total, (lm, own)
@@ -259,26 +271,27 @@ def _compile_w(cell: CellPieces, g_params, inputs: dict) -> None:
   cell.compile("W", w_fn, inputs, out_shardings=cell.grads_sharding, donate=("grads",))
 
 
-def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float) -> None:
+def _compile_split_fb(cell: CellPieces, forward, moe) -> None:
   """zero_bubble's last stage: FB (forward, loss, the input's gradient, the statistics and its
   VJP's residuals, for W) and W (the parameters' gradient from them, with no recomputation,
   whatever `parallel.stage_remat`)."""
   residuals = Residuals()
   moe_in = {} if moe is None else {"moe_in": cell.moe_abs}
 
-  def vjp_of(state, x, targets):
-    return jax.vjp(_loss_fn(forward, moe, targets, z_loss), state["params"], x, has_aux=True)
+  def vjp_of(state, x, labels):
+    loss_fn = _loss_fn(cell, forward, moe, labels, _reference_logits(forward, state, x))
+    return jax.vjp(loss_fn, state["params"], x, has_aux=True)
 
-  def fb_fn(state, x, targets, stats, moe_in=None):
-    total, vjp, (lm, own) = vjp_of(state, x, targets)
+  def fb_fn(state, x, labels, stats, moe_in=None):
+    total, vjp, (lm, own) = vjp_of(state, x, labels)
     _, g_in = vjp(jnp.ones((), total.dtype))  # XLA drops the parameters' gradient
     if moe_in is not None:  # earlier stages' aux losses were differentiated there
       own = moe_lib.add_stats(moe_in, own)
       total = total + moe_lib.weighted_aux(moe, moe_in)
-    stats = jax.tree.map(jnp.add, stats, {"loss_sum": total, **lm, **own})
+    stats = cell.objective.merge(stats, {"loss_sum": total, **lm, **own})
     return stats, g_in, residuals.save(vjp, (state["params"], x))
 
-  inputs = {"state": cell.state_abs, "x": cell.x_abs, "targets": cell.tokens_abs}
+  inputs = {"state": cell.state_abs, "x": cell.x_abs, "labels": cell.labels_abs}
   fb = cell.compile(
     "FB",
     fb_fn,
@@ -288,8 +301,8 @@ def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float) -> None:
     outputs=("stats", "g_in", "saved"),
   )
 
-  def g_params(state, x, targets, saved):
-    del targets  # in the residuals
+  def g_params(state, x, labels, saved):
+    del labels  # in the residuals
     return residuals.vjp(saved, (state["params"], x))(jnp.ones((), jnp.float32))[0]
 
   inputs["saved"] = fb.out_abstract[fb.output("saved")]
@@ -297,7 +310,8 @@ def _compile_split_fb(cell: CellPieces, forward, moe, z_loss: float) -> None:
 
 
 def compile_eval(cell: CellPieces, z_loss: float) -> None:
-  """The cell's EF piece, or its EL on the last stage (see the module docstring)."""
+  """The cell's EF piece, or its EL on the last stage (see the module docstring): the LM loss
+  of "targets", whatever the run's objective."""
 
   def forward(state, x):
     return cell.fns.module(state["params"]).forward(x, train=False)[0]

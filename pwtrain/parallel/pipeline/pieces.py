@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pwtrain import objectives
 from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Executable
@@ -119,6 +120,8 @@ class CellPieces:
   shardings: dict  # the state's shardings
   stats_abs: dict  # the loss statistics (and MoE stats) carried through the step
   tokens_abs: Any
+  labels_abs: list  # a microbatch's label columns (objective.label_columns, in that order)
+  objective: Any  # the run's objective (objectives.py)
   act_abs: Any
   controller: Controller
   pieces: dict  # (kind, pod, stage) -> Piece, shared by every cell
@@ -157,14 +160,17 @@ class CellPieces:
 
 
 def cell_pieces(config, *, mesh, **fields) -> "CellPieces":
-  """A CellPieces of `fields` (its other fields, by name) with the step's abstract
-  activations, tokens and statistics on `mesh`."""
+  """A CellPieces of `fields` (its other fields, by name) with the run's objective and the
+  step's abstract activations, tokens, labels and statistics on `mesh`."""
   replicated = NamedSharding(mesh, PartitionSpec())
   mb = config.train.global_batch // config.parallel.pods // config.train.num_microbatches
   seq = config.data.seq_len
-  tokens = jax.ShapeDtypeStruct(
-    (mb, seq), np.int32, sharding=sharding_lib.named_sharding(mesh, TOKENS)
+  objective = objectives.make(config)
+  column = lambda dtype: jax.ShapeDtypeStruct(
+    (mb, seq), dtype, sharding=sharding_lib.named_sharding(mesh, TOKENS)
   )
+  tokens = column(np.int32)
+  labels = [column(objective.columns[k]) for k in objective.label_columns]
   act = jax.ShapeDtypeStruct(
     (mb, seq, config.model.d_model),
     jnp.dtype(config.model.dtype),
@@ -172,14 +178,19 @@ def cell_pieces(config, *, mesh, **fields) -> "CellPieces":
   )
   stats = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-    jax.eval_shape(lambda: zero_stats(config.moe.num_experts)),
+    jax.eval_shape(lambda: zero_stats(objective, config.moe.num_experts)),
   )
-  return CellPieces(mesh=mesh, stats_abs=stats, tokens_abs=tokens, act_abs=act, **fields)
+  return CellPieces(
+    mesh=mesh,
+    stats_abs=stats,
+    tokens_abs=tokens,
+    labels_abs=labels,
+    objective=objective,
+    act_abs=act,
+    **fields,
+  )
 
 
-def zero_stats(num_experts: int) -> dict:
-  """The running loss statistics of a step (and MoE stats), all zero."""
-  return {
-    **{k: jnp.zeros((), jnp.float32) for k in step_lib.STAT_KEYS},
-    **moe_lib.zero_stats(num_experts),
-  }
+def zero_stats(objective, num_experts: int) -> dict:
+  """The running loss statistics of a step (the objective's, and MoE stats), all zero."""
+  return {**objective.zero_stats(), **moe_lib.zero_stats(num_experts)}

@@ -42,6 +42,7 @@ class PipelineProgram:
   exchange_bytes: int  # bytes each pod sends to the other pods per (outer) step
   period: int = 0  # scanned layers: layers per stacked period (models/scan.py); 0: unrolled
   hosts: dict = dataclasses.field(default_factory=dict)  # {pod: host per microbatch} (hosted)
+  columns: tuple = ("inputs", "targets")  # the batch's columns (the objective's)
 
   @property
   def program(self) -> Program:
@@ -90,20 +91,24 @@ class PipelineProgram:
     """Host batch -> per-pod, per-microbatch inputs.
 
     Pod p takes the p-th contiguous slice of the global batch; within it rows m, m+M, ... form
-    microbatch m (as gradient accumulation does).
+    microbatch m (as gradient accumulation does). Column "inputs" goes in as "tokens/<p>.<m>",
+    every other column c (the objective's labels) as "c/<p>.<m>".
     """
     out = {}
     for key, rows in self.feed_rows(len(batch["inputs"])).items():
-      column = batch["inputs" if key.startswith("tokens/") else "targets"]
+      name = key.split("/")[0]
+      column = batch["inputs" if name == "tokens" else name]
       out[key] = column[rows.start : rows.stop : rows.step]
     return out
 
   def feed_rows(self, num_rows: int) -> dict[str, range]:
     out = {}
+    names = ["tokens" if c == "inputs" else c for c in self.columns]
     for p in range(self.num_pods):
       pod = range(p * num_rows // self.num_pods, (p + 1) * num_rows // self.num_pods)
       for m in range(self.num_micro):
-        out[f"tokens/{p}.{m}"] = out[f"targets/{p}.{m}"] = pod[m :: self.num_micro]
+        for name in names:
+          out[f"{name}/{p}.{m}"] = pod[m :: self.num_micro]
     return out
 
   def pod_whole(self, state: dict, p: int) -> dict:
@@ -142,8 +147,11 @@ def whole_abstract(cell_abstract: dict, stages: list, num_pods: int, per_pod: bo
   return pod(0)
 
 
-def train_state(fns, tx, seed: int, exchange: Exchange, params=None) -> dict:
+def train_state(
+  fns, tx, seed: int, exchange: Exchange, params=None, *, reference: bool = False
+) -> dict:
   """The whole-model train state, with what the exchange carries (stale gradients, DiLoCo's
-  anchor, error-feedback residuals); `params` given, those (step_lib.init_state)."""
-  state = step_lib.init_state(fns, tx, seed, params)
+  anchor, error-feedback residuals); `params` given, those; `reference`: with the reference
+  policy (step_lib.init_state)."""
+  state = step_lib.init_state(fns, tx, seed, params, reference=reference)
   return {**state, **exchange.init_state(state["params"])}

@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 
+from pwtrain import objectives
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend import Node, Program, Transfer
 from pwtrain.models import family
@@ -53,6 +54,7 @@ class ProgramBuilder:
     self.num_micro = config.train.num_microbatches
     self.schedule = config.parallel.schedule
     self.has_moe = moe_lib.enabled(config.moe)
+    self.label_columns = objectives.make(config).label_columns
     self.tied_output = family.of(config.model).tied  # the embedding is the output layer too
     self.virtual = plan.virtual_stages
     # One node list per cell, merged by `interleave`; interleaved, one per island (its chunks'
@@ -273,13 +275,16 @@ class ProgramBuilder:
     if kind == "F":
       self.node(cell, "F", f".{m}", state=state, x=x, **moe_in)
       return
-    y = self.move(cell, f"{pre}tgt{m}", f"targets/{p}.{m}", tokens)
+    y = [  # the objective's label columns
+      self.move(cell, f"{pre}{'tgt' if c == 'targets' else c}{m}", f"{c}/{p}.{m}", tokens)
+      for c in self.label_columns
+    ]
     fb = self.piece(cell, "FB")
     if split:  # FB: the loss and the input's gradient; W the parameters' gradient later
-      name = self.node(cell, "FB", f".{m}", state=state, x=x, targets=y, stats=run.stats, **moe_in)
-      run.micro[m] = {"x": x, "targets": y, "saved": (name, fb.output("saved"))}
+      name = self.node(cell, "FB", f".{m}", state=state, x=x, labels=y, stats=run.stats, **moe_in)
+      run.micro[m] = {"x": x, "labels": y, "saved": (name, fb.output("saved"))}
     else:
-      refs = {"x": x, "targets": y, "grads": run.grads, "stats": run.stats, **moe_in}
+      refs = {"x": x, "labels": y, "grads": run.grads, "stats": run.stats, **moe_in}
       name = self.node(cell, "FB", f".{m}", state=state, **refs)
       run.grads = (name, fb.output("grads"))
     run.stats = (name, fb.output("stats"))
