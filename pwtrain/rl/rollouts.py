@@ -20,9 +20,11 @@ a resumed run samples what the uninterrupted one samples.
 Host metrics of a step: reward_mean, reward_std (over every completion), zero_variance_groups
 (the share of groups whose rewards are all equal), response_length (mean completion tokens),
 rollout_tokens_per_s (completion tokens / generation_s), generation_s (from the request to the
-last token), reward_s (the reward function over the batch), train_s (the wait, before the
-rollouts, for the islands to finish what was dispatched: the previous step's training),
-weights_step and weights_step_behind.
+last token), first_token_s (from the request, made once the previous step has finished, to the
+first token: the time from an update to the first rollout token that uses it, nothing copied),
+reward_s (the reward function over the batch), train_s (the wait, before the rollouts, for the
+islands to finish what was dispatched: the previous step's training), weights_step and
+weights_step_behind.
 """
 
 import threading
@@ -85,7 +87,7 @@ class RolloutBatches:
     self.controller.wait()  # the previous step's training (train_s)
     generating = time.perf_counter()
     taken = self.prompts.take(self.num_prompts)
-    groups = self._generate(taken)
+    groups, first_token = self._generate(taken)
     generated = time.perf_counter()
     pairs = zip(taken, groups, strict=True)
     rewards = np.asarray([[self._score(i, row, c) for c in group] for (i, row), group in pairs])
@@ -105,6 +107,7 @@ class RolloutBatches:
       "response_length": float(np.mean(lengths)),
       "rollout_tokens_per_s": sum(lengths) / max(generated - generating, 1e-9),
       "generation_s": generated - generating,
+      "first_token_s": first_token - generating,
       "reward_s": scored - generated,
       "train_s": generating - began,
       "weights_step": float(weights_step),
@@ -121,8 +124,9 @@ class RolloutBatches:
 
   # -- one step's rollouts ---------------------------------------------------------------------
 
-  def _generate(self, taken: list) -> list[list[dict]]:
-    """Each taken row's `group_size` completions: {"rollout", "text", "weights_step"}."""
+  def _generate(self, taken: list) -> tuple[list[list[dict]], float]:
+    """Each taken row's `group_size` completions ({"rollout", "text", "weights_step"}), and when
+    the first token arrived (time.perf_counter)."""
     encoded = tuple(self.tokenizer.prompt(row[self.rl.prompt_field]) for _, row in taken)
     longest = max(len(e) for e in encoded)
     if longest + self.rl.max_tokens > self.seq_len + 1:
@@ -165,7 +169,7 @@ class RolloutBatches:
           "weights_step": min(e.step for e in got),
         })  # fmt: skip
       groups.append(group)
-    return groups
+    return groups, collected.first
 
   def _score(self, index: int, row: dict, completion: dict) -> float:
     field = self.rl.prompt_field
@@ -184,10 +188,13 @@ class _Collected:
     self.events: list[list] = [[] for _ in range(num_sequences)]
     self.left = num_sequences
     self.error: str | None = None
+    self.first: float | None = None  # when the first token arrived (time.perf_counter)
     self.done = threading.Condition()
 
   def on_event(self, event) -> None:
     with self.done:
+      if self.first is None:
+        self.first = time.perf_counter()
       if event.error is not None:
         self.error = event.error
         self.left = 0
