@@ -26,6 +26,7 @@ SMALL = {
   "train.log_every": 1,
   "train.checkpoint_every": 2,
 }
+LEARN_STEPS, LEARNED = 50, 0.25  # the slow test: steps, and the last 10 steps' mean reward
 
 
 def toy_config(**overrides):
@@ -331,3 +332,45 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(tmp_path
     assert row["weights_step"] == step - 1 and row["weights_step_behind"] == 0
     assert row["logprob_mismatch_max"] <= 1e-5
   jax.tree.map(np.testing.assert_array_equal, straight.state, resumed.state)
+
+
+@pytest.mark.slow
+def test_the_toy_task_learns_from_random_initialisation(tmp_path):
+  """grpo_toy as shipped for LEARN_STEPS steps: the last 10 steps' mean reward is well above
+  chance (1/8), and the first step's is near it."""
+  config = load_config("grpo_toy", {"train.num_steps": LEARN_STEPS})
+  result = train.run(config, str(tmp_path / "w"), show_progress=False)
+  rewards = [r["reward_mean"] for r in result.history if "reward_mean" in r]
+  assert len(rewards) == LEARN_STEPS and rewards[0] < 0.1
+  assert np.mean(rewards[-10:]) >= LEARNED, rewards
+
+
+@pytest.mark.slow
+def test_attached_serving_answers_beside_an_rl_run_in_the_task_s_vocabulary(tmp_path):
+  """serve.enabled beside GRPO: the HTTP server and the rollouts are two engines on the run's
+  controller reading the same published weights; a request during the run is answered, in the
+  task's vocabulary, and the run trains every step."""
+  import threading
+
+  import httpx
+
+  port = 8000 + np.random.default_rng().integers(1000, 9000)
+  config = toy_config(**{"train.num_steps": 12, "serve.enabled": True, "serve.port": int(port),
+                         "serve.max_len": 16})  # fmt: skip
+  answers = []
+
+  def ask():
+    body = {"prompt": "abcdef=", "max_tokens": 6, "temperature": 0}
+    while not answers:
+      try:
+        answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json())
+      except httpx.TransportError:
+        threading.Event().wait(0.2)
+
+  client = threading.Thread(target=ask, daemon=True)
+  client.start()
+  result = train.run(config, str(tmp_path / "w"), show_progress=False)
+  client.join(timeout=30)
+  assert result.final_step == 12
+  text = answers[0]["choices"][0]["text"]
+  assert len(text) == 6 and set(text) <= set(tasks.ShiftTokenizer.chars)

@@ -5,7 +5,7 @@ Run:
 
 The prompt is 6 letters of "abcdefgh" and "=", the answer each letter shifted by one (cyclic),
 the reward the fraction of positions right (chance: 1/8). A 2-layer rotary model with the task's
-own 10-id vocabulary (EOS, 8 letters, "=") samples 8 completions of each of 8 prompts per step
+own 10-id vocabulary (EOS, 8 letters, "=") samples 8 completions of each of 32 prompts per step
 from its live weights with the serving engine and trains on them with GRPO (train.objective).
 Measured figures: docs/benchmarks.md.
 """
@@ -20,11 +20,12 @@ def get_config(arg=None):
   c.model.d_model = 64
   c.model.num_heads = 4
   c.model.head_dim = 16
+  c.model.num_kv_heads = 4
   c.model.d_ff = 256
   c.model.z_loss = 0.0
   c.data.seq_len = 16  # EOS + 6 letters + "=" + up to 8 new tokens, less the last target
   c.train.objective = "grpo"
-  c.train.global_batch = 64  # 8 prompts x rl.group_size 8
+  c.train.global_batch = 256  # 32 prompts x rl.group_size 8
   c.train.num_steps = 150
   c.train.log_every = 10
   c.train.checkpoint_every = 50
