@@ -206,7 +206,7 @@ def rollouts(tmp_path_factory):
   """Two batches sampled from the initial weights of grpo_toy (small) by the serving engine, the
   config and the params; rewarded by a completion's hash, so that groups vary (at random
   initialisation the task's reward is mostly 0 in every group, and such groups are masked)."""
-  config = toy_config(**{"rl.reward": "test_rl:hashed"})
+  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5})
   harness = Harness.build(config)
   with harness:
     state = harness.step_program.init()
