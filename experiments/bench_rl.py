@@ -5,6 +5,7 @@ generator/trainer log-prob mismatch in float32 and bfloat16, and the time split 
   python experiments/bench_rl.py                          # every section
   python experiments/bench_rl.py --sections=learning --seeds=0,1,2 --steps=150
 
+curves     the learning section's figures from runs already made (--workdirs), finished or not.
 learning   configs/grpo_toy (the "shift" task from random initialisation; any --set) for --steps
            steps with each of --seeds: the 10-step mean reward against steps and seconds (the
            steps' generation, reward and training seconds summed; the first step's compile
@@ -31,6 +32,7 @@ split      from the learning runs: generation, reward and training seconds per s
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -60,37 +62,52 @@ def _step_s(row: dict) -> float:
 def learning(args, sets: dict) -> dict:
   out = {}
   for seed in args.seeds:
-    with tempfile.TemporaryDirectory() as workdir:
-      rows, wall, _ = _run(args, {**sets, "seed": seed, "train.num_steps": args.steps}, workdir)
-    rewards = [r["reward_mean"] for r in rows]
-    seconds, clock = [], 0.0
-    for i, r in enumerate(rows):
-      clock += _step_s(r) if i else 0.0  # the first step's compile apart
-      seconds.append(clock)
-    means = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
-    reached = {
-      x: next(({"step": rows[i]["step"], "seconds": round(seconds[i], 1)}
-                for i, m in enumerate(means) if i >= 9 and m >= x), None)
-      for x in (0.5, 0.9)
-    }  # fmt: skip
-    curve = {rows[i]["step"]: [round(means[i], 3), round(seconds[i], 1)]
-             for i in range(9, len(rows), 10)}  # fmt: skip
-    out[f"seed{seed}"] = {
-      "first_mean_0.5": reached[0.5],
-      "first_mean_0.9": reached[0.9],
-      "last_10_mean": round(means[-1], 3),
-      "first_reward": round(rewards[0], 3),
-      "curve_step_mean_seconds": curve,
-      "wall_s": round(wall, 1),
-      "split_median_s": {
-        k: round(statistics.median(r[k] for r in rows[1:]), 4)
-        for k in ("generation_s", "reward_s", "train_s", "first_token_s")
-      },
-    }
+    workdir = os.path.join(args.workdir, f"seed{seed}")
+    _, wall, _ = _run(args, {**sets, "seed": seed, "train.num_steps": args.steps}, workdir)
+    out[f"seed{seed}"] = _curve(workdir, wall)
     print(seed, out[f"seed{seed}"], flush=True)
   reached = sum(v["first_mean_0.9"] is not None for v in out.values())
   out["seeds_reaching_0.9"] = f"{reached} of {len(args.seeds)}"
   return out
+
+
+def curves(args, sets: dict) -> dict:
+  """The learning section's figures from the metrics.jsonl of runs already made (--workdirs:
+  runs of grpo_toy, finished or still running), e.g. seeds run as separate processes."""
+  return {os.path.basename(w.rstrip("/")): _curve(w, None) for w in args.workdirs.split(",")}
+
+
+def _curve(workdir: str, wall) -> dict:
+  """A run's 10-step mean reward against steps and seconds (its metrics.jsonl)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [r for r in map(json.loads, f) if "reward_mean" in r]
+  rewards = [r["reward_mean"] for r in rows]
+  seconds, clock = [], 0.0
+  for i, r in enumerate(rows):
+    clock += _step_s(r) if i else 0.0  # the first step's compile apart
+    seconds.append(clock)
+  means = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+  reached = {
+    x: next(({"step": rows[i]["step"], "seconds": round(seconds[i], 1)}
+              for i, m in enumerate(means) if i >= 9 and m >= x), None)
+    for x in (0.5, 0.9)
+  }  # fmt: skip
+  curve = {rows[i]["step"]: [round(means[i], 3), round(seconds[i], 1)]
+           for i in range(9, len(rows), 10)}  # fmt: skip
+  return {
+    "steps": len(rows),
+    "first_mean_0.5": reached[0.5],
+    "first_mean_0.9": reached[0.9],
+    "last_10_mean": round(means[-1], 3),
+    "first_reward": round(rewards[0], 3),
+    "curve_step_mean_seconds": curve,
+    "wall_s": None if wall is None else round(wall, 1),
+    "split_median_s": {
+      k: round(statistics.median(r[k] for r in rows[1:]), 4)
+      for k in ("generation_s", "reward_s", "train_s", "first_token_s")
+      if all(k in r for r in rows)
+    },
+  }
 
 
 def _tree_bytes(tree) -> int:
@@ -197,6 +214,8 @@ def main():
   parser.add_argument("--mismatch_steps", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="", help="write the results as JSON here")
+  parser.add_argument("--workdir", default="/tmp/bench_rl", help="learning: seed<N>/ runs here")
+  parser.add_argument("--workdirs", default="", help="curves: runs' workdirs, comma-separated")
   common.add_config_args(parser, default="grpo_toy")
   args = parser.parse_args()
   sets = common.parse_sets(args.set)
