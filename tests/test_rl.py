@@ -313,25 +313,45 @@ SAME = ("loss", "pg_loss", "reward_mean", "reward_std", "zero_variance_groups", 
         "weights_step", "weights_step_behind", "logprob_mismatch_max", "tokens")  # fmt: skip
 
 
-def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """grpo_toy (small) run 4 steps without a stop: (its workdir, its RunResult)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  return workdir, train.run(toy_config(), str(workdir), show_progress=False)
+
+
+def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(straight, tmp_path):
   """4 steps straight against 2 steps, then a second start that resumes from the checkpoint of
   step 2 and runs 2 more: the same rollouts, rewards, losses and parameters, bitwise; every
   step's rollouts come from the weights after the step before it (weights_step_behind 0), and the
   sampler's log-probs match the trainer's within 1e-5."""
-  config = toy_config()
-  straight = train.run(config, str(tmp_path / "straight"), show_progress=False)
+  workdir, uninterrupted = straight
   train.run(toy_config(**{"train.num_steps": 2}), str(tmp_path / "split"), show_progress=False)
-  resumed = train.run(config, str(tmp_path / "split"), show_progress=False)
+  resumed = train.run(toy_config(), str(tmp_path / "split"), show_progress=False)
   assert resumed.start_step == 2 and resumed.final_step == 4
   rows = {
-    name: {r["step"]: {k: r[k] for k in SAME} for r in metrics_rows(tmp_path / name) if "loss" in r}
-    for name in ("straight", "split")
+    name: {r["step"]: {k: r[k] for k in SAME} for r in metrics_rows(path) if "loss" in r}
+    for name, path in (("straight", workdir), ("split", tmp_path / "split"))
   }
   assert rows["straight"] == rows["split"] and sorted(rows["split"]) == [1, 2, 3, 4]
   for step, row in rows["straight"].items():
     assert row["weights_step"] == step - 1 and row["weights_step_behind"] == 0
     assert row["logprob_mismatch_max"] <= 1e-5
-  jax.tree.map(np.testing.assert_array_equal, straight.state, resumed.state)
+  jax.tree.map(np.testing.assert_array_equal, uninterrupted.state, resumed.state)
+
+
+def test_init_from_starts_from_another_run_s_latest_params(straight):
+  """rl.init_from=<the straight run>: the initial state's params are that run's last ones,
+  exactly; a run of another model shape is refused in one line."""
+  workdir, done = straight
+  config = toy_config(**{"rl.init_from": str(workdir)})
+  with Harness.build(config) as harness:
+    state = rl.initial_state(config, harness.step_program)
+    params = harness.step_program.to_checkpoint(state)["params"]
+  jax.tree.map(np.testing.assert_array_equal, done.state["params"], params)
+  other = toy_config(**{"rl.init_from": str(workdir), "model.d_ff": 128})
+  with pytest.raises(UserError, match=r"was trained with another model \(model.d_ff differ\)"):
+    rl.initial_state(other, None)
 
 
 @pytest.mark.slow
