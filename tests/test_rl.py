@@ -285,6 +285,7 @@ def boom_on_third_step(prompt, completion, step=0, **fields):
   return float(len(completion) % 2)
 
 
+@pytest.mark.slow
 def test_a_reward_that_fails_mid_run_stops_it_in_one_line_keeping_the_checkpoint(tmp_path):
   """Steps 1-2 train and checkpoint; the reward raises on the rows of step 3: one line naming
   the function and the row, and the checkpoint of step 2 is the latest, intact."""
