@@ -395,3 +395,23 @@ def test_attached_serving_answers_beside_an_rl_run_in_the_task_s_vocabulary(tmp_
   assert result.final_step == 12
   text = answers[0]["choices"][0]["text"]
   assert len(text) == 6 and set(text) <= set(tasks.ShiftTokenizer.chars)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "layout",
+  [
+    {"parallel.pods": 2, "parallel.islands": 2},
+    {"parallel.stages": 2, "parallel.islands": 2, "train.num_microbatches": 2},
+  ],
+  ids=["pods", "pipeline"],
+)
+def test_an_rl_run_samples_from_the_live_weights_of_pods_and_pipelines(tmp_path, layout):
+  """grpo_toy (small) on 2 pods and on a 2-stage pipeline: the engine serves the pod's cells in
+  place (a pipeline's decode through its stage islands), every step's rollouts come from the
+  weights after the step before it, and the sampler's log-probs match the trainer's."""
+  result = train.run(toy_config(**{"train.num_steps": 3, **layout}), str(tmp_path / "w"),
+                     show_progress=False)  # fmt: skip
+  rows = [r for r in result.history if "reward_mean" in r]
+  assert [r["weights_step"] for r in rows] == [0, 1, 2]
+  assert all(r["weights_step_behind"] == 0 and r["logprob_mismatch_max"] <= 1e-5 for r in rows)
