@@ -173,7 +173,7 @@ class Harness:
     host_metrics: bool = True,
   ):
     """Dispatches step `step` (0-based) on `state` (as `init` or a previous step returned it)
-    and a host batch {"inputs", "targets"}; returns its `StepOutputs` at once.
+    and a host batch (the objective's columns, objectives.py); returns its `StepOutputs`.
 
     The program is `step_program.program_for(step)` unless `program` is given (a benchmark
     timing one of a layout's programs alone). Blocks only for the controller's run-ahead bound.

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, tiny_test_config
 
+from pwtrain import config as config_lib
 from pwtrain import objectives
+from pwtrain.errors import ConfigError
 
 B, L, V = 4, 6, 11
 
@@ -129,3 +131,23 @@ def test_merge_adds_sums_and_maxes_the_mismatch_max():
   merged = objective.merge_all([a, b, a])
   assert float(merged["mismatch_max"]) == 3.0
   assert float(merged["tokens"]) == 5.0
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"train.objective": "ppo"}, "train.objective='ppo' is not an objective; valid: lm, grpo"),
+    ({"rl.temperature": 0.0}, "rl.temperature=0.0 must be > 0"),
+    ({"rl.top_k": -1}, "rl.top_k=-1 must be an integer >= 0"),
+    ({"rl.top_p": 0.0}, "rl.top_p=0.0 must be in (0, 1]"),
+    ({"rl.clip_low": 1.0}, "rl.clip_low=1.0 must be in [0, 1)"),
+    ({"rl.clip_high": -0.1}, "rl.clip_high=-0.1 must be >= 0"),
+    ({"rl.kl_coef": -1.0}, "rl.kl_coef=-1.0 must be >= 0"),
+    ({"train.eval_every": 5}, "train.eval_every=5 evaluates the LM loss"),
+  ],
+)
+def test_bad_grpo_settings_are_one_line(overrides, message):
+  config = tiny_test_config(**{"train.objective": "grpo", "train.eval_every": 0, **overrides})
+  with pytest.raises(ConfigError) as refused:
+    config_lib.validate(config)
+  assert str(refused.value).startswith(message) and "\n" not in str(refused.value)

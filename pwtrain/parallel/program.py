@@ -39,7 +39,9 @@ class StepProgram(Protocol):
     ...
 
   def feed(self, batch: dict) -> dict:
-    """A host batch {"inputs", "targets"} -> the program's batch inputs."""
+    """A host batch (the objective's columns: {"inputs", "targets"} for "lm", plus
+    "advantages" and "behavior_logprobs" for "grpo"; objectives.py) -> the program's batch
+    inputs."""
     ...
 
   def feed_rows(self, num_rows: int) -> dict[str, range]:
