@@ -125,6 +125,21 @@ RULES = (
     ("rl.temperature", "rl.top_k", "rl.top_p", "rl.clip_low", "rl.clip_high", "rl.kl_coef"),
     _is("train.objective", "grpo"),
   ),
+  _rule(
+    (
+      "rl.task",
+      "rl.prompts",
+      "rl.reward",
+      "rl.group_size",
+      "rl.max_tokens",
+      "rl.stop_at_eos",
+      "rl.normalize_std",
+      "rl.max_staleness",
+      "rl.init_from",
+    ),
+    _is("train.objective", "grpo"),
+  ),  # fmt: skip
+  _rule(("rl.prompt_field",), _all(_is("train.objective", "grpo"), _is("rl.task", ""))),
   # the optimizer and its schedule
   _rule(("optim.b2",), _is("optim.name", "adamw")),
   _rule(("optim.decay_rate",), _is("optim.name", "adafactor")),

@@ -243,6 +243,18 @@ def get_config():
   c.rl.clip_low = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
   c.rl.clip_high = 0.2
   c.rl.kl_coef = 0.0
+  # The loop's (pwtrain/rl/): where prompts come from, how they are scored and sampled.
+  c.rl.task = ""  # a built-in task ("shift": the toy of configs/grpo_toy.py); "": rl.prompts
+  c.rl.prompts = ""  # a JSONL file of prompts (rl.task="")
+  c.rl.prompt_field = "prompt"  # the field of each JSONL line that holds the prompt text
+  # "module:function" or a built-in ("exact_match", "last_number", "shift"); "": the task's
+  c.rl.reward = ""
+  c.rl.group_size = 8  # completions per prompt; train.global_batch / group_size prompts a step
+  c.rl.max_tokens = 16  # new tokens per completion at most
+  c.rl.stop_at_eos = True  # a completion ends at EOS (False: always rl.max_tokens tokens)
+  c.rl.normalize_std = True  # advantages divided by the group's std (False: Dr. GRPO)
+  c.rl.max_staleness = 0  # 0: step N's rollouts come from the weights after step N-1
+  c.rl.init_from = ""  # a run's workdir whose latest checkpoint's params the run starts from
 
   # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
   # and serve.enabled=True serves the training run's own parameters while it trains.

@@ -31,7 +31,6 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 from pwtrain import goodput as goodput_lib
-from pwtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class MetricsLogger:
     devices: tuple = (),
   ):
     """`progress`: "bar" (tqdm, for a terminal), "lines" (one plain line per interval on
-    stdout, for a log file) or "none". `wandb_run`: a started W&B run (see `start_wandb`) that
+    stdout, for a log file) or "none". `wandb_run`: a started W&B run (see `wandb_run.start`) that
     gets every row too, or None. `goodput`: the run's goodput.Goodput, whose fractions every
     interval row carries; `devices`: those whose peak memory it reports (goodput.memory_row)."""
     self.wandb = wandb_run
@@ -100,6 +99,7 @@ class MetricsLogger:
     self.flops_per_token = flops_per_token
     self.peak = peak_flops_per_device * num_devices if peak_flops_per_device else None
     self._pending: list[tuple[int, object]] = []
+    self._host: dict[int, dict] = {}  # step -> its host metrics (`record`)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self._jsonl, self._tb, earlier = self._open_from(start_step)
@@ -142,9 +142,12 @@ class MetricsLogger:
     for k, x in values.items():
       self._tb.add_scalar(f"perf/{k}", x, step)
 
-  def record(self, step: int, metrics_future) -> None:
-    """`step` is the step number after the update (1-based)."""
+  def record(self, step: int, metrics_future, host: dict | None = None) -> None:
+    """`step` is the step number after the update (1-based); `host`: metrics of the step known
+    on the host (an RL step's rollouts: rl/rollouts.py), written into its row too."""
     self._pending.append((step, metrics_future))
+    if host:
+      self._host[step] = dict(host)
     if step % self.log_every == 0:
       self.flush()
 
@@ -161,6 +164,7 @@ class MetricsLogger:
     self._last_time, self._last_step = now, steps[-1]
     for step, v in zip(steps, values, strict=True):
       row = {"step": step, **{k: float(np.asarray(x)) for k, x in v.items()}}
+      row.update(self._host.pop(step, {}))
       self.history.append(row)
       self._jsonl.write(json.dumps(row) + "\n")
       for k, x in row.items():
@@ -302,38 +306,6 @@ class MetricsLogger:
     self._tb.close()
     if self.wandb is not None:
       self.wandb.finish()
-
-
-def start_wandb(project: str, entity: str, workdir: str, config: dict, start_step: int):
-  """A W&B run for this start of the training run, or None when `project` is empty.
-
-  wandb is an optional dependency (`pip install 'pwtrain[wandb]'`), imported only here. Each
-  start (fresh, resumed) is its own W&B run, named "<workdir name>@<start step>" and grouped
-  by the workdir's name, so a resume never writes over an earlier start's steps; every row
-  carries its "step", the x-axis of every chart (rows from before a rollback keep theirs).
-  Offline use, the API key and the server follow wandb's own environment (WANDB_MODE, ...).
-  """
-  if not project:
-    return None
-  try:
-    import wandb
-  except ImportError:
-    raise ConfigError(
-      f"metrics.wandb_project={project!r} needs wandb, which is not installed: "
-      "pip install 'pwtrain[wandb]' (or set metrics.wandb_project='')"
-    ) from None
-  name = os.path.basename(os.path.normpath(workdir))
-  run = wandb.init(
-    project=project,
-    entity=entity or None,
-    dir=workdir,
-    group=name,
-    name=f"{name}@{start_step}",
-    config=config,
-  )
-  run.define_metric("step")
-  run.define_metric("*", step_metric="step")
-  return run
 
 
 def set_aside_torn(path: str) -> int:

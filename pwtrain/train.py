@@ -10,7 +10,17 @@ from typing import Any
 
 import jax
 
-from pwtrain import compile_cache, drills, guard, processes, restore, serve
+from pwtrain import (
+  compile_cache,
+  console_lines,
+  drills,
+  guard,
+  processes,
+  restore,
+  rl,
+  serve,
+  wandb_run,
+)
 from pwtrain import config as config_lib
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
@@ -54,6 +64,7 @@ def run(config, workdir: str, *, show_progress: bool = True, progress: str = "au
   process 0 shows it. `show_progress=False` is "none"."""
   goodput = Goodput()  # the run's wall time starts now
   config_lib.validate(config)
+  rl.validate(config)  # an RL run's loop (train.objective="grpo")
   mode = modes.for_backend(config.backend)
   if progress not in PROGRESS:
     raise ConfigError(f"--progress={progress!r} is not one of {', '.join(PROGRESS)}")
@@ -118,7 +129,8 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
       return RunResult([], state, step, step)
     if not primary and not processes.rejoining():  # a process started again finds it built
       processes.barrier("data")
-    tokenizer, source = open_train_source(config, workdir)
+    rollouts = rl.rollout_batches(config, workdir) if config.train.objective == "grpo" else None
+    tokenizer, source = (rollouts.tokenizer, ()) if rollouts else open_train_source(config, workdir)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
     if primary:
       processes.barrier("data")
@@ -131,7 +143,7 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
         )
         compile_cache.within_cap(config.train)
       with harness:
-        batches = _train_batches(config, tokenizer, source, harness)
+        batches = rollouts or _train_batches(config, tokenizer, source, harness)
         return _train(config, harness, context, batches, eval_set, workdir, host_dir)
     finally:
       if trace is not None:
@@ -179,7 +191,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
     devices=tuple(
       d for i in plan.islands for d in i.devices if d.process_index == jax.process_index()
     ),
-    wandb_run=metrics_lib.start_wandb(
+    wandb_run=wandb_run.start(
       config.metrics.wandb_project if host_dir == workdir else "",  # process 0's alone
       config.metrics.wandb_entity,
       workdir,
@@ -197,8 +209,9 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
   logger.record_once(start, compile_s=harness.compile_s)
   goodput.begin_loop()
   try:
-    serving = _serving(config, harness, steps, state, workdir, context)
-    with StopRequest() as stop, _progress_lines(context.progress), serving:
+    serving = _serving(config, harness, steps, state, workdir, context, batches)
+    sampling = rl.running(batches, harness, state, start)  # an RL run's rollouts
+    with StopRequest() as stop, console_lines.above_bar(context.progress), serving, sampling:
       while step < num_steps:
         profiler.before_step(step)
         if config.fault.elastic:  # drills, and lost pods rejoining, before the batch is read
@@ -210,7 +223,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
         logger.add_data_wait(waited)
         out = steps.step(state, batch, step)
         state, step = out.state, step + 1
-        logger.record(step, out.metrics)
+        logger.record(step, out.metrics, getattr(batches, "metrics", None))
         ckpt.check_saves()  # a save that failed since stops the run here, in one line
         if step == start + 1:  # the record of what this start trains with, once it trains
           workdir_lib.save_config(host_dir, config, start)
@@ -249,17 +262,18 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
       latest = ckpt.latest_step()
     finally:
       ckpt.close()
-  _summary(logger, start, step, ckpt.directory, latest, goodput)
+  console_lines.summary(logger, start, step, ckpt.directory, latest, goodput)
   return RunResult(logger.history, state, start, step, logger.evals)
 
 
-def _serving(config, harness, steps, state: dict, workdir: str, context: RunContext):
+def _serving(config, harness, steps, state: dict, workdir: str, context: RunContext, batches):
   """serve.enabled: the run's live parameters served over HTTP while the loop runs, its
   programs a priority client of the run's controller (pwtrain/serve/, docs/serving.md)."""
   if not config.serve.enabled:
     return contextlib.nullcontext()
   current = (lambda: steps.harness) if config.fault.elastic else (lambda: harness)
-  return serve.attached(config, harness.controller, current, state, workdir, context.serve_socket)
+  tokenizer, sock = getattr(batches, "tokenizer", None), context.serve_socket  # an RL task's
+  return serve.attached(config, harness.controller, current, state, workdir, sock, tokenizer)
 
 
 def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) -> None:
@@ -277,41 +291,6 @@ def _evaluate(steps, state: dict, eval_set, step: int, logger: MetricsLogger) ->
 def _eval_due(step: int, every: int, num_steps: int) -> bool:
   """Evaluate after every `every`-th step and after the last one."""
   return step % every == 0 or step == num_steps
-
-
-def _summary(logger: MetricsLogger, start: int, step: int, directory: str, latest, goodput):
-  """One closing line: what ran, where it ended, how fast on average, and the goodput."""
-  last = next((r for r in reversed(logger.history) if "loss" in r), None)
-  loss = f"last loss {last['loss']:.4f}" if last else "no step run"
-  if logger.evals:
-    loss += f", last eval loss {logger.evals[-1]['eval_loss']:.4f}"
-  average = logger.average_tokens_per_s()
-  speed = f", {average:,.0f} tokens/s on average" if average else ""
-  shares = goodput.row()
-  badput = ", ".join(
-    f"{k.removeprefix('badput_')} {v:.0%}"
-    for k, v in shares.items()
-    if k != "goodput" and v >= 0.005
-  )
-  where = f"latest checkpoint: step {latest} in {directory}" if latest else "no checkpoint"
-  log.info(
-    "trained steps %d-%d of %d: %s%s; goodput %.0f%% (badput: %s); %s",
-    start + 1, step, logger.num_steps, loss, speed, 100 * shares["goodput"], badput or "none",
-    where,
-  )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _progress_lines(progress: str):
-  """With the bar on a terminal, log lines (eval, checkpoints, rollbacks) are written above it,
-  each on a line of its own; plain lines need nothing."""
-  if progress != "bar":
-    yield
-    return
-  from tqdm.contrib.logging import logging_redirect_tqdm
-
-  with logging_redirect_tqdm():
-    yield
 
 
 def _train_batches(config, tokenizer, source, harness: Harness) -> TrainBatches:
@@ -343,14 +322,14 @@ def _data_state(batches: TrainBatches, elastic: bool) -> dict:
   goes on with the others: the survivors read its rows each step (and train on them, or with
   fault.keep_global_batch=False skip them), so the position saved while degraded is the
   uninterrupted run's, and a resume reads the batches that run reads."""
-  if elastic:
+  if elastic or not isinstance(batches, TrainBatches):  # an RL run's prompts: one process
     return batches.get_state()
   return merge_states(processes.gather(processes.next_key("data"), batches.get_state()))
 
 
 def _restore_or_init(config, ckpt: Checkpointer, step_program, batches):
   if ckpt.latest_step() is None:
-    return step_program.init(), 0
+    return rl.initial_state(config, step_program), 0  # rl.init_from's params, else init
   try:
     step, state, data_state = _latest_or_init(ckpt, step_program)
   except IncompatibleCheckpoint as e:

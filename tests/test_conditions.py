@@ -23,6 +23,10 @@ SETTINGS = {
   "train.eval_every >= 1": ({"train.eval_every": 0}, {}),
   "train.rollback_after >= 1": ({"train.rollback_after": 0}, {}),
   "train.objective='grpo'": ({}, {"train.objective": "grpo", "train.eval_every": 0}),
+  "train.objective='grpo' and rl.task=''": (
+    {"train.objective": "grpo", "train.eval_every": 0, "rl.task": "shift"},
+    {"train.objective": "grpo", "train.eval_every": 0},
+  ),
   "train.compile_cache_dir other than 'off'": ({"train.compile_cache_dir": "off"}, {}),
   "optim.name='adamw'": ({}, {"optim.name": "adamw"}),
   "optim.name='adafactor'": ({"optim.name": "sgd"}, {}),

@@ -17,7 +17,7 @@ FILE_LINES = 400
 # components of one layer do not import each other.
 LAYERS = (
   # What a distributed run's processes say to each other on the host; the errors a user fixes.
-  ("processes", "errors", "goodput", "platforms", "console", "watch", "liveness"),
+  ("processes", "errors", "goodput", "platforms", "console", "console_lines", "watch", "liveness"),
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
@@ -30,6 +30,7 @@ LAYERS = (
     "optim",
     "guard",
     "metrics",
+    "wandb_run",
   ),
   ("checkpoint",),  # the checkpoint store: Orbax saves, parts, integrity (remote workers use it)
   # The model, the runtime and the data: independent of each other.
@@ -45,6 +46,7 @@ LAYERS = (
   # config -> a plan on paper (and the step compiled for a TPU topology: dryrun/compile.py);
   # steps over the live pods: a lost pod dropped, a returning one rejoined; serving over HTTP.
   ("dryrun", "elastic", "serve"),
+  ("rl",),  # the RL loop: prompts, rewards, rollouts from the live weights (serving's engine)
   ("train",),  # the training loop
   # entry points: training and the dry run; sampling; launcher; Hugging Face conversion
   ("main", "sample", "launch", "convert"),

@@ -340,7 +340,7 @@ class Engine:
     seq.completion.completion_tokens += 1
     self.stats.count("completion_tokens")
     request = seq.completion.request
-    if token in self.tokenizer.stop_ids:
+    if token in self.tokenizer.stop_ids and not request.ignore_eos:
       finish, text = "stop", seq.text.finish()
     else:
       text, stopped = seq.text.add(token)
@@ -361,7 +361,17 @@ class Engine:
         if self._slots[seq.slot] is seq:
           self._slots[seq.slot] = None
       self.stats.count(f"finished_{finish}")
-    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish))
+    seq.completion.on_event(
+      Event(
+        seq.index,
+        text,
+        self.step,
+        logprobs,
+        finish,
+        token=token,
+        sampled_logprob=float(out["sampled_logprob"][row]),
+      )  # fmt: skip
+    )
 
   def _fail_all(self, message: str) -> None:
     with self._lock:

@@ -25,7 +25,9 @@ node per stage with the activations (and, for a decode, `last` to the first stag
 between islands by the controller's transfers. The last cell picks the next token of every row
 by the rule of models/sampling.py with the row's own settings (sampling.pick), and gives its
 log-probability and the `TOP` most likely ids' (the model's distribution, before temperature,
-top-k and top-p). Every cell returns the step of the weights it read.
+top-k and top-p), and its log-probability under the distribution it was drawn from
+(`sampled_logprob`: temperature, top-k and top-p applied, sampling.sampled_logits; RL's
+behaviour log-probability). Every cell returns the step of the weights it read.
 """
 
 import dataclasses
@@ -40,7 +42,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
 from pwtrain.backend.program import Latest
 from pwtrain.models import decode
-from pwtrain.models.sampling import pick
+from pwtrain.models.sampling import pick, sampled_logits
 from pwtrain.serve.weights import Cell, Layout
 
 TOP = 5  # most likely ids returned per token (OpenAI's largest `logprobs`)
@@ -257,9 +259,18 @@ def _picked(logits, sampling: dict, num_tokens: int) -> dict:
   allowed = jnp.arange(logits.shape[-1]) < num_tokens
   logprobs = jax.nn.log_softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
   top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP)
+  # The token's log-probability under the distribution it was drawn from (RL's behaviour
+  # policy): the ids past num_tokens, then temperature, top_k and top_p as `pick` applies them.
+  drawn_from = jax.nn.log_softmax(
+    sampled_logits(
+      logits, sampling["temperature"], sampling["top_k"], sampling["top_p"], num_tokens
+    ),
+    axis=-1,
+  )
   return {
     "token": token,
     "logprob": jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0],
+    "sampled_logprob": jnp.take_along_axis(drawn_from, token[:, None], axis=-1)[:, 0],
     "top_ids": top_ids.astype(jnp.int32),
     "top_logprobs": top_logprobs,
   }

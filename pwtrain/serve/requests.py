@@ -55,6 +55,7 @@ class CompletionRequest:
   include_usage: bool  # stream_options.include_usage: a last chunk with the usage
   logprobs: int | None
   model: str | None
+  ignore_eos: bool = False  # EOS does not end a sequence (RL with rl.stop_at_eos=False)
 
   @property
   def num_sequences(self) -> int:

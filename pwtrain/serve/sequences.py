@@ -29,7 +29,9 @@ class Event:
   """What a choice's client is told at a token boundary: new `text` (possibly ""), the token's
   log-probabilities when asked for ((token text, logprob, {top text: logprob})), the step of the
   weights that produced the token, and the finish reason ("stop", "length") at the end. `error`:
-  the choice ended without one (the server stopped, or failed)."""
+  the choice ended without one (the server stopped, or failed). `token`: the token's id, and
+  `sampled_logprob` its log-probability under the distribution it was drawn from (pieces.py),
+  as generated (RL trains on these, never on re-tokenised text)."""
 
   index: int
   text: str
@@ -37,6 +39,8 @@ class Event:
   logprobs: tuple | None = None
   finish_reason: str | None = None
   error: str | None = None
+  token: int | None = None
+  sampled_logprob: float | None = None
 
 
 class Completion:

@@ -183,16 +183,17 @@ def device_bytes(arrays=None) -> int:
 
 
 @contextlib.contextmanager
-def attached(config, controller, current, state: dict, workdir: str, sock):
+def attached(config, controller, current, state: dict, workdir: str, sock, tokenizer=None):
   """Serves the training run's live parameters (weights.LiveWeights) while the block runs:
   `current()` the harness that runs the steps, `state` the state the run starts from, `sock`
-  from `listening`. Serving programs share the islands within serve.share of their time
-  (remote islands run them in the order they are sent: config.validate_serve)."""
+  from `listening`, `tokenizer` the run's (None: inference.run_tokenizer's). Serving programs
+  share the islands within serve.share of their time (remote islands run them in the order they
+  are sent: config.validate_serve)."""
   if not controller.cluster.remote:
     controller.set_priority_share(config.serve.share)
   source = LiveWeights(config, controller, current)
   source.start(state)
-  tokenizer = inference.run_tokenizer(config, workdir)
+  tokenizer = tokenizer or inference.run_tokenizer(config, workdir)
   server = _server(config, source, controller, tokenizer, sock, os.path.basename(workdir))
   server.start()
   try:

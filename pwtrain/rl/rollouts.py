@@ -1,0 +1,213 @@
+"""The GRPO batch source: each step's rollouts sampled from the live parameters by the serving
+engine (serve/engine.py) on the training islands, scored, and assembled into the step's batch.
+
+`RolloutBatches` is the RL run's counterpart of data.TrainBatches: `next()` gives the batch of
+the next step, `get_state`/`set_state` its position (the prompt source's) for a checkpoint, and
+`metrics` the host metrics of the last batch, which the loop writes into that step's row.
+
+A batch (advantages.py) is `rl.prompts_per_step` prompts, each sampled `rl.group_size` times
+with rl.temperature/top_k/top_p and up to rl.max_tokens tokens (ending at EOS when
+rl.stop_at_eos). The engine's programs read the weights published on the islands (program.Latest)
+and the next step is dispatched only once this batch is made, so with rl.max_staleness=0 the
+rollouts of step N come from the weights after step N-1, in place: nothing is copied or
+synchronised. Every token's event carries the step of the weights that made it; the batch's
+`weights_step` is theirs and `weights_step_behind` is the step being trained minus it (0).
+
+Determinism: completion c of the prompt taken at position i draws token t with
+fold_in(key(seed), t), the seed a function of (config.seed, i, c) (sequences.choice_seed), so
+a resumed run samples what the uninterrupted one samples.
+
+Host metrics of a step: reward_mean, reward_std (over every completion), zero_variance_groups
+(the share of groups whose rewards are all equal), response_length (mean completion tokens),
+rollout_tokens_per_s (completion tokens / generation_s), generation_s (from the request to the
+last token), first_token_s (from the request, made once the previous step has finished, to the
+first token: the time from an update to the first rollout token that uses it, nothing copied),
+reward_s (the reward function over the batch), train_s (the wait, before the rollouts, for the
+islands to finish what was dispatched: the previous step's training), weights_step and
+weights_step_behind.
+"""
+
+import threading
+import time
+import types
+
+import numpy as np
+
+from pwtrain.rl import advantages as advantages_lib
+from pwtrain.serve.engine import Engine
+from pwtrain.serve.requests import CompletionRequest
+from pwtrain.serve.sequences import Completion
+from pwtrain.serve.weights import LiveWeights
+
+
+class RolloutBatches:
+  """The batches of an RL run (module doc). `prompts`: tasks.ShiftPrompts or
+  prompts.PromptFile; `reward`: rewards.Reward. `start` before the first `next()`."""
+
+  def __init__(self, config, tokenizer, prompts, reward):
+    self.config = config
+    self.rl = config.rl
+    self.tokenizer = tokenizer
+    self.prompts = prompts
+    self.reward = reward
+    self.group_size = int(config.rl.group_size)
+    self.num_prompts = config.train.global_batch // self.group_size
+    self.seq_len = config.data.seq_len
+    self.metrics: dict = {}
+    self.engine: Engine | None = None
+    self.controller = None
+    self.step = 0  # the step the next batch trains (0-based)
+
+  def start(self, controller, current, state: dict, step: int, *, published: bool = False):
+    """Starts the engine on `controller`'s islands over the live weights of `current()` (the
+    harness that runs the steps), `state` the state the run starts from at `step`;
+    `published`: attached serving has already published it."""
+    self.controller, self.step = controller, step
+    source = LiveWeights(self.config, controller, current)
+    if not published:
+      source.start(state)
+    settings = types.SimpleNamespace(
+      max_batch=self.config.train.global_batch,
+      max_len=self.seq_len + 1,  # prompt + completion = the batch's row and its last target
+      prefill_chunk=min(self.config.serve.prefill_chunk, self.seq_len + 1),
+      queue_size=self.config.train.global_batch,
+    )
+    self.engine = Engine(source, controller, self.tokenizer, settings)
+
+  def close(self) -> None:
+    if self.engine is not None:
+      self.engine.stop()
+      self.engine = None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    began = time.perf_counter()
+    self.controller.wait()  # the previous step's training (train_s)
+    generating = time.perf_counter()
+    taken = self.prompts.take(self.num_prompts)
+    groups, first_token = self._generate(taken)
+    generated = time.perf_counter()
+    pairs = zip(taken, groups, strict=True)
+    rewards = np.asarray([[self._score(i, row, c) for c in group] for (i, row), group in pairs])
+    scored = time.perf_counter()
+    adv = advantages_lib.group_advantages(rewards, bool(self.rl.normalize_std))
+    rollouts = [c["rollout"] for group in groups for c in group]
+    masked = np.repeat(adv.zero_variance, self.group_size)
+    batch = advantages_lib.assemble(
+      rollouts, adv.values.ravel(), masked, self.seq_len, self.tokenizer.pad_id
+    )
+    weights_step = min(c["weights_step"] for group in groups for c in group)
+    lengths = [len(r.tokens) for r in rollouts]
+    self.metrics = {
+      "reward_mean": float(rewards.mean()),
+      "reward_std": float(rewards.std()),
+      "zero_variance_groups": float(adv.zero_variance.mean()),
+      "response_length": float(np.mean(lengths)),
+      "rollout_tokens_per_s": sum(lengths) / max(generated - generating, 1e-9),
+      "generation_s": generated - generating,
+      "first_token_s": first_token - generating,
+      "reward_s": scored - generated,
+      "train_s": generating - began,
+      "weights_step": float(weights_step),
+      "weights_step_behind": float(self.step - weights_step),
+    }
+    self.step += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"prompts": self.prompts.get_state()}
+
+  def set_state(self, state: dict) -> None:
+    self.prompts.set_state(state["prompts"])
+
+  # -- one step's rollouts ---------------------------------------------------------------------
+
+  def _generate(self, taken: list) -> tuple[list[list[dict]], float]:
+    """Each taken row's `group_size` completions ({"rollout", "text", "weights_step"}), and when
+    the first token arrived (time.perf_counter)."""
+    encoded = tuple(self.tokenizer.prompt(row[self.rl.prompt_field]) for _, row in taken)
+    longest = max(len(e) for e in encoded)
+    if longest + self.rl.max_tokens > self.seq_len + 1:
+      raise advantages_lib.ConfigError(
+        f"a prompt of {longest} tokens and rl.max_tokens={self.rl.max_tokens} do not fit "
+        f"data.seq_len={self.seq_len} (prompt + completion - 1 positions); raise data.seq_len"
+      )
+    first = taken[0][0]
+    request = CompletionRequest(
+      prompts=tuple(row[self.rl.prompt_field] for _, row in taken),
+      encoded=encoded,
+      max_tokens=int(self.rl.max_tokens),
+      temperature=float(self.rl.temperature),
+      top_p=float(self.rl.top_p),
+      top_k=int(self.rl.top_k),
+      n=self.group_size,
+      stop=(),
+      seed=int(np.random.SeedSequence([self.config.seed, first]).generate_state(1)[0]),
+      stream=False,
+      include_usage=False,
+      logprobs=None,
+      model=None,
+      ignore_eos=not self.rl.stop_at_eos,
+    )
+    collected = _Collected(request.num_sequences)
+    self.engine.submit(Completion(request, collected.on_event))
+    events = collected.wait()
+    groups = []
+    for p, prompt in enumerate(encoded):
+      group = []
+      for c in range(self.group_size):
+        got = events[p * self.group_size + c]
+        tokens = np.asarray([e.token for e in got], np.int32)
+        rollout = advantages_lib.Rollout(
+          prompt, tokens, np.asarray([e.sampled_logprob for e in got], np.float32)
+        )
+        group.append({
+          "rollout": rollout,
+          "text": self.tokenizer.decode(tokens[tokens != self.tokenizer.eos_id]),
+          "weights_step": min(e.step for e in got),
+        })  # fmt: skip
+      groups.append(group)
+    return groups, collected.first
+
+  def _score(self, index: int, row: dict, completion: dict) -> float:
+    field = self.rl.prompt_field
+    fields = {k: v for k, v in row.items() if k != field}
+    line = getattr(self.prompts, "line_of", None)
+    where = f"row {index} of {self.prompts.name}"
+    if line is not None:
+      where = f"line {line(index)} of {self.prompts.name}"
+    return self.reward(row[field], completion["text"], fields, where)
+
+
+class _Collected:
+  """The events of one request's sequences, gathered on the engine's thread."""
+
+  def __init__(self, num_sequences: int):
+    self.events: list[list] = [[] for _ in range(num_sequences)]
+    self.left = num_sequences
+    self.error: str | None = None
+    self.first: float | None = None  # when the first token arrived (time.perf_counter)
+    self.done = threading.Condition()
+
+  def on_event(self, event) -> None:
+    with self.done:
+      if self.first is None:
+        self.first = time.perf_counter()
+      if event.error is not None:
+        self.error = event.error
+        self.left = 0
+      else:
+        self.events[event.index].append(event)
+        if event.finish_reason is not None:
+          self.left -= 1
+      if self.left <= 0:
+        self.done.notify_all()
+
+  def wait(self) -> list[list]:
+    with self.done:
+      self.done.wait_for(lambda: self.left <= 0)
+    if self.error is not None:
+      raise RuntimeError(f"rollouts failed: {self.error}")
+    return self.events
