@@ -98,16 +98,15 @@ class LocalDispatcher:
     process (embedded mode, whose losses are drills), every array its work made is deleted, as
     a real loss leaves them: whatever reads one then fails with this IslandLost
     (faults.read_of_lost), so nothing can be copied from a lost island."""
-    scheduler = self._schedulers[island]
-    lost = scheduler.lost = IslandLost(island, cause)
+    lost = self._schedulers[island].lost = IslandLost(island, cause)
     self._lost_devices.update(dict.fromkeys(self.cluster[island].devices, lost))
     if not self._distributed:
-      scheduler.delete_made()
+      self._schedulers[island].delete_made()
 
   def restore(self, island: str) -> None:
-    """`island` runs again (its devices are back), with nothing published on it: what was is
-    gone with its loss, and a reader of it waits for the state copied there (NotPublished)."""
-    self._schedulers[island].published.clear()  # before its work can launch again
+    """`island` runs again (its devices are back), with nothing published on it (cleared before
+    its work can launch): a reader waits for the state copied there (NotPublished)."""
+    self._schedulers[island].published.clear()
     self._schedulers[island].lost = None
     for device in self.cluster[island].devices:
       self._lost_devices.pop(device, None)
@@ -389,11 +388,9 @@ class LocalDispatcher:
   def close(self) -> None:
     self._compiler.shutdown(wait=True, cancel_futures=True)
     self.policy.place_held(everything=True)  # before the stop: every program runs or fails
-    for scheduler in self._schedulers.values():
-      scheduler.stop()
-    self._cross.stop()
-    if self._pull_watcher is not None:
-      self._pull_watcher.stop()
+    for stoppable in (*self._schedulers.values(), self._cross, self._pull_watcher):
+      if stoppable is not None:
+        stoppable.stop()
 
 
 def _stand_in(info):
