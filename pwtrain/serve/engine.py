@@ -182,9 +182,14 @@ class Engine:
       except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
         log.exception("serving failed")
         self.error = f"{type(e).__name__}: {e}"
-        self._fail_all(f"the server failed: {self.error}")
+        failed = getattr(e, "sequences", None)  # a program's or a sequence's own failure
+        if failed is None:
+          self._fail_all(f"the server failed: {self.error}")
+        else:
+          self._fail(failed, f"the server failed: {self.error}")
         self._restart()
-        time.sleep(FAILED_S)
+        if failed is None:
+          time.sleep(FAILED_S)
     self._fail_all("the server is stopping")
 
   def _leave_cancelled(self) -> None:
@@ -254,19 +259,25 @@ class Engine:
     prefilling = [s for s in active if s.prefilling]
     decoding = [s for s in active if s.decoding]
     if prefilling and (self._prefill_next or not decoding):
-      self._prefill(prefilling[0])
+      serves, dispatch = prefilling[:1], lambda: self._prefill(prefilling[0])
     elif decoding:
-      self._decode(decoding)
+      serves, dispatch = decoding, lambda: self._decode(decoding)
     else:
       return False
+    try:
+      dispatch()
+    except (IslandLost, NotPublished, NoLivePod):
+      raise
+    except Exception as e:  # noqa: BLE001 - the sequences it was for fail, no others
+      raise _failing(e, serves) from None
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
-  def _run(self, program, inputs: dict, rows: dict) -> None:
+  def _run(self, program, inputs: dict, rows: dict, serves: list) -> None:
     inputs = {**self._pieces.weights(), **self._carried, **inputs}
     outputs = self.controller.run(program, inputs, priority=True)
     self._carried = {k: v for k, v in outputs.items() if k.startswith("cache/") or k == "last"}
-    flight = Flight({k: v for k, v in outputs.items() if k not in self._carried}, rows)
+    flight = Flight({k: v for k, v in outputs.items() if k not in self._carried}, rows, serves)
     self._flights.append(flight)
     self._landing.watch(flight)
 
@@ -286,7 +297,7 @@ class Engine:
       "sampling": sampling_rows({0: seq}, 1),
     }
     self.stats.count("prefill_chunks")
-    self._run(self._pieces.prefill, inputs, {0: seq} if final else {})
+    self._run(self._pieces.prefill, inputs, {0: seq} if final else {}, [seq])
     if final:
       seq.asked += 1
 
@@ -303,7 +314,7 @@ class Engine:
       "sampling": sampling_rows(rows, self.max_batch),
     }
     self.stats.count("decode_steps")
-    self._run(self._pieces.decode, inputs, rows)
+    self._run(self._pieces.decode, inputs, rows, decoding)
     for seq in decoding:
       seq.fed, seq.asked = seq.fed + 1, seq.asked + 1
 
@@ -318,14 +329,20 @@ class Engine:
       return
     self._flights.popleft()
     if flight.error is not None:
-      raise flight.error
+      if isinstance(flight.error, IslandLost | NotPublished | NoLivePod):
+        raise flight.error
+      raise _failing(flight.error, flight.serves)
     values = flight.values
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()
     for row, seq in flight.rows.items():
       if not seq.ended:
-        self._give(seq, values["out"], row)
+        try:
+          self._give(seq, values["out"], row)
+        except Exception as e:  # noqa: BLE001 - this sequence's own: it alone fails
+          log.exception("serving a token failed")
+          self._fail([seq], f"the server failed: {type(e).__name__}: {e}")
 
   def _give(self, seq: Sequence, out: dict, row: int) -> None:
     """The sequence's next token (row `row` of `out`) to its client; frees its slot at its end."""
@@ -361,13 +378,28 @@ class Engine:
         if self._slots[seq.slot] is seq:
           self._slots[seq.slot] = None
       self.stats.count(f"finished_{finish}")
-    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish))
+    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish, token=token))
 
   def _fail_all(self, message: str) -> None:
     with self._lock:
       ended = [s for s in self._slots if s is not None] + list(self._waiting)
-      self._slots = [None] * self.max_batch
-      self._waiting.clear()
+    self._fail(ended, message)
+
+  def _fail(self, sequences, message: str) -> None:
+    """Ends `sequences` (and the other choices of their requests) with an error event."""
+    completions = {id(s.completion) for s in sequences}
+    with self._lock:
+      ended = [s for s in self._slots if s is not None and id(s.completion) in completions]
+      ended += [s for s in self._waiting if id(s.completion) in completions]
+      self._slots = [None if s in ended else s for s in self._slots]
+      self._waiting = collections.deque(s for s in self._waiting if s not in ended)
     for seq in ended:
       seq.ended = True
+      self.stats.count("failed")
       seq.completion.on_event(Event(seq.index, "", self.step or 0, error=message))
+
+
+def _failing(error: BaseException, sequences) -> BaseException:
+  """`error`, naming the sequences whose program it failed (the engine fails those alone)."""
+  error.sequences = list(sequences)
+  return error

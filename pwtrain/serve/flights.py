@@ -18,7 +18,8 @@ class Flight:
   for, and once ready, the outputs on the host (`values`) or the error that stopped them."""
 
   outputs: dict
-  rows: dict  # row -> sequence
+  rows: dict  # row -> sequence given a token
+  serves: list  # every sequence it runs for (a prefill chunk's, or the decoding ones)
   ready: threading.Event = dataclasses.field(default_factory=threading.Event)
   values: dict | None = None
   error: BaseException | None = None

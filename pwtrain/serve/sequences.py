@@ -28,8 +28,8 @@ class Stopped(RuntimeError):
 class Event:
   """What a choice's client is told at a token boundary: new `text` (possibly ""), the token's
   log-probabilities when asked for ((token text, logprob, {top text: logprob})), the step of the
-  weights that produced the token, and the finish reason ("stop", "length") at the end. `error`:
-  the choice ended without one (the server stopped, or failed)."""
+  weights that produced the token, the token's id, and the finish reason ("stop", "length") at
+  the end. `error`: the choice ended without one (the server stopped, or failed)."""
 
   index: int
   text: str
@@ -37,6 +37,7 @@ class Event:
   logprobs: tuple | None = None
   finish_reason: str | None = None
   error: str | None = None
+  token: int | None = None
 
 
 class Completion:

@@ -142,7 +142,8 @@ class Server:
     self.source.close()
 
 
-def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
+def _server(config, source, controller, tokenizer, sock, workdir: str) -> Server:
+  from pwtrain.serve import chat  # jinja2: the [serve] extra
   from pwtrain.serve.app import make_app  # fastapi: the [serve] extra
 
   serving = settings(config)
@@ -153,10 +154,11 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
     engine,
     tokenizer,
     Limits(serving.max_len, serving.max_batch),
-    model=model,
+    model=os.path.basename(workdir),
     token=read_token(config.serve.token_file),
     island_time=controller.island_time if local else None,
     device_bytes=device_bytes if local else None,
+    chat_template=chat.load(config, workdir),
   )
   return Server(engine, source, app, sock)
 
@@ -191,7 +193,7 @@ def attached(config, controller, current, state: dict, workdir: str, sock):
   source = LiveWeights(config, controller, current)
   source.start(state)
   tokenizer = inference.run_tokenizer(config, workdir)
-  server = _server(config, source, controller, tokenizer, sock, os.path.basename(workdir))
+  server = _server(config, source, controller, tokenizer, sock, workdir)
   server.start()
   try:
     yield server
@@ -208,7 +210,7 @@ def standalone(config, workdir: str, sock) -> Server:
     config, workdir, reload=config.serve.reload, poll_s=config.serve.reload_poll_s
   )
   try:
-    return _server(config, source, source.controller, tokenizer, sock, os.path.basename(workdir))
+    return _server(config, source, source.controller, tokenizer, sock, workdir)
   except BaseException:
     source.close()
     raise
