@@ -287,14 +287,19 @@ def test_every_error_is_openai_s_body_and_counted(server):
     (_post(server, b'{"prompt": "a", "stop": ["\\udfff"]}'), 400, None),
     (_post(server, b"[" * 100_000 + b"]" * 100_000), 400, None),
   ]
+  chat = httpx.post(f"{server.url}/v1/chat/completions", headers=headers,
+                    json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+  assert "no chat template" in chat.json()["error"]["message"]  # a byte model has none
+  sent.append((chat, 400, None))
   for response, status, _ in sent:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
   after = counts()
-  assert after[("404", "other")] - before.get(("404", "other"), 0) == 1
-  assert after[("405", "/v1/completions")] - before.get(("405", "/v1/completions"), 0) == 1
-  assert after[("400", "/v1/completions")] - before.get(("400", "/v1/completions"), 0) == 4
+  added = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+  assert added == {("404", "other"): 1, ("405", "/v1/completions"): 1,
+                   ("400", "/v1/completions"): 4, ("400", "/v1/chat/completions"): 1,
+                   ("200", "/metrics"): 1}  # fmt: skip
 
 
 def test_metrics_are_prometheus_client_s(server):
