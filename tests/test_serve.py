@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -704,8 +705,8 @@ def test_outputs_deleted_with_a_lost_island_after_they_ran_read_as_its_loss():
 @pytest.mark.processes
 def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
   """`python -m pwtrain.serve` serves the run's checkpoint (config.json, --port=0); when the run
-  goes on and writes a newer checkpoint, responses come from it (serve.reload). A bad serve.*
-  setting is one line."""
+  goes on and writes a newer checkpoint, responses come from it (serve.reload); Ctrl-C ends it
+  with status 0 and no traceback. A bad serve.* setting is one line."""
   config, workdir, _ = trained
   run = tmp_path / "run"
   subprocess.run(["cp", "-r", str(workdir), str(run)], check=True)
@@ -719,8 +720,9 @@ def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
     [*command, "--port=0", "--config.serve.reload_poll_s=0.2"], cwd=REPO, text=True,
     stderr=subprocess.PIPE,
   )  # fmt: skip
+  lines: list[str] = []
   try:
-    url = _served_url(process)
+    url = _served_url(process, lines)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
     first = client.completions.create(model="m", prompt="def ", max_tokens=3, temperature=0)
     assert first.system_fingerprint == f"pwtrain-step-{STEPS}"
@@ -728,13 +730,15 @@ def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
     train.run(more, str(run), show_progress=False)
     _wait(lambda: client.completions.create(model="m", prompt="def ", max_tokens=1)
           .system_fingerprint == f"pwtrain-step-{STEPS + 2}")  # fmt: skip
+    process.send_signal(signal.SIGINT)  # Ctrl-C: a clean exit
+    assert process.wait(timeout=60) == 0
+    assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
   finally:
-    process.terminate()
+    process.kill()
     process.wait(timeout=60)
 
 
-def _served_url(process) -> str:
-  lines = []
+def _served_url(process, lines: list) -> str:
 
   def read():
     for line in process.stderr:

@@ -124,3 +124,33 @@ def test_models_by_id_and_the_authorization_scheme_in_any_case(server, run):
     assert response.status_code == 200, scheme
   wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Basic {TOKEN}"})
   assert wrong.status_code == 401 and json.loads(wrong.text)["error"]["type"]
+
+
+def test_echo_gives_the_prompt_tokens_log_probs_as_openai_s_legacy_completions(server, run):
+  """`echo` with `logprobs` (how lm-eval-harness's local-completions scores likelihood): the
+  text starts with the prompt, and the log-probs with the prompt tokens' (the first null),
+  each the model's own (transformers' on the same weights), over several prefill chunks;
+  max_tokens=0 gives the prompt's alone."""
+  import torch
+
+  tok = transformers.AutoTokenizer.from_pretrained(run / "tokenizer")
+  ids = tok(" ".join([PROMPT] * 4)).input_ids  # several prefill chunks of 8
+  model = transformers.AutoModelForCausalLM.from_pretrained(run.parent / "hf")
+  with torch.no_grad():
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+  theirs = [float(logprobs[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+  client = _client(server)
+  alone = client.completions.create(model="m", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+  lp = alone.choices[0].logprobs
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert len(lp.tokens) == len(ids) and alone.usage.completion_tokens == 0
+  assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], theirs, strict=True)) < 1e-4
+  assert alone.choices[0].text == tok.decode(ids, skip_special_tokens=True)
+  assert alone.choices[0].finish_reason == "length"
+  one = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, echo=True, logprobs=2,
+                                  temperature=0)  # fmt: skip
+  choice = one.choices[0]
+  n = len(tok(PROMPT).input_ids)
+  assert len(choice.logprobs.tokens) == n + 1 and choice.text.startswith(PROMPT)
+  assert choice.logprobs.token_logprobs[1:n] == lp.token_logprobs[1:n]
+  assert choice.logprobs.text_offset[-1] == len(choice.text) - len(choice.logprobs.tokens[-1])

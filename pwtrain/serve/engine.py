@@ -273,11 +273,12 @@ class Engine:
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
-  def _run(self, program, inputs: dict, rows: dict, serves: list) -> None:
+  def _run(self, program, inputs: dict, rows: dict, serves: list, scored=None) -> None:
     inputs = {**self._pieces.weights(), **self._carried, **inputs}
     outputs = self.controller.run(program, inputs, priority=True)
     self._carried = {k: v for k, v in outputs.items() if k.startswith("cache/") or k == "last"}
-    flight = Flight({k: v for k, v in outputs.items() if k not in self._carried}, rows, serves)
+    outputs = {k: v for k, v in outputs.items() if k not in self._carried}
+    flight = Flight(outputs, rows, serves, scored)
     self._flights.append(flight)
     self._landing.watch(flight)
 
@@ -288,16 +289,24 @@ class Engine:
     positions = np.minimum(start + np.arange(self.chunk), self.max_len - 1)[None].astype(np.int32)
     seq.fed = start + len(piece)
     final = seq.fed == len(seq.context)
+    request = seq.completion.request
+    score = request.echo and request.logprobs is not None and not seq.echoed
+    targets = np.zeros((1, self.chunk), np.int32)  # each position's next prompt token
+    after = seq.prompt[start + 1 : start + 1 + self.chunk]
+    targets[0, : len(after)] = after
     inputs = {
       "tokens": tokens,
       "positions": positions,
       "slot": np.asarray([seq.slot], np.int32),
       "logits_at": np.asarray([len(piece) - 1], np.int32),
       "final": np.asarray([final]),
+      "targets": targets,
+      "score": np.asarray([score]),
       "sampling": sampling_rows({0: seq}, 1),
     }
     self.stats.count("prefill_chunks")
-    self._run(self._pieces.prefill, inputs, {0: seq} if final else {}, [seq])
+    scored = (seq, len(after)) if score else None  # the prompt tokens it scores
+    self._run(self._pieces.prefill, inputs, {0: seq} if final else {}, [seq], scored)
     if final:
       seq.asked += 1
 
@@ -336,6 +345,8 @@ class Engine:
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()
+    if flight.scored is not None:
+      self._scored(*flight.scored, values["out"]["scores"])
     for row, seq in flight.rows.items():
       if not seq.ended:
         try:
@@ -344,8 +355,43 @@ class Engine:
           log.exception("serving a token failed")
           self._fail([seq], f"the server failed: {type(e).__name__}: {e}")
 
+  def _scored(self, seq: Sequence, count: int, scores: dict) -> None:
+    """The log-probs of the sequence's next `count` prompt tokens (an echo's), from a prefill
+    chunk's `scores`."""
+    request = seq.completion.request
+    for j in range(count):
+      token = int(seq.prompt[len(seq.scores) + 1])
+      seq.scores.append(self._logprobs(request, token, scores, j))
+
+  def _logprobs(self, request, token: int, out: dict, row: int) -> tuple:
+    """(the token's text, its log-prob, {top text: log-prob}) from row `row` of `out`."""
+    top = {
+      token_text(self.tokenizer, int(i)): float(lp)
+      for i, lp in zip(out["top_ids"][row][: request.logprobs],
+                       out["top_logprobs"][row][: request.logprobs], strict=True)
+    }  # fmt: skip
+    return token_text(self.tokenizer, token), float(out["logprob"][row]), top
+
+  def _echo(self, seq: Sequence):
+    """What an echo sends with the sequence's first event: (its prompt's text, the prompt
+    tokens' log-probs: the first None), once; None without echo."""
+    request = seq.completion.request
+    if not request.echo or seq.echoed:
+      return None
+    seq.echoed = True
+    text = request.prompts[seq.index // request.n]
+    if request.logprobs is None:
+      return text, None
+    first = (token_text(self.tokenizer, int(seq.prompt[0])), None, None)
+    return text, [first, *seq.scores]
+
   def _give(self, seq: Sequence, out: dict, row: int) -> None:
     """The sequence's next token (row `row` of `out`) to its client; frees its slot at its end."""
+    echo = self._echo(seq)
+    if seq.completion.request.max_tokens == 0:  # an echo's prompt alone
+      self._end(seq, "length")
+      seq.completion.on_event(Event(seq.index, "", self.step, finish_reason="length", echo=echo))
+      return
     token = int(out["token"][row])
     now = time.perf_counter()
     if seq.given:
@@ -366,19 +412,19 @@ class Engine:
       finish, text = "length", text + seq.text.finish()
     logprobs = None
     if request.logprobs is not None:
-      top = {
-        token_text(self.tokenizer, int(i)): float(lp)
-        for i, lp in zip(out["top_ids"][row][: request.logprobs],
-                         out["top_logprobs"][row][: request.logprobs], strict=True)
-      }  # fmt: skip
-      logprobs = (token_text(self.tokenizer, token), float(out["logprob"][row]), top)
+      logprobs = self._logprobs(request, token, out, row)
     if finish is not None:
-      seq.ended = True
-      with self._lock:
-        if self._slots[seq.slot] is seq:
-          self._slots[seq.slot] = None
-      self.stats.count(f"finished_{finish}")
-    seq.completion.on_event(Event(seq.index, text, self.step, logprobs, finish, token=token))
+      self._end(seq, finish)
+    seq.completion.on_event(
+      Event(seq.index, text, self.step, logprobs, finish, token=token, echo=echo)
+    )
+
+  def _end(self, seq: Sequence, finish: str) -> None:
+    seq.ended = True
+    with self._lock:
+      if self._slots[seq.slot] is seq:
+        self._slots[seq.slot] = None
+    self.stats.count(f"finished_{finish}")
 
   def _fail_all(self, message: str) -> None:
     with self._lock:

@@ -6,7 +6,9 @@ Every response names the weights that produced it: `system_fingerprint` is `pwtr
 N the step of its newest token's weights (a streamed chunk: of its own token; the usage chunk:
 of the newest token of the whole response). Each choice's `weights` lists the runs of steps its
 tokens came from, [{"step", "tokens"}], in order, and `token_ids` its new tokens' ids (a streamed
-chunk: its own token's).
+chunk: its own token's). With `echo`, a choice's text starts with its prompt's, and with
+`logprobs` its log-probs start with its prompt tokens' (the first token's log-prob and top are
+null), as OpenAI's legacy completions give them.
 """
 
 import uuid
@@ -39,6 +41,8 @@ class Reply:
     if request.logprobs is not None:
       self.logprobs = [_empty_logprobs() for _ in range(count)]
     self.ended = 0
+    self.newest = -1  # the step of the newest token's weights
+    self.added = 0
 
   @property
   def done(self) -> bool:
@@ -46,16 +50,26 @@ class Reply:
 
   def add(self, event: Event) -> None:
     i = event.index
+    self.newest = max(self.newest, event.step)
+    self.added = 0  # log-prob entries this event adds
+    if event.echo is not None:  # the prompt first
+      prompt, scores = event.echo
+      self.texts[i] += prompt
+      if self.logprobs is not None and scores is not None:
+        for entry in scores:
+          _append_logprobs(self.logprobs[i], entry)
+        self.added += len(scores)
     self.texts[i] += event.text
-    runs = self.steps[i]
-    if runs and runs[-1][0] == event.step:
-      runs[-1][1] += 1
-    else:
-      runs.append([event.step, 1])
     if event.token is not None:
       self.ids[i].append(event.token)
+      runs = self.steps[i]
+      if runs and runs[-1][0] == event.step:
+        runs[-1][1] += 1
+      else:
+        runs.append([event.step, 1])
     if self.logprobs is not None and event.logprobs is not None:
       _append_logprobs(self.logprobs[i], event.logprobs)
+      self.added += 1
     if event.finish_reason is not None:
       self.finish[i] = event.finish_reason
       self.ended += 1
@@ -63,9 +77,10 @@ class Reply:
   def chunk(self, event: Event) -> dict:
     """The streamed chunk of `event` (after `add`)."""
     logprobs = None
-    if self.logprobs is not None and event.logprobs is not None:
-      logprobs = {k: v[-1:] for k, v in self.logprobs[event.index].items()}
-    choice = {"index": event.index, **self._content(event.text, chunk=True),
+    if self.logprobs is not None and self.added:
+      logprobs = {k: v[-self.added :] for k, v in self.logprobs[event.index].items()}
+    text = event.text if event.echo is None else event.echo[0] + event.text
+    choice = {"index": event.index, **self._content(text, chunk=True),
               "logprobs": logprobs, "finish_reason": event.finish_reason,
               "token_ids": [] if event.token is None else [event.token]}  # fmt: skip
     return {**self.head, **self._chunk_object(), "system_fingerprint": _fingerprint(event.step),
@@ -97,7 +112,7 @@ class Reply:
     return {}
 
   def _newest(self) -> str:
-    return _fingerprint(max(runs[-1][0] for runs in self.steps if runs))
+    return _fingerprint(self.newest)
 
   def _usage(self) -> dict:
     prompt, completion = self.completion.prompt_tokens, self.completion.completion_tokens

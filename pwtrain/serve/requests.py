@@ -159,7 +159,6 @@ def checked(fields: dict, prompts, encoded, limits: Limits, *, echo: bool, token
 def _unsupported(fields: dict) -> None:
   """Fields of OpenAI's API that would change the result and that this server does not do."""
   refused = {
-    "echo": fields.get("echo") not in (None, False),
     "suffix": fields.get("suffix") not in (None, ""),
     "best_of": fields.get("best_of") not in (None, 1, fields.get("n", 1)),
     "logit_bias": bool(fields.get("logit_bias")),

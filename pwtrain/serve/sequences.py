@@ -38,6 +38,7 @@ class Event:
   finish_reason: str | None = None
   error: str | None = None
   token: int | None = None
+  echo: tuple | None = None  # with the first event of an echo: (prompt text, its log-probs)
 
 
 class Completion:
@@ -70,6 +71,8 @@ class Sequence:
   asked: int = 0  # tokens the dispatched programs produce for it (its next one's index)
   given: list = dataclasses.field(default_factory=list)  # tokens given to its client
   ended: bool = False
+  scores: list = dataclasses.field(default_factory=list)  # an echo's prompt log-probs so far
+  echoed: bool = False  # the echo went with its first event
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   last: float = 0.0  # when its last token was given
 
@@ -77,6 +80,8 @@ class Sequence:
     """(Again) from its prefill: its prompt and every token given so far."""
     self.context = np.concatenate([self.prompt, self.given]).astype(np.int32)
     self.fed, self.asked = 0, len(self.given)
+    if not self.echoed:
+      self.scores = []
 
   @property
   def prefilling(self) -> bool:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -114,13 +115,19 @@ class Server:
     return self
 
   def run(self) -> None:
-    """Serves in the foreground until interrupted (Ctrl-C, SIGTERM), then stops."""
+    """Serves in the foreground until interrupted (Ctrl-C, SIGTERM), then stops and returns
+    (uvicorn stops on either signal, then raises it again for the handler before it: here a
+    KeyboardInterrupt, which ends the serving, not the process)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
       self._wait_for_engine()
       log.warning("serving the model at %s/v1 (OpenAI completions); Ctrl-C stops", self.url)
       self._uvicorn.run(sockets=[self.sock])
+    except KeyboardInterrupt:
+      log.warning("stopping")
     finally:
       self.stop()
+      signal.signal(signal.SIGTERM, previous)
 
   def _wait_for_engine(self) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -140,6 +147,10 @@ class Server:
       self._thread.join()
       self._thread = None
     self.source.close()
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 def _server(config, source, controller, tokenizer, sock, workdir: str) -> Server:
