@@ -31,11 +31,12 @@ Moving, not keeping, the start weights is what serving in place allows: keeping 
 need a copy of the parameters for as long as the completion runs, since the next step donates
 them.
 
-Faults. A program that fails because the weights are not published yet, or because an island
-was lost (elastic pods), makes the engine start again on what is there: the layout read again
-(a live pod), its pieces compiled if new, the caches made afresh, and every sequence in a slot
-prefilled again with its prompt and the tokens it was given, which it then continues. The
-server itself never stops for it.
+Faults. A program that fails because the weights moved (not published yet, an island lost,
+an array it read deleted: a pod's rejoin replaced the state) makes the engine start again on
+what is there: the layout read again (a live pod), its pieces compiled if new, the caches made
+afresh, and every sequence in a slot prefilled again with its prompt and the tokens it was
+given, which it then continues; no request fails for it. Any other failure fails the requests
+of the program (or the token) it came from, no others, and the rest start again the same way.
 """
 
 import collections
@@ -48,6 +49,7 @@ import numpy as np
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import NotPublished
 from pwtrain.serve import pieces as pieces_lib
+from pwtrain.serve import tokens
 from pwtrain.serve.flights import Flight, Landing, fetch
 from pwtrain.serve.metrics import Stats
 from pwtrain.serve.sequences import (
@@ -59,7 +61,7 @@ from pwtrain.serve.sequences import (
   choice_seed,
   sampling_rows,
 )
-from pwtrain.serve.text import TextStream, token_text
+from pwtrain.serve.text import TextStream
 from pwtrain.serve.weights import NoLivePod
 
 log = logging.getLogger(__name__)
@@ -175,11 +177,12 @@ class Engine:
           pass
         if self._flights:
           self._land()
-      except (IslandLost, NotPublished, NoLivePod) as e:
-        log.warning("serving starts again on the live weights: %s", e)
-        self._restart()
-        time.sleep(RETRY_S)
       except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
+        if _moved(e):
+          log.warning("serving starts again on the live weights: %s", e)
+          self._restart()
+          time.sleep(RETRY_S)
+          continue
         log.exception("serving failed")
         self.error = f"{type(e).__name__}: {e}"
         failed = getattr(e, "sequences", None)  # a program's or a sequence's own failure
@@ -266,10 +269,8 @@ class Engine:
       return False
     try:
       dispatch()
-    except (IslandLost, NotPublished, NoLivePod):
-      raise
     except Exception as e:  # noqa: BLE001 - the sequences it was for fail, no others
-      raise _failing(e, serves) from None
+      raise e if _moved(e) else _failing(e, serves) from None
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
@@ -338,15 +339,14 @@ class Engine:
       return
     self._flights.popleft()
     if flight.error is not None:
-      if isinstance(flight.error, IslandLost | NotPublished | NoLivePod):
-        raise flight.error
-      raise _failing(flight.error, flight.serves)
+      error = flight.error
+      raise error if _moved(error) else _failing(error, flight.serves)
     values = flight.values
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()
     if flight.scored is not None:
-      self._scored(*flight.scored, values["out"]["scores"])
+      tokens.scored(*flight.scored, values["out"]["scores"], self.tokenizer)
     for row, seq in flight.rows.items():
       if not seq.ended:
         try:
@@ -355,69 +355,12 @@ class Engine:
           log.exception("serving a token failed")
           self._fail([seq], f"the server failed: {type(e).__name__}: {e}")
 
-  def _scored(self, seq: Sequence, count: int, scores: dict) -> None:
-    """The log-probs of the sequence's next `count` prompt tokens (an echo's), from a prefill
-    chunk's `scores`."""
-    request = seq.completion.request
-    for j in range(count):
-      token = int(seq.prompt[len(seq.scores) + 1])
-      seq.scores.append(self._logprobs(request, token, scores, j))
-
-  def _logprobs(self, request, token: int, out: dict, row: int) -> tuple:
-    """(the token's text, its log-prob, {top text: log-prob}) from row `row` of `out`."""
-    top = {
-      token_text(self.tokenizer, int(i)): float(lp)
-      for i, lp in zip(out["top_ids"][row][: request.logprobs],
-                       out["top_logprobs"][row][: request.logprobs], strict=True)
-    }  # fmt: skip
-    return token_text(self.tokenizer, token), float(out["logprob"][row]), top
-
-  def _echo(self, seq: Sequence):
-    """What an echo sends with the sequence's first event: (its prompt's text, the prompt
-    tokens' log-probs: the first None), once; None without echo."""
-    request = seq.completion.request
-    if not request.echo or seq.echoed:
-      return None
-    seq.echoed = True
-    text = request.prompts[seq.index // request.n]
-    if request.logprobs is None:
-      return text, None
-    first = (token_text(self.tokenizer, int(seq.prompt[0])), None, None)
-    return text, [first, *seq.scores]
-
   def _give(self, seq: Sequence, out: dict, row: int) -> None:
     """The sequence's next token (row `row` of `out`) to its client; frees its slot at its end."""
-    echo = self._echo(seq)
-    if seq.completion.request.max_tokens == 0:  # an echo's prompt alone
-      self._end(seq, "length")
-      seq.completion.on_event(Event(seq.index, "", self.step, finish_reason="length", echo=echo))
-      return
-    token = int(out["token"][row])
-    now = time.perf_counter()
-    if seq.given:
-      self.stats.observe("time_per_output_token_seconds", now - seq.last)
-    else:
-      self.stats.observe("time_to_first_token_seconds", now - seq.submitted)
-    seq.last = now
-    seq.given.append(token)
-    seq.completion.completion_tokens += 1
-    self.stats.count("completion_tokens")
-    request = seq.completion.request
-    if token == self.tokenizer.eos_id:
-      finish, text = "stop", seq.text.finish()
-    else:
-      text, stopped = seq.text.add(token)
-      finish = "stop" if stopped else None
-    if finish is None and len(seq.given) >= request.max_tokens:
-      finish, text = "length", text + seq.text.finish()
-    logprobs = None
-    if request.logprobs is not None:
-      logprobs = self._logprobs(request, token, out, row)
-    if finish is not None:
-      self._end(seq, finish)
-    seq.completion.on_event(
-      Event(seq.index, text, self.step, logprobs, finish, token=token, echo=echo)
-    )
+    event = tokens.next_event(seq, out, row, self.step, self.tokenizer, self.stats)
+    if event.finish_reason is not None:
+      self._end(seq, event.finish_reason)
+    seq.completion.on_event(event)
 
   def _end(self, seq: Sequence, finish: str) -> None:
     seq.ended = True
@@ -428,8 +371,7 @@ class Engine:
 
   def _fail_all(self, message: str) -> None:
     with self._lock:
-      ended = [s for s in self._slots if s is not None] + list(self._waiting)
-    self._fail(ended, message)
+      self._fail([s for s in self._slots if s is not None] + list(self._waiting), message)
 
   def _fail(self, sequences, message: str) -> None:
     """Ends `sequences` (and the other choices of their requests) with an error event."""
@@ -443,6 +385,13 @@ class Engine:
       seq.ended = True
       self.stats.count("failed")
       seq.completion.on_event(Event(seq.index, "", self.step or 0, error=message))
+
+
+def _moved(error: BaseException) -> bool:
+  """Whether `error` says the weights moved (the module doc's Faults)."""
+  if isinstance(error, IslandLost | NotPublished | NoLivePod):
+    return True
+  return isinstance(error, RuntimeError) and "has been deleted" in str(error)
 
 
 def _failing(error: BaseException, sequences) -> BaseException:
