@@ -368,6 +368,36 @@ def test_a_client_that_leaves_a_waiting_completion_frees_its_slots(server):
   assert cancelled() - before == MAX_BATCH
 
 
+def test_weights_deleted_under_a_completion_are_the_weights_moving(server, trained):
+  """The published weights' arrays deleted while a completion streams (as a pod's rejoin
+  replaces the state serving reads), then new weights published: the completion goes on to
+  its end on the new weights, no error."""
+  import jax
+
+  from pwtrain import inference
+
+  config, workdir, _ = trained
+  source = server.source
+
+  def publish() -> dict:
+    step, _, params = inference.restore_params(config, str(workdir), source.mesh)
+    replicated = jax.sharding.NamedSharding(source.mesh, jax.sharding.PartitionSpec())
+    value = {"params": params, "step": jax.device_put(np.int32(step), replicated)}
+    source.controller.publish(source.layout().cells[0].island, source.NAME, value).result()
+    return value
+
+  first = publish()
+  chunks = _client(server).completions.create(
+    model="m", prompt="a", max_tokens=MAX_LEN - 2, temperature=0, stream=True
+  )
+  texts = [next(chunks).choices[0]]
+  jax.tree.map(lambda a: a.delete(), first)  # serving's next programs read deleted arrays
+  time.sleep(0.5)
+  publish()
+  texts += [c.choices[0] for c in chunks]  # an error chunk would fail to parse as a choice
+  assert texts[-1].finish_reason == "length", texts[-1]
+
+
 def _metric(server, name: str) -> float:
   text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
   return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
