@@ -88,6 +88,7 @@ class Engine:
     self._slots: list[Sequence | None] = [None] * self.max_batch
     self._built: dict = {}  # layout key -> Pieces
     self._pieces: pieces_lib.Pieces | None = None
+    self._served = None  # the key of the layout served last
     self._carried: dict = {}  # the caches and `last`: the newest program's outputs
     self._flights: collections.deque = collections.deque()
     self._landing = Landing(self._lock, controller)  # marks each flight ready
@@ -241,8 +242,9 @@ class Engine:
       return False
     self.awaiting_weights = False
     self._carried = self.controller.run(pieces.init, {}, priority=True)
-    self._pieces = pieces
-    log.info("serving from islands %s", ",".join(layout.islands))
+    if self._served != layout.key:  # moved (not started again on the same islands)
+      log.info("serving from islands %s", ",".join(layout.islands))
+    self._pieces, self._served = pieces, layout.key
     return True
 
   def _restart(self) -> None:
@@ -365,8 +367,7 @@ class Engine:
   def _end(self, seq: Sequence, finish: str) -> None:
     seq.ended = True
     with self._lock:
-      if self._slots[seq.slot] is seq:
-        self._slots[seq.slot] = None
+      self._slots = [None if s is seq else s for s in self._slots]
     self.stats.count(f"finished_{finish}")
 
   def _fail_all(self, message: str) -> None:
@@ -395,6 +396,5 @@ def _moved(error: BaseException) -> bool:
 
 
 def _failing(error: BaseException, sequences) -> BaseException:
-  """`error`, naming the sequences whose program it failed (the engine fails those alone)."""
-  error.sequences = list(sequences)
+  error.sequences = list(sequences)  # whose program it failed: the engine fails those alone
   return error
