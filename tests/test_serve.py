@@ -8,6 +8,8 @@ import itertools
 import json
 import logging
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 from helpers import REPO, small_config
+from prometheus_client.parser import text_string_to_metric_families
 
 from pwtrain import sample, serve, train
 from pwtrain.data import ByteTokenizer
@@ -164,7 +167,9 @@ def test_bad_input_gets_400_and_the_server_goes_on(server):
     json.dumps({"prompt": "hi", "top_p": 0}).encode(): "top_p",
     json.dumps({"prompt": "hi", "logprobs": 9}).encode(): "logprobs",
     json.dumps({"prompt": "hi", "stop": ["a", ""]}).encode(): "stop",
-    json.dumps({"prompt": "hi", "echo": True}).encode(): "echo",
+    json.dumps({"prompt": "hi", "echo": 1}).encode(): "echo",
+    json.dumps({"prompt": "hi", "suffix": "x"}).encode(): "suffix",
+    json.dumps({"prompt": [1, "a"]}).encode(): "prompt",
   }
   for body, param in cases.items():
     response = _post(server, body)
@@ -215,8 +220,187 @@ def test_a_full_queue_gets_429_and_a_client_that_leaves_frees_its_slots(server):
     served = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
     assert served.status_code == 200
   metrics = httpx.get(f"{server.url}/metrics", headers=headers).text
-  assert re.search(r'^pwtrain_serve_requests_total\{code="429"\} [1-9]', metrics, re.M)
+  assert re.search(r'^pwtrain_serve_requests_total\{code="429",path="/v1/completions"\} [1-9]',
+                   metrics, re.M)  # fmt: skip
   assert re.search(r"^pwtrain_serve_cancelled_total [1-9]", metrics, re.M)
+
+
+def test_no_request_fails_because_of_another(server, monkeypatch):
+  """Numbers out of any range the engine takes (int32 settings, a temperature, a 64-bit seed)
+  are 400s naming the field, while a request in flight goes on untouched; and a failure in the
+  engine's thread for one request's tokens (the int32 overflow an unchecked top_k made, forced
+  here for top_k=123) fails that request alone: the one beside it completes."""
+  from pwtrain.serve import engine as engine_lib
+
+  client = _client(server)
+  pool = concurrent.futures.ThreadPoolExecutor(2)
+  beside = pool.submit(
+    client.completions.create, model="m", prompt="def ", max_tokens=40, temperature=0
+  )
+  bad = {
+    "top_k": 2**31, "max_tokens": 10**30, "n": 2**64, "logprobs": 2**40, "temperature": 1e308,
+    "seed": 2**70, "top_p": 1e-400,
+  }  # fmt: skip
+  for field, value in bad.items():
+    response = _post(server, {"prompt": "hi", "max_tokens": 2, field: value})
+    assert response.status_code == 400, (field, response.text)
+    assert response.json()["error"]["param"] == field
+  assert beside.result().choices[0].finish_reason == "length"
+
+  rows = engine_lib.sampling_rows
+
+  def overflowing(seqs, num_rows):
+    if any(seq.completion.request.top_k == 123 for seq in seqs.values()):
+      np.int32(2**31)  # OverflowError, as an unchecked top_k of 2**31 made
+    return rows(seqs, num_rows)
+
+  monkeypatch.setattr(engine_lib, "sampling_rows", overflowing)
+  beside = pool.submit(
+    client.completions.create, model="m", prompt="def ", max_tokens=40, temperature=0
+  )
+  _wait(lambda: _health(server)["busy"] >= 1)
+  failing = _post(server, {"prompt": "hi", "max_tokens": 30, "top_k": 123})
+  assert failing.status_code == 503 and "OverflowError" in failing.json()["error"]["message"]
+  assert beside.result().choices[0].finish_reason == "length"
+  pool.shutdown()
+
+
+def test_every_error_is_openai_s_body_and_counted(server):
+  """404, 405, an integer past Python's 4300 digits, a lone surrogate in the prompt or the stop
+  strings and JSON nested past the parser's recursion: each OpenAI's error body with its status,
+  and /metrics counts each by status and path, exactly."""
+  headers = {"Authorization": f"Bearer {TOKEN}"}
+
+  def counts() -> dict:
+    out = {}
+    for family in text_string_to_metric_families(
+      httpx.get(f"{server.url}/metrics", headers=headers).text
+    ):
+      if family.name == "pwtrain_serve_requests":
+        for sample_ in family.samples:
+          if sample_.name.endswith("_total"):
+            out[sample_.labels["code"], sample_.labels["path"]] = sample_.value
+    return out
+
+  before = counts()
+  sent = [
+    (httpx.get(f"{server.url}/v1/nothing", headers=headers), 404, "other"),
+    (httpx.get(f"{server.url}/v1/completions", headers=headers), 405, "/v1/completions"),
+    (_post(server, b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"), 400, None),
+    (_post(server, b'{"prompt": "a\\ud800b"}'), 400, None),
+    (_post(server, b'{"prompt": "a", "stop": ["\\udfff"]}'), 400, None),
+    (_post(server, b"[" * 100_000 + b"]" * 100_000), 400, None),
+  ]
+  chat = httpx.post(f"{server.url}/v1/chat/completions", headers=headers,
+                    json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+  assert "no chat template" in chat.json()["error"]["message"]  # a byte model has none
+  sent.append((chat, 400, None))
+  for response, status, _ in sent:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+  after = counts()
+  added = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+  assert added == {("404", "other"): 1, ("405", "/v1/completions"): 1,
+                   ("400", "/v1/completions"): 4, ("400", "/v1/chat/completions"): 1,
+                   ("200", "/metrics"): 1}  # fmt: skip
+
+
+def test_metrics_are_prometheus_client_s(server):
+  """/metrics parses as Prometheus' format, has the standard process metrics, and its token
+  counter moves by exactly the tokens a response reports."""
+  headers = {"Authorization": f"Bearer {TOKEN}"}
+
+  def scrape() -> dict:
+    text = httpx.get(f"{server.url}/metrics", headers=headers).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+  before = scrape()
+  out = _client(server).completions.create(model="m", prompt="ab", max_tokens=7, temperature=0)
+  after = scrape()
+  for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "slots"):
+    assert name in after or f"pwtrain_serve_{name}" in after, name
+  tokens = "pwtrain_serve_completion_tokens_total"
+  assert after[tokens] - before[tokens] == out.usage.completion_tokens
+  assert after["pwtrain_serve_weights_step"] == STEPS
+
+
+def test_a_body_over_the_limit_is_refused_as_it_is_read(server):
+  """A chunked body (no declared length) of up to 200 MiB: the 413 comes once the limit is
+  read, not after the whole body."""
+  from pwtrain.serve.app import MAX_BODY
+
+  host, port = server.sock.getsockname()[:2]
+  piece = b"x" * (1 << 20)
+  chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
+  sent = 0
+  with socket.create_connection((host, port), timeout=60) as conn:
+    conn.sendall(
+      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+      b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+    )
+    answer, pending = b"", b""
+    while sent < 200 << 20 and not answer:
+      readable, writable, _ = select.select([conn], [conn], [], 60)
+      if readable:
+        answer = conn.recv(4096)
+      elif writable:
+        if not pending:
+          pending, sent = chunk, sent + len(piece)
+        pending = pending[conn.send(pending) :]  # a chunk whole, however the socket takes it
+  assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+  assert sent < MAX_BODY + (32 << 20), sent
+
+
+def test_a_client_that_leaves_a_waiting_completion_frees_its_slots(server):
+  """A non-streamed completion of every slot whose client closes its connection once the slots
+  are busy: its sequences are cancelled at their next token, not run to max_tokens."""
+  cancelled = lambda: _metric(server, "pwtrain_serve_cancelled_total")
+  before = cancelled()
+  body = json.dumps({"prompt": "a", "max_tokens": MAX_LEN - 2, "n": MAX_BATCH, "temperature": 0})
+  with socket.create_connection(server.sock.getsockname()[:2], timeout=60) as conn:
+    conn.sendall(
+      f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    _wait(lambda: _health(server)["busy"] == MAX_BATCH)
+  _wait(lambda: _health(server)["busy"] == 0)
+  assert cancelled() - before == MAX_BATCH
+
+
+def test_weights_deleted_under_a_completion_are_the_weights_moving(server, trained):
+  """The published weights' arrays deleted while a completion streams (as a pod's rejoin
+  replaces the state serving reads), then new weights published: the completion goes on to
+  its end on the new weights, no error."""
+  import jax
+
+  from pwtrain import inference
+
+  config, workdir, _ = trained
+  source = server.source
+
+  def publish() -> dict:
+    step, _, params = inference.restore_params(config, str(workdir), source.mesh)
+    replicated = jax.sharding.NamedSharding(source.mesh, jax.sharding.PartitionSpec())
+    value = {"params": params, "step": jax.device_put(np.int32(step), replicated)}
+    source.controller.publish(source.layout().cells[0].island, source.NAME, value).result()
+    return value
+
+  first = publish()
+  chunks = _client(server).completions.create(
+    model="m", prompt="a", max_tokens=MAX_LEN - 2, temperature=0, stream=True
+  )
+  texts = [next(chunks).choices[0]]
+  jax.tree.map(lambda a: a.delete(), first)  # serving's next programs read deleted arrays
+  time.sleep(0.5)
+  publish()
+  texts += [c.choices[0] for c in chunks]  # an error chunk would fail to parse as a choice
+  assert texts[-1].finish_reason == "length", texts[-1]
+
+
+def _metric(server, name: str) -> float:
+  text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+  return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
 def _health(server) -> dict:
@@ -551,8 +735,8 @@ def test_outputs_deleted_with_a_lost_island_after_they_ran_read_as_its_loss():
 @pytest.mark.processes
 def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
   """`python -m pwtrain.serve` serves the run's checkpoint (config.json, --port=0); when the run
-  goes on and writes a newer checkpoint, responses come from it (serve.reload). A bad serve.*
-  setting is one line."""
+  goes on and writes a newer checkpoint, responses come from it (serve.reload); Ctrl-C ends it
+  with status 0 and no traceback. A bad serve.* setting is one line."""
   config, workdir, _ = trained
   run = tmp_path / "run"
   subprocess.run(["cp", "-r", str(workdir), str(run)], check=True)
@@ -566,8 +750,9 @@ def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
     [*command, "--port=0", "--config.serve.reload_poll_s=0.2"], cwd=REPO, text=True,
     stderr=subprocess.PIPE,
   )  # fmt: skip
+  lines: list[str] = []
   try:
-    url = _served_url(process)
+    url = _served_url(process, lines)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
     first = client.completions.create(model="m", prompt="def ", max_tokens=3, temperature=0)
     assert first.system_fingerprint == f"pwtrain-step-{STEPS}"
@@ -575,13 +760,15 @@ def test_the_command_serves_and_reloads_a_newer_checkpoint(trained, tmp_path):
     train.run(more, str(run), show_progress=False)
     _wait(lambda: client.completions.create(model="m", prompt="def ", max_tokens=1)
           .system_fingerprint == f"pwtrain-step-{STEPS + 2}")  # fmt: skip
+    process.send_signal(signal.SIGINT)  # Ctrl-C: a clean exit
+    assert process.wait(timeout=60) == 0
+    assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
   finally:
-    process.terminate()
+    process.kill()
     process.wait(timeout=60)
 
 
-def _served_url(process) -> str:
-  lines = []
+def _served_url(process, lines: list) -> str:
 
   def read():
     for line in process.stderr:

@@ -3,7 +3,8 @@ run (`<workdir>/tokenizer/`) and back out with an export.
 
 A checkpoint's `tokenizer.json` (the `tokenizers` library's file, which pwtrain's
 data.tokenizer="huggingface" reads) is required; `tokenizer_config.json`,
-`special_tokens_map.json` and `generation_config.json` travel with it where they exist. The
+`special_tokens_map.json`, `generation_config.json` and `chat_template.jinja` (the chat template,
+where transformers 5 writes it) travel with it where they exist. The
 tokenizer must fit the model: no more ids than model.vocab_size, and the end-of-sequence token
 (tokenizer_config.json's `eos_token`, else config.json's first `eos_token_id`) must be one of its
 ids. Generation stops where transformers' `generate` stops: at every id of `eos_token_id` (an id
@@ -18,7 +19,12 @@ from pwtrain.convert.hf_config import read_json
 from pwtrain.errors import DataError
 
 TOKENIZER = "tokenizer.json"
-COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+COMPANIONS = (
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "generation_config.json",
+  "chat_template.jinja",  # transformers 5 writes the chat template here
+)
 RUN_DIR = "tokenizer"  # under the workdir
 
 

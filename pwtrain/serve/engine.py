@@ -31,11 +31,12 @@ Moving, not keeping, the start weights is what serving in place allows: keeping 
 need a copy of the parameters for as long as the completion runs, since the next step donates
 them.
 
-Faults. A program that fails because the weights are not published yet, or because an island
-was lost (elastic pods), makes the engine start again on what is there: the layout read again
-(a live pod), its pieces compiled if new, the caches made afresh, and every sequence in a slot
-prefilled again with its prompt and the tokens it was given, which it then continues. The
-server itself never stops for it.
+Faults. A program that fails because the weights moved (not published yet, an island lost,
+an array it read deleted: a pod's rejoin replaced the state) makes the engine start again on
+what is there: the layout read again (a live pod), its pieces compiled if new, the caches made
+afresh, and every sequence in a slot prefilled again with its prompt and the tokens it was
+given, which it then continues; no request fails for it. Any other failure fails the requests
+of the program (or the token) it came from, no others, and the rest start again the same way.
 """
 
 import collections
@@ -48,6 +49,7 @@ import numpy as np
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import NotPublished
 from pwtrain.serve import pieces as pieces_lib
+from pwtrain.serve import tokens
 from pwtrain.serve.flights import Flight, Landing, fetch
 from pwtrain.serve.metrics import Stats
 from pwtrain.serve.sequences import (
@@ -59,7 +61,7 @@ from pwtrain.serve.sequences import (
   choice_seed,
   sampling_rows,
 )
-from pwtrain.serve.text import TextStream, token_text
+from pwtrain.serve.text import TextStream
 from pwtrain.serve.weights import NoLivePod
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Engine:
     self._slots: list[Sequence | None] = [None] * self.max_batch
     self._built: dict = {}  # layout key -> Pieces
     self._pieces: pieces_lib.Pieces | None = None
+    self._served = None  # the key of the layout served last
     self._carried: dict = {}  # the caches and `last`: the newest program's outputs
     self._flights: collections.deque = collections.deque()
     self._landing = Landing(self._lock, controller)  # marks each flight ready
@@ -175,16 +178,22 @@ class Engine:
           pass
         if self._flights:
           self._land()
-      except (IslandLost, NotPublished, NoLivePod) as e:
-        log.warning("serving starts again on the live weights: %s", e)
-        self._restart()
-        time.sleep(RETRY_S)
       except Exception as e:  # noqa: BLE001 - a bug: the requests fail, the server goes on
+        if _moved(e):
+          log.warning("serving starts again on the live weights: %s", e)
+          self._restart()
+          time.sleep(RETRY_S)
+          continue
         log.exception("serving failed")
         self.error = f"{type(e).__name__}: {e}"
-        self._fail_all(f"the server failed: {self.error}")
+        failed = getattr(e, "sequences", None)  # a program's or a sequence's own failure
+        if failed is None:
+          self._fail_all(f"the server failed: {self.error}")
+        else:
+          self._fail(failed, f"the server failed: {self.error}")
         self._restart()
-        time.sleep(FAILED_S)
+        if failed is None:
+          time.sleep(FAILED_S)
     self._fail_all("the server is stopping")
 
   def _leave_cancelled(self) -> None:
@@ -233,8 +242,9 @@ class Engine:
       return False
     self.awaiting_weights = False
     self._carried = self.controller.run(pieces.init, {}, priority=True)
-    self._pieces = pieces
-    log.info("serving from islands %s", ",".join(layout.islands))
+    if self._served != layout.key:  # moved (not started again on the same islands)
+      log.info("serving from islands %s", ",".join(layout.islands))
+    self._pieces, self._served = pieces, layout.key
     return True
 
   def _restart(self) -> None:
@@ -254,19 +264,24 @@ class Engine:
     prefilling = [s for s in active if s.prefilling]
     decoding = [s for s in active if s.decoding]
     if prefilling and (self._prefill_next or not decoding):
-      self._prefill(prefilling[0])
+      serves, dispatch = prefilling[:1], lambda: self._prefill(prefilling[0])
     elif decoding:
-      self._decode(decoding)
+      serves, dispatch = decoding, lambda: self._decode(decoding)
     else:
       return False
+    try:
+      dispatch()
+    except Exception as e:  # noqa: BLE001 - the sequences it was for fail, no others
+      raise e if _moved(e) else _failing(e, serves) from None
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
-  def _run(self, program, inputs: dict, rows: dict) -> None:
+  def _run(self, program, inputs: dict, rows: dict, serves: list, scored=None) -> None:
     inputs = {**self._pieces.weights(), **self._carried, **inputs}
     outputs = self.controller.run(program, inputs, priority=True)
     self._carried = {k: v for k, v in outputs.items() if k.startswith("cache/") or k == "last"}
-    flight = Flight({k: v for k, v in outputs.items() if k not in self._carried}, rows)
+    outputs = {k: v for k, v in outputs.items() if k not in self._carried}
+    flight = Flight(outputs, rows, serves, scored)
     self._flights.append(flight)
     self._landing.watch(flight)
 
@@ -277,16 +292,24 @@ class Engine:
     positions = np.minimum(start + np.arange(self.chunk), self.max_len - 1)[None].astype(np.int32)
     seq.fed = start + len(piece)
     final = seq.fed == len(seq.context)
+    request = seq.completion.request
+    score = request.echo and request.logprobs is not None and not seq.echoed
+    targets = np.zeros((1, self.chunk), np.int32)  # each position's next prompt token
+    after = seq.prompt[start + 1 : start + 1 + self.chunk]
+    targets[0, : len(after)] = after
     inputs = {
       "tokens": tokens,
       "positions": positions,
       "slot": np.asarray([seq.slot], np.int32),
       "logits_at": np.asarray([len(piece) - 1], np.int32),
       "final": np.asarray([final]),
+      "targets": targets,
+      "score": np.asarray([score]),
       "sampling": sampling_rows({0: seq}, 1),
     }
     self.stats.count("prefill_chunks")
-    self._run(self._pieces.prefill, inputs, {0: seq} if final else {})
+    scored = (seq, len(after)) if score else None  # the prompt tokens it scores
+    self._run(self._pieces.prefill, inputs, {0: seq} if final else {}, [seq], scored)
     if final:
       seq.asked += 1
 
@@ -303,7 +326,7 @@ class Engine:
       "sampling": sampling_rows(rows, self.max_batch),
     }
     self.stats.count("decode_steps")
-    self._run(self._pieces.decode, inputs, rows)
+    self._run(self._pieces.decode, inputs, rows, decoding)
     for seq in decoding:
       seq.fed, seq.asked = seq.fed + 1, seq.asked + 1
 
@@ -318,66 +341,60 @@ class Engine:
       return
     self._flights.popleft()
     if flight.error is not None:
-      raise flight.error
+      error = flight.error
+      raise error if _moved(error) else _failing(error, flight.serves)
     values = flight.values
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()
+    if flight.scored is not None:
+      tokens.scored(*flight.scored, values["out"]["scores"], self.tokenizer)
     for row, seq in flight.rows.items():
       if not seq.ended:
-        self._give(seq, values["out"], row)
+        try:
+          self._give(seq, values["out"], row)
+        except Exception as e:  # noqa: BLE001 - this sequence's own: it alone fails
+          log.exception("serving a token failed")
+          self._fail([seq], f"the server failed: {type(e).__name__}: {e}")
 
   def _give(self, seq: Sequence, out: dict, row: int) -> None:
     """The sequence's next token (row `row` of `out`) to its client; frees its slot at its end."""
-    token = int(out["token"][row])
-    now = time.perf_counter()
-    if seq.given:
-      self.stats.observe("time_per_output_token_seconds", now - seq.last)
-    else:
-      self.stats.observe("time_to_first_token_seconds", now - seq.submitted)
-    seq.last = now
-    seq.given.append(token)
-    seq.completion.completion_tokens += 1
-    self.stats.count("completion_tokens")
-    request = seq.completion.request
-    if token in self.tokenizer.stop_ids and not request.ignore_eos:
-      finish, text = "stop", seq.text.finish()
-    else:
-      text, stopped = seq.text.add(token)
-      finish = "stop" if stopped else None
-    if finish is None and len(seq.given) >= request.max_tokens:
-      finish, text = "length", text + seq.text.finish()
-    logprobs = None
-    if request.logprobs is not None:
-      top = {
-        token_text(self.tokenizer, int(i)): float(lp)
-        for i, lp in zip(out["top_ids"][row][: request.logprobs],
-                         out["top_logprobs"][row][: request.logprobs], strict=True)
-      }  # fmt: skip
-      logprobs = (token_text(self.tokenizer, token), float(out["logprob"][row]), top)
-    if finish is not None:
-      seq.ended = True
-      with self._lock:
-        if self._slots[seq.slot] is seq:
-          self._slots[seq.slot] = None
-      self.stats.count(f"finished_{finish}")
-    seq.completion.on_event(
-      Event(
-        seq.index,
-        text,
-        self.step,
-        logprobs,
-        finish,
-        token=token,
-        sampled_logprob=float(out["sampled_logprob"][row]),
-      )  # fmt: skip
-    )
+    event = tokens.next_event(seq, out, row, self.step, self.tokenizer, self.stats)
+    if event.finish_reason is not None:
+      self._end(seq, event.finish_reason)
+    seq.completion.on_event(event)
+
+  def _end(self, seq: Sequence, finish: str) -> None:
+    seq.ended = True
+    with self._lock:
+      self._slots = [None if s is seq else s for s in self._slots]
+    self.stats.count(f"finished_{finish}")
 
   def _fail_all(self, message: str) -> None:
     with self._lock:
-      ended = [s for s in self._slots if s is not None] + list(self._waiting)
-      self._slots = [None] * self.max_batch
-      self._waiting.clear()
+      self._fail([s for s in self._slots if s is not None] + list(self._waiting), message)
+
+  def _fail(self, sequences, message: str) -> None:
+    """Ends `sequences` (and the other choices of their requests) with an error event."""
+    completions = {id(s.completion) for s in sequences}
+    with self._lock:
+      ended = [s for s in self._slots if s is not None and id(s.completion) in completions]
+      ended += [s for s in self._waiting if id(s.completion) in completions]
+      self._slots = [None if s in ended else s for s in self._slots]
+      self._waiting = collections.deque(s for s in self._waiting if s not in ended)
     for seq in ended:
       seq.ended = True
+      self.stats.count("failed")
       seq.completion.on_event(Event(seq.index, "", self.step or 0, error=message))
+
+
+def _moved(error: BaseException) -> bool:
+  """Whether `error` says the weights moved (the module doc's Faults)."""
+  if isinstance(error, IslandLost | NotPublished | NoLivePod):
+    return True
+  return isinstance(error, RuntimeError) and "has been deleted" in str(error)
+
+
+def _failing(error: BaseException, sequences) -> BaseException:
+  error.sequences = list(sequences)  # whose program it failed: the engine fails those alone
+  return error

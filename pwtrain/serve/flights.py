@@ -18,7 +18,9 @@ class Flight:
   for, and once ready, the outputs on the host (`values`) or the error that stopped them."""
 
   outputs: dict
-  rows: dict  # row -> sequence
+  rows: dict  # row -> sequence given a token
+  serves: list  # every sequence it runs for (a prefill chunk's, or the decoding ones)
+  scored: tuple | None = None  # (sequence, prompt tokens): an echo's prompt log-probs it gives
   ready: threading.Event = dataclasses.field(default_factory=threading.Event)
   values: dict | None = None
   error: BaseException | None = None

@@ -11,7 +11,10 @@ reads the tokens afterwards. A sequence holds one slot from its prefill to its l
   init      zeros into every cell's cache and `last`.
   prefill   one chunk of `chunk` tokens of one sequence into its slot (cache rows [slot]),
             right-padded; the last chunk (`final`) picks the sequence's next token from its last
-            position and puts it in `last`.
+            position and puts it in `last`. With `score` (an echo with logprobs), it also gives
+            each position's log-probability of `targets` (the prompt's next token) and the TOP
+            most likely ids' (the head over every position of the chunk, in a branch that
+            runs only then).
   decode    one token of every slot at its own position, fed its `last`; the slots that are not
             decoding (`active` false: free, or between prefill chunks) keep their `last` and are
             fed at position max_len - 1, a scratch position that no sequence uses (a sequence of
@@ -164,6 +167,7 @@ def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: i
   if cell.last:
     if prefill:
       args += [host((1,), np.int32), host((1,), np.bool_)]  # logits_at; final
+      args += [host((1, length), np.int32), host((1,), np.bool_)]  # targets; score
     else:
       args.append(host((rows,), np.bool_))  # active
     args += [{k: host((rows,), dtype) for k, dtype in SAMPLING.items()}, shapes.last]
@@ -198,7 +202,7 @@ class _Chain:
     if prefill:
       args.append("slot")
     if cell.last:
-      args += ["logits_at", "final"] if prefill else ["active"]
+      args += ["logits_at", "final", "targets", "score"] if prefill else ["active"]
       args += ["sampling", "last"]
     self.nodes.append(Node(f"{self.kind}{i}", executable, tuple(args)))
 
@@ -230,15 +234,25 @@ def _cell_fn(cell: Cell, prefill: bool, num_tokens: int):
     rows = extra[0] if prefill else None
     if cell.first and not prefill:
       inputs = inputs[:, None]
-    logits_at = None
-    if cell.last:
-      logits_at = extra[1] if prefill else jnp.zeros(positions.shape[:1], jnp.int32)
-    out, cache = decode.forward(model, cache, inputs, positions, rows=rows, logits_at=logits_at)
+    if prefill and cell.last:  # the hidden states of every position: scored when asked
+      model.has_head = False
+      hidden, cache = decode.forward(model, cache, inputs, positions, rows=rows)
+      model.has_head = True
+      at = jnp.take_along_axis(hidden, extra[1][:, None, None], axis=1)  # as forward takes it
+      out = model.head(at)[:, 0]
+    else:
+      logits_at = None if not cell.last else jnp.zeros(positions.shape[:1], jnp.int32)
+      out, cache = decode.forward(model, cache, inputs, positions, rows=rows, logits_at=logits_at)
     if not cell.last:
       return out, cache, weights["step"]
     sampling, last = extra[-2], extra[-1]
     picked = _picked(out, sampling, num_tokens)
     if prefill:  # the final chunk's token becomes the slot's newest
+      targets, score = extra[3], extra[4]
+      picked["scores"] = jax.lax.cond(
+        score[0], lambda h: _scores(model.head(h)[0], targets[0], num_tokens),
+        lambda h: _scores(None, targets[0], num_tokens), hidden,
+      )  # fmt: skip
       final = extra[2]
       slot = rows[0]
       last = last.at[slot].set(jnp.where(final[0], picked["token"][0], last[slot]))
@@ -271,6 +285,24 @@ def _picked(logits, sampling: dict, num_tokens: int) -> dict:
     "token": token,
     "logprob": jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0],
     "sampled_logprob": jnp.take_along_axis(drawn_from, token[:, None], axis=-1)[:, 0],
+    "top_ids": top_ids.astype(jnp.int32),
+    "top_logprobs": top_logprobs,
+  }
+
+
+def _scores(logits, targets, num_tokens: int) -> dict:
+  """Each position's log-probability of `targets` (the token after it) and its TOP most likely
+  ids' (an echo's prompt log-probs); zeros without `logits` (the branch that skips the head)."""
+  length = targets.shape[0]
+  if logits is None:
+    return {"logprob": jnp.zeros((length,), jnp.float32),
+            "top_ids": jnp.zeros((length, TOP), jnp.int32),
+            "top_logprobs": jnp.zeros((length, TOP), jnp.float32)}  # fmt: skip
+  allowed = jnp.arange(logits.shape[-1]) < num_tokens
+  logprobs = jax.nn.log_softmax(jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf), -1)
+  top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP)
+  return {
+    "logprob": jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0],
     "top_ids": top_ids.astype(jnp.int32),
     "top_logprobs": top_logprobs,
   }

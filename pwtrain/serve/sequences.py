@@ -28,10 +28,10 @@ class Stopped(RuntimeError):
 class Event:
   """What a choice's client is told at a token boundary: new `text` (possibly ""), the token's
   log-probabilities when asked for ((token text, logprob, {top text: logprob})), the step of the
-  weights that produced the token, and the finish reason ("stop", "length") at the end. `error`:
-  the choice ended without one (the server stopped, or failed). `token`: the token's id, and
-  `sampled_logprob` its log-probability under the distribution it was drawn from (pieces.py),
-  as generated (RL trains on these, never on re-tokenised text)."""
+  weights that produced the token, the token's id, and the finish reason ("stop", "length") at
+  the end. `error`: the choice ended without one (the server stopped, or failed).
+  `sampled_logprob`: the token's log-probability under the distribution it was drawn from
+  (pieces.py), as generated (RL trains on these, never on re-tokenised text)."""
 
   index: int
   text: str
@@ -41,6 +41,7 @@ class Event:
   error: str | None = None
   token: int | None = None
   sampled_logprob: float | None = None
+  echo: tuple | None = None  # with the first event of an echo: (prompt text, its log-probs)
 
 
 class Completion:
@@ -73,6 +74,8 @@ class Sequence:
   asked: int = 0  # tokens the dispatched programs produce for it (its next one's index)
   given: list = dataclasses.field(default_factory=list)  # tokens given to its client
   ended: bool = False
+  scores: list = dataclasses.field(default_factory=list)  # an echo's prompt log-probs so far
+  echoed: bool = False  # the echo went with its first event
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   last: float = 0.0  # when its last token was given
 
@@ -80,6 +83,8 @@ class Sequence:
     """(Again) from its prefill: its prompt and every token given so far."""
     self.context = np.concatenate([self.prompt, self.given]).astype(np.int32)
     self.fed, self.asked = 0, len(self.given)
+    if not self.echoed:
+      self.scores = []
 
   @property
   def prefilling(self) -> bool:

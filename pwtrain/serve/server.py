@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -114,13 +115,19 @@ class Server:
     return self
 
   def run(self) -> None:
-    """Serves in the foreground until interrupted (Ctrl-C, SIGTERM), then stops."""
+    """Serves in the foreground until interrupted (Ctrl-C, SIGTERM), then stops and returns
+    (uvicorn stops on either signal, then raises it again for the handler before it: here a
+    KeyboardInterrupt, which ends the serving, not the process)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
       self._wait_for_engine()
       log.warning("serving the model at %s/v1 (OpenAI completions); Ctrl-C stops", self.url)
       self._uvicorn.run(sockets=[self.sock])
+    except KeyboardInterrupt:
+      log.warning("stopping")
     finally:
       self.stop()
+      signal.signal(signal.SIGTERM, previous)
 
   def _wait_for_engine(self) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -142,7 +149,12 @@ class Server:
     self.source.close()
 
 
-def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def _server(config, source, controller, tokenizer, sock, workdir: str) -> Server:
+  from pwtrain.serve import chat  # jinja2: the [serve] extra
   from pwtrain.serve.app import make_app  # fastapi: the [serve] extra
 
   serving = settings(config)
@@ -153,10 +165,11 @@ def _server(config, source, controller, tokenizer, sock, model: str) -> Server:
     engine,
     tokenizer,
     Limits(serving.max_len, serving.max_batch),
-    model=model,
+    model=os.path.basename(workdir),
     token=read_token(config.serve.token_file),
     island_time=controller.island_time if local else None,
     device_bytes=device_bytes if local else None,
+    chat_template=chat.load(config, workdir),
   )
   return Server(engine, source, app, sock)
 
@@ -194,7 +207,7 @@ def attached(config, controller, current, state: dict, workdir: str, sock, token
   source = LiveWeights(config, controller, current)
   source.start(state)
   tokenizer = tokenizer or inference.run_tokenizer(config, workdir)
-  server = _server(config, source, controller, tokenizer, sock, os.path.basename(workdir))
+  server = _server(config, source, controller, tokenizer, sock, workdir)
   server.start()
   try:
     yield server
@@ -211,7 +224,7 @@ def standalone(config, workdir: str, sock) -> Server:
     config, workdir, reload=config.serve.reload, poll_s=config.serve.reload_poll_s
   )
   try:
-    return _server(config, source, source.controller, tokenizer, sock, os.path.basename(workdir))
+    return _server(config, source, source.controller, tokenizer, sock, workdir)
   except BaseException:
     source.close()
     raise
