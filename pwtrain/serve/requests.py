@@ -60,8 +60,8 @@ class CompletionRequest:
   stream: bool
   include_usage: bool  # stream_options.include_usage: a last chunk with the usage
   logprobs: int | None
-  echo: bool
   model: str | None
+  echo: bool = False  # the prompt (and with logprobs its tokens' log-probs) first
   ignore_eos: bool = False  # EOS does not end a sequence (RL with rl.stop_at_eos=False)
 
   @property
