@@ -256,7 +256,7 @@ def test_rollouts_are_groups_of_completions_with_their_metrics(rollouts):
   [
     ({"rl.group_size": 3}, r"train.global_batch=16 is not a multiple of rl.group_size=3"),
     ({"rl.group_size": 1}, r"rl.group_size=1 must be an integer >= 2"),
-    ({"rl.max_staleness": 1}, r"rl.max_staleness=1 is not supported"),
+    ({"rl.max_staleness": 2}, r"rl.max_staleness=2 must be 0 \(rollouts from the weights"),
     ({"rl.task": "reverse"}, r"rl.task='reverse' is not one of \('shift',\)"),
     ({"rl.task": "", "rl.prompts": "x.jsonl"}, r"rl.prompts='x.jsonl' needs rl.reward"),
     ({"rl.task": ""}, r"needs prompts: set rl.prompts"),
@@ -339,6 +339,44 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(straight
     assert row["weights_step"] == step - 1 and row["weights_step_behind"] == 0
     assert row["logprob_mismatch_max"] <= 1e-5
   jax.tree.map(np.testing.assert_array_equal, uninterrupted.state, resumed.state)
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory):
+  """grpo_toy (small) with rl.max_staleness=1, run 4 steps without a stop."""
+  workdir = tmp_path_factory.mktemp("stale")
+  return workdir, train.run(toy_config(**STALE), str(workdir), show_progress=False)
+
+
+STALE = {"rl.max_staleness": 1}
+
+
+def test_one_step_off_rollouts_come_from_the_weights_before_and_resume_exactly(
+  straight, stale, tmp_path
+):
+  """rl.max_staleness=1: step 1's rollouts come from the initial weights, step N's (N >= 2)
+  from the weights after step N-2 (weights_step_behind 1), so the trainer's log-probs differ
+  from the behaviour ones (ratio_mean != 1) and the run leaves the on-policy one after step 1;
+  2 steps then a resume for 2 more give the same rows and parameters, bitwise."""
+  (on_dir, on_policy), (workdir, uninterrupted) = straight, stale
+  train.run(toy_config(**STALE, **{"train.num_steps": 2}), str(tmp_path / "s"), show_progress=False)
+  resumed = train.run(toy_config(**STALE), str(tmp_path / "s"), show_progress=False)
+  assert resumed.start_step == 2 and resumed.final_step == 4
+  keys = (*SAME, "ratio_mean")
+  rows = {
+    name: {r["step"]: {k: r[k] for k in keys} for r in metrics_rows(path) if "loss" in r}
+    for name, path in (("on", on_dir), ("straight", workdir), ("split", tmp_path / "s"))
+  }
+  assert rows["straight"] == rows["split"] and sorted(rows["split"]) == [1, 2, 3, 4]
+  jax.tree.map(np.testing.assert_array_equal, uninterrupted.state, resumed.state)
+  for step, row in rows["straight"].items():
+    assert row["weights_step_behind"] == (step > 1) and row["weights_step"] == max(step - 2, 0)
+  assert rows["straight"][1] == rows["on"][1]  # the same rollouts of the same weights
+  assert abs(rows["on"][2]["ratio_mean"] - 1) < 1e-5
+  assert max(abs(r["ratio_mean"] - 1) for r in rows["straight"].values()) > 1e-4
+  assert max(r["logprob_mismatch_max"] for r in rows["straight"].values()) > 1e-3
+  differ = jax.tree.map(lambda a, b: not np.array_equal(a, b), on_policy.state, uninterrupted.state)
+  assert any(jax.tree.leaves(differ["params"]))
 
 
 def test_init_from_starts_from_another_run_s_latest_params(straight):
