@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from helpers import load_config, metrics_rows
 
-from pwtrain import rl, train
+from pwtrain import objectives, rl, train
 from pwtrain import step as step_lib
 from pwtrain.errors import DataError, UserError
 from pwtrain.harness import Harness
-from pwtrain.models.sampling import sampled_logits
 from pwtrain.rl import advantages, prompts, rewards, tasks
 
 # grpo_toy, smaller: 4 prompts x 4 completions a step.
@@ -26,6 +25,7 @@ SMALL = {
   "train.log_every": 1,
   "train.checkpoint_every": 2,
 }
+PADDED = {"model.vocab_size": 16}  # past the task's 10 ids
 LEARN_STEPS, LEARNED = 50, 0.25  # the slow test: steps, and the last 10 steps' mean reward
 
 
@@ -205,12 +205,14 @@ def test_the_batch_is_prompt_then_completion_left_aligned_with_targets_on_the_co
 def rollouts(tmp_path_factory):
   """Two batches sampled from the initial weights of grpo_toy (small) by the serving engine, the
   config and the params; rewarded by a completion's hash, so that groups vary (at random
-  initialisation the task's reward is mostly 0 in every group, and such groups are masked)."""
-  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5})
+  initialisation the task's reward is mostly 0 in every group, and such groups are masked). The
+  model's vocabulary is padded past the task's 10 ids to 16, as an imported model's may be."""
+  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5, **PADDED})
+  batches = rl.rollout_batches(config, str(tmp_path_factory.mktemp("rollouts")))
+  config = rl.with_num_tokens(config, batches.tokenizer)  # as train.run derives it
   harness = Harness.build(config)
   with harness:
     state = harness.step_program.init()
-    batches = rl.rollout_batches(config, str(tmp_path_factory.mktemp("rollouts")))
     with rl.running(batches, harness, state, 0):
       made = [(next(batches), dict(batches.metrics)) for _ in range(2)]
     params = harness.step_program.to_checkpoint(state)["params"]
@@ -219,15 +221,15 @@ def rollouts(tmp_path_factory):
 
 def test_rollout_log_probs_equal_the_trainer_s_recomputation(rollouts):
   """The engine's log-prob of each sampled token (KV-cache decode, recorded as generated)
-  against a full forward pass over the batch's rows, under the same sampled distribution:
-  within 1e-5 in float32."""
+  against the trainer's (objectives.GRPO.logprobs of a full forward pass over the batch's rows,
+  the ids past the task's vocabulary cut as the sampler cuts them): within 1e-5 in float32."""
   config, made, params = rollouts
+  assert config.model.vocab_size > config.rl.num_tokens == tasks.ShiftTokenizer.vocab_size
   fns = step_lib.model_fns(config.model, config.moe)
   for batch, _ in made:
     logits = fns.module(params)(jnp.asarray(batch["inputs"]))
-    logp = jax.nn.log_softmax(sampled_logits(logits, config.rl.temperature, 0, 1.0), axis=-1)
     targets = batch["targets"]
-    mine = np.take_along_axis(np.asarray(logp), np.maximum(targets, 0)[..., None], -1)[..., 0]
+    mine = np.asarray(objectives.make(config).logprobs(logits, jnp.asarray(targets)))
     completion = targets >= 0
     assert completion.any()
     assert np.abs(mine - batch["behavior_logprobs"])[completion].max() <= 1e-5
