@@ -13,6 +13,16 @@ rollouts of step N come from the weights after step N-1, in place: nothing is co
 synchronised. Every token's event carries the step of the weights that made it; the batch's
 `weights_step` is theirs and `weights_step_behind` is the step being trained minus it (0).
 
+rl.max_staleness=1: `next()` returns the batch made while the previous step trained (on the
+first step of a start, one made now) and, before the step it returns is dispatched, queues on
+each served island a copy of the weights published there (Controller.publish_copy: the weights
+after the step dispatched last, copied when the island's queue reaches it, before the next
+step donates them); a worker thread makes the next step's batch from that copy (the engine
+reads it under `_behind(name)`). Step N's rollouts thus come from the weights after step N-2
+(weights_step_behind 1 from the second step on), and GRPO's importance ratio corrects for the
+update between. A checkpoint's state holds that batch (get_state: its arrays and metrics), as
+the weights that made it are gone, so a resumed run trains what the uninterrupted one trains.
+
 Determinism: completion c of the prompt taken at position i draws token t with
 fold_in(key(seed), t), the seed a function of (config.seed, i, c) (sequences.choice_seed), so
 a resumed run samples what the uninterrupted one samples.
@@ -23,8 +33,8 @@ rollout_tokens_per_s (completion tokens / generation_s), generation_s (from the 
 last token), first_token_s (from the request, made once the previous step has finished, to the
 first token: the time from an update to the first rollout token that uses it, nothing copied),
 reward_s (the reward function over the batch), train_s (the wait, before the rollouts, for the
-islands to finish what was dispatched: the previous step's training), weights_step and
-weights_step_behind.
+islands to finish what was dispatched: the previous step's training; 0 at rl.max_staleness=1,
+which does not wait), weights_step and weights_step_behind.
 """
 
 import concurrent.futures
@@ -61,6 +71,7 @@ class RolloutBatches:
     self.step = 0  # the step the next batch trains (0-based)
     self.behind = int(config.rl.max_staleness)
     self.pending: concurrent.futures.Future | None = None  # rl.max_staleness=1: the next batch
+    self.pending_from: dict = {}  # the prompt source's position before it
     self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
   def start(self, controller, current, state: dict, step: int, *, published: bool = False):
@@ -108,6 +119,7 @@ class RolloutBatches:
     before the next step, which donates them, is dispatched."""
     for cell in self.source.inner.layout().cells:
       self.controller.publish_copy(cell.island, _behind(cell.name), cell.name)
+    self.pending_from = self.prompts.get_state()  # the worker is idle: nothing pending
     return self.worker.submit(self._make, step, time.perf_counter())
 
   def _make(self, step: int, began: float) -> dict:
@@ -147,6 +159,8 @@ class RolloutBatches:
     saved with it (its arrays and metrics), since the weights that made it are gone."""
     if self.pending is None:
       return {"prompts": self.prompts.get_state()}
+    if self.pending.exception() is not None:  # raised by the next `next()`; saved before it
+      return {"prompts": self.pending_from}
     made = self.pending.result()
     batch = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "values": v.ravel().tolist()}
              for k, v in made["batch"].items()}  # fmt: skip
