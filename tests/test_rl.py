@@ -374,9 +374,10 @@ def test_one_step_off_rollouts_come_from_the_weights_before_and_resume_exactly(
   for step, row in rows["straight"].items():
     assert row["weights_step_behind"] == (step > 1) and row["weights_step"] == max(step - 2, 0)
   assert rows["straight"][1] == rows["on"][1]  # the same rollouts of the same weights
-  assert abs(rows["on"][2]["ratio_mean"] - 1) < 1e-5
-  assert max(abs(r["ratio_mean"] - 1) for r in rows["straight"].values()) > 1e-4
-  assert max(r["logprob_mismatch_max"] for r in rows["straight"].values()) > 1e-3
+  trained = [r for r in rows["straight"].values() if r["tokens"] > 0]  # groups not all masked
+  assert any(abs(r["ratio_mean"] - 1) > 1e-4 for r in trained)
+  assert any(r["logprob_mismatch_max"] > 1e-3 for r in trained)
+  assert all(abs(r["ratio_mean"] - 1) < 1e-5 for r in rows["on"].values() if r["tokens"] > 0)
   differ = jax.tree.map(lambda a, b: not np.array_equal(a, b), on_policy.state, uninterrupted.state)
   assert any(jax.tree.leaves(differ["params"]))
 
