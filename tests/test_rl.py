@@ -259,6 +259,10 @@ def test_rollouts_are_groups_of_completions_with_their_metrics(rollouts):
     ({"rl.group_size": 3}, r"train.global_batch=16 is not a multiple of rl.group_size=3"),
     ({"rl.group_size": 1}, r"rl.group_size=1 must be an integer >= 2"),
     ({"rl.max_staleness": 2}, r"rl.max_staleness=2 must be 0 \(rollouts from the weights"),
+    (
+      {"rl.max_staleness": 1, "backend.mode": "remote", "backend.workers": ["127.0.0.1:1"]},
+      r"rl.max_staleness=1 copies the weights",
+    ),
     ({"rl.task": "reverse"}, r"rl.task='reverse' is not one of \('shift',\)"),
     ({"rl.task": "", "rl.prompts": "x.jsonl"}, r"rl.prompts='x.jsonl' needs rl.reward"),
     ({"rl.task": ""}, r"needs prompts: set rl.prompts"),
