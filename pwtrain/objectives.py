@@ -128,11 +128,12 @@ class GRPO(LanguageModeling):
   )
   max_keys = ("mismatch_max",)
 
-  def __init__(self, z_loss: float, rl):
+  def __init__(self, z_loss: float, rl, num_tokens: int | None = None):
+    """`num_tokens`: the sampler's (the run's tokenizer's ids, rl.num_tokens); None: every id."""
     super().__init__(z_loss)
     self.temperature, self.top_k, self.top_p = rl.temperature, rl.top_k, rl.top_p
     self.clip_low, self.clip_high, self.kl_coef = rl.clip_low, rl.clip_high, rl.kl_coef
-    self.num_tokens = rl.num_tokens or None  # the sampler's: ids at or above it never drawn
+    self.num_tokens = num_tokens  # ids at or above it are never drawn: cut here too
     self.holds_reference = rl.kl_coef > 0
 
   def loss(self, logits, labels: dict, reference_logits=None):
@@ -187,7 +188,7 @@ class GRPO(LanguageModeling):
 def make(config) -> LanguageModeling:
   """The run's objective (`train.objective`)."""
   if config.train.objective == "grpo":
-    return GRPO(config.model.z_loss, config.rl)
+    return GRPO(config.model.z_loss, config.rl, config.rl.num_tokens or None)
   return LanguageModeling(config.model.z_loss)
 
 
