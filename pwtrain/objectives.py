@@ -19,7 +19,9 @@ the step, the others by `loss`.
 `GRPO` ("grpo", Shao et al. 2024), per completion token t of a sampled sequence with advantage A:
   logp       log-prob of the target (the sampled token) under the distribution the sampler drew
              from: softmax(models.sampling.sampled_logits(logits, rl.temperature, rl.top_k,
-             rl.top_p)), the same function as the sampler's
+             rl.top_p, rl.num_tokens)), the same function as the sampler's; rl.num_tokens, the
+             run's tokenizer's ids (rl.settings.with_num_tokens), cuts the ids of a padded
+             vocabulary as the sampler does
   ratio      exp(logp - behavior_logprobs), the sampler's log-prob recorded at generation
   pg         -min(ratio A, clip(ratio, 1 - rl.clip_low, 1 + rl.clip_high) A)
   kl         (rl.kl_coef > 0) k3 to the frozen reference policy (the train state's "reference"
@@ -53,6 +55,7 @@ class LanguageModeling:
   max_keys: tuple = ()  # statistics combined by their maximum
   holds_reference = False  # the train state holds the reference policy ("reference")
   temperature, top_k, top_p = 1.0, 0, 1.0  # the distribution `logprobs` reads: the model's
+  num_tokens: int | None = None  # ids at or above it cut (None: none)
 
   def __init__(self, z_loss: float):
     self.z_loss = z_loss
@@ -67,7 +70,7 @@ class LanguageModeling:
     one), 0 where the target is negative (no token)."""
     real = targets >= 0
     logp_all = jax.nn.log_softmax(
-      sampled_logits(logits, self.temperature, self.top_k, self.top_p), axis=-1
+      sampled_logits(logits, self.temperature, self.top_k, self.top_p, self.num_tokens), axis=-1
     )
     safe = jnp.where(real, targets, 0)
     logp = jnp.take_along_axis(logp_all, safe[..., None], axis=-1)[..., 0]
@@ -125,10 +128,12 @@ class GRPO(LanguageModeling):
   )
   max_keys = ("mismatch_max",)
 
-  def __init__(self, z_loss: float, rl):
+  def __init__(self, z_loss: float, rl, num_tokens: int | None = None):
+    """`num_tokens`: the sampler's (the run's tokenizer's ids, rl.num_tokens); None: every id."""
     super().__init__(z_loss)
     self.temperature, self.top_k, self.top_p = rl.temperature, rl.top_k, rl.top_p
     self.clip_low, self.clip_high, self.kl_coef = rl.clip_low, rl.clip_high, rl.kl_coef
+    self.num_tokens = num_tokens  # ids at or above it are never drawn: cut here too
     self.holds_reference = rl.kl_coef > 0
 
   def loss(self, logits, labels: dict, reference_logits=None):
@@ -183,7 +188,7 @@ class GRPO(LanguageModeling):
 def make(config) -> LanguageModeling:
   """The run's objective (`train.objective`)."""
   if config.train.objective == "grpo":
-    return GRPO(config.model.z_loss, config.rl)
+    return GRPO(config.model.z_loss, config.rl, config.rl.num_tokens or None)
   return LanguageModeling(config.model.z_loss)
 
 

@@ -131,6 +131,8 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
       processes.barrier("data")
     rollouts = rl.rollout_batches(config, workdir) if config.train.objective == "grpo" else None
     tokenizer, source = (rollouts.tokenizer, ()) if rollouts else open_train_source(config, workdir)
+    if rollouts:  # the trainer's log-probs cut the ids the sampler never draws
+      config = rl.with_num_tokens(config, tokenizer)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
     if primary:
       processes.barrier("data")

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from helpers import load_config, metrics_rows
 
-from pwtrain import rl, train
+from pwtrain import objectives, rl, train
 from pwtrain import step as step_lib
 from pwtrain.errors import DataError, UserError
 from pwtrain.harness import Harness
-from pwtrain.models.sampling import sampled_logits
 from pwtrain.rl import advantages, prompts, rewards, tasks
 
 # grpo_toy, smaller: 4 prompts x 4 completions a step.
@@ -26,6 +25,7 @@ SMALL = {
   "train.log_every": 1,
   "train.checkpoint_every": 2,
 }
+PADDED = {"model.vocab_size": 16}  # past the task's 10 ids
 LEARN_STEPS, LEARNED = 50, 0.25  # the slow test: steps, and the last 10 steps' mean reward
 
 
@@ -205,12 +205,14 @@ def test_the_batch_is_prompt_then_completion_left_aligned_with_targets_on_the_co
 def rollouts(tmp_path_factory):
   """Two batches sampled from the initial weights of grpo_toy (small) by the serving engine, the
   config and the params; rewarded by a completion's hash, so that groups vary (at random
-  initialisation the task's reward is mostly 0 in every group, and such groups are masked)."""
-  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5})
+  initialisation the task's reward is mostly 0 in every group, and such groups are masked). The
+  model's vocabulary is padded past the task's 10 ids to 16, as an imported model's may be."""
+  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5, **PADDED})
+  batches = rl.rollout_batches(config, str(tmp_path_factory.mktemp("rollouts")))
+  config = rl.with_num_tokens(config, batches.tokenizer)  # as train.run derives it
   harness = Harness.build(config)
   with harness:
     state = harness.step_program.init()
-    batches = rl.rollout_batches(config, str(tmp_path_factory.mktemp("rollouts")))
     with rl.running(batches, harness, state, 0):
       made = [(next(batches), dict(batches.metrics)) for _ in range(2)]
     params = harness.step_program.to_checkpoint(state)["params"]
@@ -219,15 +221,15 @@ def rollouts(tmp_path_factory):
 
 def test_rollout_log_probs_equal_the_trainer_s_recomputation(rollouts):
   """The engine's log-prob of each sampled token (KV-cache decode, recorded as generated)
-  against a full forward pass over the batch's rows, under the same sampled distribution:
-  within 1e-5 in float32."""
+  against the trainer's (objectives.GRPO.logprobs of a full forward pass over the batch's rows,
+  the ids past the task's vocabulary cut as the sampler cuts them): within 1e-5 in float32."""
   config, made, params = rollouts
+  assert config.model.vocab_size > config.rl.num_tokens == tasks.ShiftTokenizer.vocab_size
   fns = step_lib.model_fns(config.model, config.moe)
   for batch, _ in made:
     logits = fns.module(params)(jnp.asarray(batch["inputs"]))
-    logp = jax.nn.log_softmax(sampled_logits(logits, config.rl.temperature, 0, 1.0), axis=-1)
     targets = batch["targets"]
-    mine = np.take_along_axis(np.asarray(logp), np.maximum(targets, 0)[..., None], -1)[..., 0]
+    mine = np.asarray(objectives.make(config).logprobs(logits, jnp.asarray(targets)))
     completion = targets >= 0
     assert completion.any()
     assert np.abs(mine - batch["behavior_logprobs"])[completion].max() <= 1e-5
@@ -256,7 +258,11 @@ def test_rollouts_are_groups_of_completions_with_their_metrics(rollouts):
   [
     ({"rl.group_size": 3}, r"train.global_batch=16 is not a multiple of rl.group_size=3"),
     ({"rl.group_size": 1}, r"rl.group_size=1 must be an integer >= 2"),
-    ({"rl.max_staleness": 1}, r"rl.max_staleness=1 is not supported"),
+    ({"rl.max_staleness": 2}, r"rl.max_staleness=2 must be 0 \(rollouts from the weights"),
+    (
+      {"rl.max_staleness": 1, "backend.mode": "remote", "backend.workers": ["127.0.0.1:1"]},
+      r"rl.max_staleness=1 copies the weights",
+    ),
     ({"rl.task": "reverse"}, r"rl.task='reverse' is not one of \('shift',\)"),
     ({"rl.task": "", "rl.prompts": "x.jsonl"}, r"rl.prompts='x.jsonl' needs rl.reward"),
     ({"rl.task": ""}, r"needs prompts: set rl.prompts"),
@@ -339,6 +345,45 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(straight
     assert row["weights_step"] == step - 1 and row["weights_step_behind"] == 0
     assert row["logprob_mismatch_max"] <= 1e-5
   jax.tree.map(np.testing.assert_array_equal, uninterrupted.state, resumed.state)
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory):
+  """grpo_toy (small) with rl.max_staleness=1, run 4 steps without a stop."""
+  workdir = tmp_path_factory.mktemp("stale")
+  return workdir, train.run(toy_config(**STALE), str(workdir), show_progress=False)
+
+
+STALE = {"rl.max_staleness": 1}
+
+
+def test_one_step_off_rollouts_come_from_the_weights_before_and_resume_exactly(
+  straight, stale, tmp_path
+):
+  """rl.max_staleness=1: step 1's rollouts come from the initial weights, step N's (N >= 2)
+  from the weights after step N-2 (weights_step_behind 1), so the trainer's log-probs differ
+  from the behaviour ones (ratio_mean != 1) and the run leaves the on-policy one after step 1;
+  2 steps then a resume for 2 more give the same rows and parameters, bitwise."""
+  (on_dir, on_policy), (workdir, uninterrupted) = straight, stale
+  train.run(toy_config(**STALE, **{"train.num_steps": 2}), str(tmp_path / "s"), show_progress=False)
+  resumed = train.run(toy_config(**STALE), str(tmp_path / "s"), show_progress=False)
+  assert resumed.start_step == 2 and resumed.final_step == 4
+  keys = (*SAME, "ratio_mean")
+  rows = {
+    name: {r["step"]: {k: r[k] for k in keys} for r in metrics_rows(path) if "loss" in r}
+    for name, path in (("on", on_dir), ("straight", workdir), ("split", tmp_path / "s"))
+  }
+  assert rows["straight"] == rows["split"] and sorted(rows["split"]) == [1, 2, 3, 4]
+  jax.tree.map(np.testing.assert_array_equal, uninterrupted.state, resumed.state)
+  for step, row in rows["straight"].items():
+    assert row["weights_step_behind"] == (step > 1) and row["weights_step"] == max(step - 2, 0)
+  assert rows["straight"][1] == rows["on"][1]  # the same rollouts of the same weights
+  trained = [r for r in rows["straight"].values() if r["tokens"] > 0]  # groups not all masked
+  assert any(abs(r["ratio_mean"] - 1) > 1e-4 for r in trained)
+  assert any(r["logprob_mismatch_max"] > 1e-3 for r in trained)
+  assert all(abs(r["ratio_mean"] - 1) < 1e-5 for r in rows["on"].values() if r["tokens"] > 0)
+  differ = jax.tree.map(lambda a, b: not np.array_equal(a, b), on_policy.state, uninterrupted.state)
+  assert any(jax.tree.leaves(differ["params"]))
 
 
 def test_init_from_starts_from_another_run_s_latest_params(straight):

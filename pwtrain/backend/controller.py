@@ -26,13 +26,14 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from pwtrain import sharding as sharding_lib
 from pwtrain.backend.cluster import Cluster
 from pwtrain.backend.completion import here_only
 from pwtrain.backend.dispatch import LocalDispatcher
 from pwtrain.backend.faults import IslandLost, read_of_lost
-from pwtrain.backend.program import Executable, Program
+from pwtrain.backend.program import Executable, Latest, Program
 from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW
 from pwtrain.backend.trace import Trace
 from pwtrain.errors import ConfigError
@@ -267,6 +268,18 @@ class Controller:
       step = self._step
       self._step += 1
       return self._dispatcher.publish(island, name, value, step)
+
+  def publish_copy(self, island: str, name: str, source: str) -> concurrent.futures.Future:
+    """Publishes under `name` on `island` a copy of the {"params", "step"} published as `source`
+    there, read and copied when the island's queue reaches this point (after everything enqueued
+    so far), so the programs enqueued later, which may donate `source`, leave it. Local only."""
+    self._one_controller("publishing")
+    read = Latest(source, ("params", "step"))
+    with self._dispatch_lock:
+      step, self._step = self._step, self._step + 1
+      return self._dispatcher._enqueue(
+        name, island, lambda v: jax.tree.map(jnp.copy, v), [read], step, publishes=((name, None),)
+      )
 
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: the busy seconds each island spent on priority and on

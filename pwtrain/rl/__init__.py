@@ -15,9 +15,16 @@ import contextlib
 
 from pwtrain.rl.init_from import initial_state
 from pwtrain.rl.rollouts import RolloutBatches
-from pwtrain.rl.settings import open_source, validate
+from pwtrain.rl.settings import open_source, validate, with_num_tokens
 
-__all__ = ["RolloutBatches", "initial_state", "rollout_batches", "running", "validate"]
+__all__ = [
+  "RolloutBatches",
+  "initial_state",
+  "rollout_batches",
+  "running",
+  "validate",
+  "with_num_tokens",
+]
 
 
 def rollout_batches(config, workdir: str) -> RolloutBatches:

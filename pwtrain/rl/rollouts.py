@@ -13,6 +13,16 @@ rollouts of step N come from the weights after step N-1, in place: nothing is co
 synchronised. Every token's event carries the step of the weights that made it; the batch's
 `weights_step` is theirs and `weights_step_behind` is the step being trained minus it (0).
 
+rl.max_staleness=1: `next()` returns the batch made while the previous step trained (on the
+first step of a start, one made now) and, before the step it returns is dispatched, queues on
+each served island a copy of the weights published there (Controller.publish_copy: the weights
+after the step dispatched last, copied when the island's queue reaches it, before the next
+step donates them); a worker thread makes the next step's batch from that copy (the engine
+reads it under `_behind(name)`). Step N's rollouts thus come from the weights after step N-2
+(weights_step_behind 1 from the second step on), and GRPO's importance ratio corrects for the
+update between. A checkpoint's state holds that batch (get_state: its arrays and metrics), as
+the weights that made it are gone, so a resumed run trains what the uninterrupted one trains.
+
 Determinism: completion c of the prompt taken at position i draws token t with
 fold_in(key(seed), t), the seed a function of (config.seed, i, c) (sequences.choice_seed), so
 a resumed run samples what the uninterrupted one samples.
@@ -23,10 +33,12 @@ rollout_tokens_per_s (completion tokens / generation_s), generation_s (from the 
 last token), first_token_s (from the request, made once the previous step has finished, to the
 first token: the time from an update to the first rollout token that uses it, nothing copied),
 reward_s (the reward function over the batch), train_s (the wait, before the rollouts, for the
-islands to finish what was dispatched: the previous step's training), weights_step and
-weights_step_behind.
+islands to finish what was dispatched: the previous step's training; 0 at rl.max_staleness=1,
+which does not wait), weights_step and weights_step_behind.
 """
 
+import concurrent.futures
+import dataclasses
 import threading
 import time
 import types
@@ -57,6 +69,10 @@ class RolloutBatches:
     self.engine: Engine | None = None
     self.controller = None
     self.step = 0  # the step the next batch trains (0-based)
+    self.behind = int(config.rl.max_staleness)
+    self.pending: concurrent.futures.Future | None = None  # rl.max_staleness=1: the next batch
+    self.pending_from: dict = {}  # the prompt source's position before it
+    self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
 
   def start(self, controller, current, state: dict, step: int, *, published: bool = False):
     """Starts the engine on `controller`'s islands over the live weights of `current()` (the
@@ -72,9 +88,12 @@ class RolloutBatches:
       prefill_chunk=min(self.config.serve.prefill_chunk, self.seq_len + 1),
       queue_size=self.config.train.global_batch,
     )
-    self.engine = Engine(source, controller, self.tokenizer, settings)
+    self.source = _Behind(source) if self.behind else source
+    self.engine = Engine(self.source, controller, self.tokenizer, settings)
 
   def close(self) -> None:
+    self._settle()
+    self.worker.shutdown(wait=True)
     if self.engine is not None:
       self.engine.stop()
       self.engine = None
@@ -84,7 +103,27 @@ class RolloutBatches:
 
   def __next__(self) -> dict:
     began = time.perf_counter()
-    self.controller.wait()  # the previous step's training (train_s)
+    if not self.behind:
+      self.controller.wait()  # the previous step's training (train_s)
+      made = self._make(self.step, began)
+    else:  # this step's batch, made while the previous step trained; then the next one's
+      made = (self.pending or self._submit(self.step)).result()
+      self.pending = self._submit(self.step + 1)
+    self.metrics = made["metrics"]
+    self.step += 1
+    return made["batch"]
+
+  def _submit(self, step: int) -> concurrent.futures.Future:
+    """rl.max_staleness=1: the batch of `step` made on the worker thread from a copy of the
+    weights published now (those of the step dispatched last), taken on the islands' queues
+    before the next step, which donates them, is dispatched."""
+    for cell in self.source.inner.layout().cells:
+      self.controller.publish_copy(cell.island, _behind(cell.name), cell.name)
+    self.pending_from = self.prompts.get_state()  # the worker is idle: nothing pending
+    return self.worker.submit(self._make, step, time.perf_counter())
+
+  def _make(self, step: int, began: float) -> dict:
+    """{"batch", "metrics"} of `step`: its prompts taken, sampled, scored and assembled."""
     generating = time.perf_counter()
     taken = self.prompts.take(self.num_prompts)
     groups, first_token = self._generate(taken)
@@ -100,7 +139,7 @@ class RolloutBatches:
     )
     weights_step = min(c["weights_step"] for group in groups for c in group)
     lengths = [len(r.tokens) for r in rollouts]
-    self.metrics = {
+    metrics = {
       "reward_mean": float(rewards.mean()),
       "reward_std": float(rewards.std()),
       "zero_variance_groups": float(adv.zero_variance.mean()),
@@ -109,18 +148,39 @@ class RolloutBatches:
       "generation_s": generated - generating,
       "first_token_s": first_token - generating,
       "reward_s": scored - generated,
-      "train_s": generating - began,
+      "train_s": 0.0 if self.behind else generating - began,
       "weights_step": float(weights_step),
-      "weights_step_behind": float(self.step - weights_step),
+      "weights_step_behind": float(step - weights_step),
     }
-    self.step += 1
-    return batch
+    return {"batch": batch, "metrics": metrics}
 
   def get_state(self) -> dict:
-    return {"prompts": self.prompts.get_state()}
+    """The prompt source's position; rl.max_staleness=1: after the next step's batch, which is
+    saved with it (its arrays and metrics), since the weights that made it are gone."""
+    if self.pending is None:
+      return {"prompts": self.prompts.get_state()}
+    if self.pending.exception() is not None:  # raised by the next `next()`; saved before it
+      return {"prompts": self.pending_from}
+    made = self.pending.result()
+    batch = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "values": v.ravel().tolist()}
+             for k, v in made["batch"].items()}  # fmt: skip
+    pending = {"batch": batch, "metrics": made["metrics"]}
+    return {"prompts": self.prompts.get_state(), "pending": pending}
 
   def set_state(self, state: dict) -> None:
+    self._settle()
     self.prompts.set_state(state["prompts"])
+    if "pending" in state and self.behind:
+      batch = {k: np.asarray(v["values"], v["dtype"]).reshape(v["shape"])
+               for k, v in state["pending"]["batch"].items()}  # fmt: skip
+      self.pending = concurrent.futures.Future()
+      self.pending.set_result({"batch": batch, "metrics": dict(state["pending"]["metrics"])})
+
+  def _settle(self) -> None:
+    """The batch being made, if any, finished and dropped."""
+    if self.pending is not None:
+      concurrent.futures.wait([self.pending])
+      self.pending = None
 
   # -- one step's rollouts ---------------------------------------------------------------------
 
@@ -179,6 +239,29 @@ class RolloutBatches:
     if line is not None:
       where = f"line {line(index)} of {self.prompts.name}"
     return self.reward(row[field], completion["text"], fields, where)
+
+
+def _behind(name: str) -> str:
+  """The name the copy of `name`'s weights the rollouts read is published under."""
+  return f"{name}/rollouts"
+
+
+class _Behind:
+  """A weights source whose cells are read from the copies `RolloutBatches._submit` publishes."""
+
+  def __init__(self, source):
+    self.inner = source
+
+  def layout(self):
+    return _renamed(self.inner.layout())
+
+  def spares(self):
+    return tuple(_renamed(each) for each in self.inner.spares())
+
+
+def _renamed(layout):
+  cells = tuple(dataclasses.replace(c, name=_behind(c.name)) for c in layout.cells)
+  return dataclasses.replace(layout, cells=cells)
 
 
 class _Collected:

@@ -5,7 +5,8 @@ Layouts. Rollouts run on the serving engine over the live weights (serve/weights
 serves one island with any mesh, pods (the last live pod's cells) and pipelines. An RL run
 refuses, in one line: elastic pods (fault.elastic: a step's batch is made for the pods that
 were live when it was sampled) and distributed mode (the engine runs on process 0's islands
-only), and rl.max_staleness other than 0.
+only), rl.max_staleness other than 0 or 1, and rl.max_staleness=1 in remote mode (its
+copy of the weights is made on this host's islands).
 """
 
 import os
@@ -53,10 +54,15 @@ def validate(config) -> None:
       f"rl.max_tokens={rl.max_tokens!r} must be an integer in [1, data.seq_len="
       f"{config.data.seq_len}) (prompt and completion share a row)"
     )
-  if rl.max_staleness != 0:
+  if rl.max_staleness not in (0, 1) or isinstance(rl.max_staleness, bool):
     raise ConfigError(
-      f"rl.max_staleness={rl.max_staleness!r} is not supported: rollouts are sampled from the "
-      "weights after the previous step (set rl.max_staleness=0)"
+      f"rl.max_staleness={rl.max_staleness!r} must be 0 (rollouts from the weights after the "
+      "previous step) or 1 (from those one step older, made while the previous step trains)"
+    )
+  if rl.max_staleness == 1 and config.backend.mode == "remote":
+    raise ConfigError(
+      "rl.max_staleness=1 copies the weights on the islands, which backend.mode='remote' does "
+      "not do; set rl.max_staleness=0 or backend.mode='embedded'"
     )
   if config.fault.elastic:
     raise ConfigError(
@@ -73,6 +79,14 @@ def validate(config) -> None:
       f"rl.init_from={rl.init_from!r} has no checkpoints directory; name a run's --workdir (an "
       "imported model's included)"
     )
+
+
+def with_num_tokens(config, tokenizer):
+  """`config` (a copy) with rl.num_tokens the tokenizer's ids, which the sampler draws from
+  (serve/engine.py): the trainer's log-probs (objectives.GRPO) cut the same ids."""
+  derived = config.copy_and_resolve_references()
+  derived.rl.num_tokens = int(tokenizer.vocab_size)
+  return derived
 
 
 def tokenizer(config, workdir: str):
