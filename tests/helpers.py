@@ -5,6 +5,7 @@ simulated CPU devices) before any of this imports JAX.
 
 import json
 import pathlib
+import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -164,3 +165,26 @@ def grads_at_init(config, batch, devices=None):
   )
   with sharding_lib.activate(mesh):
     return jax.device_get(jax.jit(grad_fn)(params, batch))
+
+
+class Gated:
+  """The run's training batches, where reading batch i (0-based) first waits, up to 300 s,
+  until `gates[i]()` holds (what the test needs served by then; the training steps are the same
+  whenever they run)."""
+
+  def __init__(self, inner, gates: dict):
+    self.inner, self.gates, self.i = inner, gates, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    gate = self.gates.get(self.i, lambda: True)
+    deadline = time.monotonic() + 300
+    while not gate() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    self.i += 1
+    return next(self.inner)
+
+  def __getattr__(self, name):  # get_state, set_state, ...
+    return getattr(self.inner, name)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import REPO, small_config
+from helpers import REPO, Gated, small_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from pwtrain import sample, serve, train
@@ -517,32 +517,9 @@ def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, mon
   assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] > steps[0], steps
 
 
-class _Gated:
-  """The run's training batches, where reading batch i (0-based) first waits, up to 300 s,
-  until `gates[i]()` holds (what the test needs served by then; the training steps are the same
-  whenever they run)."""
-
-  def __init__(self, inner, gates: dict):
-    self.inner, self.gates, self.i = inner, gates, 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    gate = self.gates.get(self.i, lambda: True)
-    deadline = time.monotonic() + 300
-    while not gate() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    self.i += 1
-    return next(self.inner)
-
-  def __getattr__(self, name):  # get_state, set_state, ...
-    return getattr(self.inner, name)
-
-
 def _gate_batches(monkeypatch, gates: dict) -> None:
   real = train._train_batches
-  monkeypatch.setattr(train, "_train_batches", lambda *args: _Gated(real(*args), gates))
+  monkeypatch.setattr(train, "_train_batches", lambda *args: Gated(real(*args), gates))
 
 
 def _gate_on_responses(monkeypatch, responses: list) -> None:

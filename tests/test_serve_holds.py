@@ -15,7 +15,7 @@ import time
 import httpx
 import jax
 import pytest
-from helpers import small_config
+from helpers import Gated, small_config
 
 from pwtrain import metrics as metrics_lib
 from pwtrain import serve, train
@@ -92,33 +92,12 @@ def _watched(monkeypatch, watch: _Watch, gates: dict, *, steps: bool = True) -> 
       yield server
 
   def gated(*args):
-    return _Gated(batches(*args), gates)
+    return Gated(batches(*args), gates)
 
   if steps:
     monkeypatch.setattr(metrics_lib.MetricsLogger, "record", recording)
   monkeypatch.setattr(serve, "attached", attaching)
   monkeypatch.setattr(train, "_train_batches", gated)
-
-
-class _Gated:
-  """Training batches, reading batch i (0-based) only once `gates[i]()` holds (up to 300 s)."""
-
-  def __init__(self, inner, gates: dict):
-    self.inner, self.gates, self.i = inner, gates, 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    gate = self.gates.get(self.i, lambda: True)
-    deadline = time.monotonic() + 300
-    while not gate() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    self.i += 1
-    return next(self.inner)
-
-  def __getattr__(self, name):  # get_state, set_state, ...
-    return getattr(self.inner, name)
 
 
 def _wait_healthy(url: str, done: threading.Event) -> bool:
