@@ -7,6 +7,7 @@ with a cold and a warm compilation cache.
   python experiments/bench_elastic.py --sections=faults --mode=remote
   python experiments/bench_elastic.py --sections=faults --mode=distributed --steps=120 \
     --fault_every=60 --fault_offset=30 --checkpoint_every=60
+  python experiments/bench_elastic.py --sections=faults --mode=remote --sides=clean,elastic,stopped
 
 faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each, --global_batch
          rows a step) train --steps steps in --mode: embedded; remote (a worker process per
@@ -27,6 +28,14 @@ faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each
                     script starts again; remote: of the worker, the supervisor restarting every
                     worker; distributed: of process 1, the launcher restarting every process),
                     each start resuming from the last checkpoint
+           stopped  a silent fault: as elastic, but this script SIGSTOPs pod 1's worker
+                    (remote) or process (distributed) instead: alive, its sockets open, never
+                    answering. The run must find it lost (remote: 3 missed pings, fault.
+                    heartbeat_s each; distributed: the launcher's heartbeat files), kill it and
+                    start it again; detection runs from the SIGSTOP to the drop's start, and its
+                    seconds lost per fault hold the detection. Embedded mode has no process to
+                    stop (every pod runs in the controller's process): no such side there
+         --sides picks the sides (clean always runs: every other side is measured against it).
          --fault_blocks blocks, medians over the blocks. One method for every side: seconds lost
          per fault = (span - the same block's clean span) / faults, a span running from the
          first step's metrics row to the last one's (process starts vary by a second or more
@@ -207,9 +216,12 @@ def pod1(args, proc: subprocess.Popen) -> int | None:
   return None
 
 
-def kill_pod1(args, proc, watch: Watch, steps: list[int], elastic: bool) -> list[float]:
-  """SIGKILLs pod 1's worker or process once each step of `steps` has its row (elastic: only
-  while pod 1 is live, as the rows' pods_live say), until `proc` exits; the kills' times."""
+def kill_pod1(
+  args, proc, watch: Watch, steps: list[int], elastic: bool, sig: int = signal.SIGKILL
+) -> list[float]:
+  """Sends `sig` (SIGKILL; SIGSTOP: a silent fault) to pod 1's worker or process once each
+  step of `steps` has its row (elastic: only while pod 1 is live, as the rows' pods_live say),
+  until `proc` exits; the signals' times."""
   kills = []
   for n in steps:
 
@@ -222,7 +234,7 @@ def kill_pod1(args, proc, watch: Watch, steps: list[int], elastic: bool) -> list
     pid = pod1(args, proc) if proc.poll() is None else None
     if pid is None:
       break
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     kills.append(time.time())
   return kills
 
@@ -253,14 +265,15 @@ DROP = (
   r"lost .*?(?:found ([\d.]+) s after the fault; )?took ([\d.]+) s \(compile ([\d.]+) s, "
   r"state ([\d.]+) s\); (?:steps (\d+)-(\d+) run again)?"
 )
+STALL = r"lost .*?stalled ([\d.]+) s from the last step to the drop"
 
 
 def run_side(root: str, args, cache: str, name: str) -> dict:
   """One side of a block (see the module doc)."""
   workdir = os.path.join(root, name)
   overrides, kills = pods(args), fault_steps(args)
-  if name in ("elastic", "rebuilt"):
-    overrides.update({"fault.elastic": True, "fault.host_lost_pods": name == "elastic"})
+  if name in ("elastic", "rebuilt", "stopped"):
+    overrides.update({"fault.elastic": True, "fault.host_lost_pods": name != "rebuilt"})
     if args.mode == "embedded":
       drills = [f"kill:pod1@mid{n},rejoin:pod1@step{min(n + args.rejoin_after, args.steps)}"
                 for n in kills]  # fmt: skip
@@ -271,7 +284,8 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
   proc = start(workdir, "palm_tiny.py", overrides, cache, launch_flags(args))
   sent = []
   if name != "clean" and args.mode != "embedded":
-    sent = kill_pod1(args, proc, watch, kills, elastic=True)
+    sig = signal.SIGSTOP if name == "stopped" else signal.SIGKILL
+    sent = kill_pod1(args, proc, watch, kills, elastic=True, sig=sig)
   watch.wait(proc)
   out = output(workdir)
   assert proc.returncode == 0, out[-3000:]
@@ -292,7 +306,9 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
     float(s) for s in re.findall(r"rejoined \(its islands run again\).* took ([\d.]+) s", out)
   ]
   faults = len(sent) if args.mode != "embedded" else len(drops)
-  return {**side, "faults": faults, "drops": drops, "detect_s": detect, "rejoins_s": rejoins}
+  stalls = [float(s) for s in re.findall(STALL, out)]
+  return {**side, "faults": faults, "drops": drops, "detect_s": detect, "rejoins_s": rejoins,
+          "stalls_s": stalls}  # fmt: skip
 
 
 def run_restart(workdir: str, args, cache: str, overrides: dict) -> dict:
@@ -331,11 +347,23 @@ def run_restart(workdir: str, args, cache: str, overrides: dict) -> dict:
   }  # fmt: skip
 
 
-SIDES = ("clean", "elastic", "rebuilt", "restart")
+SIDES = ("clean", "elastic", "rebuilt", "restart", "stopped")
+
+
+def sides(args) -> tuple[str, ...]:
+  """--sides in SIDES' order, clean first; no stopped side in embedded mode."""
+  asked = set(args.sides.split(",")) | {"clean"}
+  unknown = asked - set(SIDES)
+  if unknown:
+    raise SystemExit(f"--sides={args.sides}: unknown {sorted(unknown)}; choose from {SIDES}")
+  if args.mode == "embedded" and "stopped" in asked:
+    print("embedded mode: no stopped side (no process to SIGSTOP: every pod runs in one)")
+    asked.discard("stopped")
+  return tuple(name for name in SIDES if name in asked)
 
 
 def faults(args, cache: str) -> dict:
-  """--fault_blocks blocks of the four sides, one after another; per side the medians over the
+  """--fault_blocks blocks of the sides, one after another; per side the medians over the
   blocks (see the module doc)."""
   # Every side starts warm: short runs compile the clean programs (the restart's too) and the
   # elastic ones of both pod sets first.
@@ -343,12 +371,12 @@ def faults(args, cache: str) -> dict:
   warmup = argparse.Namespace(**{**vars(args), "steps": 4, "fault_offset": 2, "rejoin_after": 1})
   for name in ("clean", "rebuilt"):
     run_side(root, warmup, cache, name)
-  blocks = []
+  blocks, names = [], sides(args)
   for b in range(args.fault_blocks):
     root = tempfile.mkdtemp(prefix=f"bench_elastic_{b}_")
-    block = {name: run_side(root, args, cache, name) for name in SIDES}
+    block = {name: run_side(root, args, cache, name) for name in names}
     clean = block["clean"]
-    for name in SIDES:
+    for name in names:
       side = block[name]
       side["goodput"] = args.steps * clean["step_s"] / side["wall_s"]
       if name != "clean":
@@ -356,19 +384,19 @@ def faults(args, cache: str) -> dict:
     print(
       f"block {b + 1}: clean step {clean['step_s'] * 1e3:.1f} ms, "
       + ", ".join(f"{n} {block[n]['lost_per_fault_s']:.2f} s/fault ({block[n]['faults']})"
-                  for n in SIDES[1:]),
+                  for n in names[1:]),
       flush=True,
     )  # fmt: skip
     blocks.append(block)
-  return report(args, blocks)
+  return report(args, blocks, names)
 
 
-def report(args, blocks: list[dict]) -> dict:
+def report(args, blocks: list[dict], names: tuple[str, ...]) -> dict:
   med = lambda name, key: statistics.median(block[name][key] for block in blocks)
   clean_step = med("clean", "step_s")
   print(f"{args.mode}: clean step {clean_step * 1e3:.1f} ms (median); medians of {len(blocks)} "
         "blocks; lost per fault = (span - clean span) / faults, every side:")  # fmt: skip
-  for name in SIDES:
+  for name in names:
     line = (
       f"{name:8s} wall {med(name, 'wall_s'):.1f} s, span {med(name, 'span_s'):.1f} s, goodput "
       f"{med(name, 'goodput'):.3f}"
@@ -385,22 +413,27 @@ def report(args, blocks: list[dict]) -> dict:
       f"{k.removeprefix('badput_')} {v:.3f}" for k, v in own.items()
     )
     print(line)
-  restart = med("restart", "lost_per_fault_s")
-  for name in ("elastic", "rebuilt"):
+  restart = med("restart", "lost_per_fault_s") if "restart" in names else None
+  for name in [n for n in ("elastic", "rebuilt", "stopped") if n in names]:
     lost = med(name, "lost_per_fault_s")
-    ratio = f"{restart / lost:.1f}x" if lost > 0 else "n/a (its figure is not above zero)"
-    print(f"  restart / {name}: {ratio}")
+    if restart is not None:
+      ratio = f"{restart / lost:.1f}x" if lost > 0 else "n/a (its figure is not above zero)"
+      print(f"  restart / {name}: {ratio}")
     drops = [d for block in blocks for d in block[name]["drops"]]
     for key in ("compile_s", "state_s"):
       print(f"  {name} drops, {key}: {', '.join(f'{d[key]:.2f}' for d in drops)}")
     detect = [s for block in blocks for s in block[name]["detect_s"]]
-    source = "from the SIGKILL to the drop" if args.mode != "embedded" else "the drills'"
+    sig = "SIGSTOP" if name == "stopped" else "SIGKILL"
+    source = f"from the {sig} to the drop" if args.mode != "embedded" else "the drills'"
     print(f"  {name} detection ({source}), s: {', '.join(f'{s:.2f}' for s in detect)}")
+    stalls = [s for block in blocks for s in block[name]["stalls_s"]]
+    print(f"  {name} stalls (the drop lines'), s: {', '.join(f'{s:.2f}' for s in stalls)}")
     print(f"  {name} steps run again per drop: {sorted({d['rerun'] for d in drops})}")
     rejoins = [s for block in blocks for s in block[name]["rejoins_s"]]
     print(f"  {name} rejoins, s: {', '.join(f'{s:.2f}' for s in rejoins)}")
-  redone = [block["restart"]["steps_redone"] for block in blocks]
-  print(f"  restart: steps redone in all, per block: {redone}")
+  if restart is not None:
+    redone = [block["restart"]["steps_redone"] for block in blocks]
+    print(f"  restart: steps redone in all, per block: {redone}")
   return {"blocks": blocks}
 
 
@@ -460,7 +493,8 @@ def main():
   parser.add_argument("--checkpoint_every", type=int, default=50, help="every side's")
   parser.add_argument("--microbatches", type=int, default=1, help="faults: per pod")
   parser.add_argument("--global_batch", type=int, default=12, help="faults: rows per step")
-  parser.add_argument("--fault_blocks", type=int, default=3, help="faults: blocks of 4 sides")
+  parser.add_argument("--fault_blocks", type=int, default=3, help="faults: blocks of sides")
+  parser.add_argument("--sides", default=",".join(SIDES), help="faults: of " + ",".join(SIDES))
   parser.add_argument("--blocks", type=int, default=3, help="first: blocks of 3 starts")
   parser.add_argument("--out", default="")
   args = parser.parse_args()

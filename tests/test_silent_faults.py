@@ -132,6 +132,57 @@ def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(
   print(f"stopped after step 3: lost {detection_s:.1f} s later, alone at {gap_s:.1f} s")
 
 
+PAUSE_S = 1.0  # two heartbeats: well under the detection bound (3 missed pings)
+
+
+def _steps_and_live(workdir) -> tuple[list[int], list[int]]:
+  """The steps of metrics.jsonl's training rows, in file order (a step written twice shows
+  twice), and each row's pods_live."""
+  train_rows = [row for row in metrics_rows(workdir) if "loss" in row]
+  return [row["step"] for row in train_rows], [row["pods_live"] for row in train_rows]
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_stop_shorter_than_detection_costs_only_the_pause_and_no_step_twice(tmp_path, caplog):
+  """Pod 1's worker is SIGSTOPped after step 3 for PAUSE_S (two heartbeats), then SIGCONTed:
+  its pings answer again before 3 are missed, so it is never lost, no pod drops, nothing is
+  killed or run again: metrics.jsonl holds steps 1-10 once each, in order (a step written
+  twice, e.g. by a drop that ran it again, would show twice), with both pods live in every
+  row; and the rows around the pause are at most the pause plus a few steps apart."""
+  rows = _Rows(tmp_path)
+  stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
+  killer = Killer(tmp_path, [stop], seed=3)
+  resumed: dict = {}
+
+  def resume():
+    while stop.at is None:
+      time.sleep(0.01)
+    time.sleep(max(0.0, stop.at + PAUSE_S - time.time()))
+    os.kill(stop.sent_to, signal.SIGCONT)
+    resumed["at"] = time.time()
+
+  threading.Thread(target=resume, daemon=True).start()
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    result = train.run(small_config(**TWO_PODS), str(tmp_path), show_progress=False)
+  killer.join()
+  rows.stop()
+  assert result.final_step == 10
+  steps, live = _steps_and_live(tmp_path)
+  assert steps == list(range(1, 11)), steps
+  assert live == [2] * 10, live
+  messages = [r.getMessage() for r in caplog.records]
+  assert not [m for m in messages if " lost" in m or m.startswith("killed worker")], messages
+  assert not (tmp_path / "metrics.rolled_back.jsonl").exists()
+  assert resumed["at"] - stop.at >= PAUSE_S
+  # The pause costs the pause: the longest gap between two rows is under it plus a few steps.
+  times = [rows.at[s] for s in sorted(rows.at)]
+  steady = sorted(b - a for a, b in zip(times, times[1:], strict=False))[len(times) // 2]
+  gap_s = max(b - a for a, b in zip(times, times[1:], strict=False))
+  assert gap_s < PAUSE_S + max(5 * steady, 2.0), (gap_s, steady)
+  print(f"stopped {resumed['at'] - stop.at:.2f} s: longest gap {gap_s:.2f} s, step {steady:.2f} s")
+
+
 class _KillOn(logging.Handler):
   """SIGKILLs `pid()` (once) as a log line starting with `prefix` is emitted."""
 
