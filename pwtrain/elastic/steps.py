@@ -75,7 +75,7 @@ class _Pending:
   before: dict  # the state it started from
   out: StepOutputs
   metrics: _Metrics  # what the trainer was given: set once the step is confirmed
-  dispatched_at: float = dataclasses.field(default_factory=time.perf_counter)
+  dispatched_at: float = dataclasses.field(default_factory=time.perf_counter)  # its start
 
 
 class ElasticSteps:
@@ -211,8 +211,9 @@ class ElasticSteps:
 
   def _dispatch(self, state, batch, step, metrics) -> _Pending:
     host_metrics = self._agreement is None  # distributed: read once the processes agree
+    began = time.perf_counter()  # a dispatch can itself wait on a silent worker until it is lost
     out = self.harness.step(state, self._rows(batch), step, host_metrics=host_metrics)
-    pending = _Pending(step, batch, state, out, metrics)
+    pending = _Pending(step, batch, state, out, metrics, dispatched_at=began)
     self._pending.append(pending)
     self._head = out.state
     return pending
