@@ -35,6 +35,7 @@ from pwtrain import (  # noqa: E402
   watch,
 )
 from pwtrain import workdir as workdir_lib  # noqa: E402
+from pwtrain.backend.faults import may_be_a_peers_death  # noqa: E402
 from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 from pwtrain.errors import UserError  # noqa: E402
 
@@ -125,22 +126,6 @@ def _verdict_wait_s(config) -> float:
   sooner; a runtime error of its own waits it out, and any other error (a bug of its own) does
   not wait at all (`may_be_a_peers_death`)."""
   return 2 * (_heartbeat_timeout_s(config) + 1.0 + config.fault.heartbeat_s)
-
-
-def may_be_a_peers_death(error: BaseException) -> bool:
-  """Whether `error` may be how a peer's death reached this process: an error of JAX's runtime
-  (a transfer from the peer, a collective with it, a call to the coordination service) or an
-  island found lost, anywhere in its chain. Any other exception is this process's own (a bug,
-  a bad value): its traceback is printed at once, without waiting for JAX's verdict."""
-  from pwtrain.backend.faults import IslandLost
-
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, (jax.errors.JaxRuntimeError, IslandLost)):
-      return True
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  return False
 
 
 def main(argv):

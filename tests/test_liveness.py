@@ -19,7 +19,7 @@ from signals import child_with_env
 from test_distributed import PODS, launch, process_logs
 
 from pwtrain import console, liveness
-from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.faults import IslandLost, may_be_a_peers_death
 
 
 def test_a_process_beats_until_it_leaves(tmp_path, monkeypatch):
@@ -60,7 +60,6 @@ def test_a_watched_process_waits_only_for_what_a_peers_death_may_cause():
   """A watched distributed process waits for JAX's verdict on a dead peer only when its error
   may be that death (an error of JAX's runtime, an island lost, anywhere in its chain); its own
   bug's traceback is printed at once (main.py)."""
-  from pwtrain.main import may_be_a_peers_death
 
   runtime = jax.errors.JaxRuntimeError("UNAVAILABLE: Error dispatching computation")
   assert may_be_a_peers_death(runtime)

@@ -83,11 +83,11 @@ def _watched(monkeypatch, watch: _Watch, gates: dict, *, steps: bool = True) -> 
     return record(self, step, future)
 
   @contextlib.contextmanager
-  def attaching(config, controller, current, state, workdir, sock):
+  def attaching(config, controller, current, state, workdir, sock, tokenizer=None):
     jax.block_until_ready(state)
     gc.collect()
     watch.attach_bytes = device_bytes()
-    with attached(config, controller, current, state, workdir, sock) as server:
+    with attached(config, controller, current, state, workdir, sock, tokenizer) as server:
       watch.server = server
       yield server
 

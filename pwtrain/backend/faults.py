@@ -42,3 +42,19 @@ def read_of_lost(value, lost: dict) -> "IslandLost | None":
         if device in lost:
           return lost[device]
   return None
+
+
+def may_be_a_peers_death(error: BaseException) -> bool:
+  """Whether `error` may be how a peer's death reached this process: an error of JAX's runtime
+  (a transfer from the peer, a collective with it, a call to the coordination service) or an
+  island found lost, anywhere in its chain. Any other exception is this process's own (a bug,
+  a bad value): its traceback is printed at once, without waiting for JAX's verdict."""
+  import jax  # the exception type only
+
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, (jax.errors.JaxRuntimeError, IslandLost)):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
