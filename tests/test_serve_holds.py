@@ -78,9 +78,9 @@ def _watched(monkeypatch, watch: _Watch, gates: dict, *, steps: bool = True) -> 
   the run's thread alone)."""
   record, attached, batches = metrics_lib.MetricsLogger.record, serve.attached, train._train_batches
 
-  def recording(self, step, future):
+  def recording(self, step, future, host=None):
     watch.record(step, future)
-    return record(self, step, future)
+    return record(self, step, future, host)
 
   @contextlib.contextmanager
   def attaching(config, controller, current, state, workdir, sock, tokenizer=None):
