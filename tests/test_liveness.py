@@ -14,7 +14,8 @@ import time
 
 import jax
 import pytest
-from helpers import SGD, metrics_rows
+import test_elastic_distributed as elastic_distributed
+from helpers import metrics_rows
 from signals import child_with_env
 from test_distributed import PODS, launch, process_logs
 
@@ -91,18 +92,10 @@ def test_a_crash_dump_begins_with_one_of_these_lines():
 # 3 pods as 3 processes of 1 device each (test_elastic_distributed.py's), elastic, with a
 # heartbeat of 1 s: the launcher's bound is then liveness.MIN_BOUND_S.
 ELASTIC_PODS = {
-  **SGD,
-  "parallel.islands": 3,
-  "parallel.devices_per_island": 1,
-  "parallel.pods": 3,
-  "exchange.mode": "sync",
-  "train.global_batch": 6,
-  "data.streams": 3,
+  **elastic_distributed.PODS,
+  **elastic_distributed.ELASTIC,
   "train.num_steps": 14,
   "train.checkpoint_every": 100,
-  "train.eval_every": 0,
-  "fault.elastic": True,
-  "fault.heartbeat_s": 1.0,
   # The live processes wait at step 12 for process 1's replacement, and take it back there.
   "fault.inject": "rejoin:pod1@step12",
 }
