@@ -398,6 +398,19 @@ def test_weights_deleted_under_a_completion_are_the_weights_moving(server, train
   assert texts[-1].finish_reason == "length", texts[-1]
 
 
+def test_a_deleted_buffer_caught_by_python_or_by_the_runtime_is_the_weights_moving():
+  """An array deleted before the launch is caught in Python; one deleted between that check and
+  the launch is the runtime's INVALID_ARGUMENT (as seen under load): both are the weights
+  moving, and other errors are not."""
+  from pwtrain.serve.engine import _moved
+
+  assert _moved(RuntimeError("Array has been deleted with shape=int32[]."))
+  runtime = "INVALID_ARGUMENT: Invalid buffer passed to Execute() as argument 0 to replica 0: "
+  assert _moved(ValueError(runtime + "INVALID_ARGUMENT: Buffer has been deleted or donated."))
+  assert not _moved(ValueError("top_k must be at most 10"))
+  assert not _moved(RuntimeError("INTERNAL: something else"))
+
+
 def _metric(server, name: str) -> float:
   text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
   return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))

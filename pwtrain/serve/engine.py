@@ -392,7 +392,10 @@ def _moved(error: BaseException) -> bool:
   """Whether `error` says the weights moved (the module doc's Faults)."""
   if isinstance(error, IslandLost | NotPublished | NoLivePod):
     return True
-  return isinstance(error, RuntimeError) and "has been deleted" in str(error)
+  # A deleted array is caught in Python (RuntimeError "Array has been deleted") or, when it
+  # is deleted between that check and the launch, by the runtime (ValueError "Buffer has
+  # been deleted or donated").
+  return isinstance(error, RuntimeError | ValueError) and "has been deleted" in str(error)
 
 
 def _failing(error: BaseException, sequences) -> BaseException:
