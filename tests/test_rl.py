@@ -4,6 +4,7 @@ whose log-probs equal the trainer's recomputation; an RL run's one-line errors."
 
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ SMALL = {
   "train.checkpoint_every": 2,
 }
 PADDED = {"model.vocab_size": 16}  # past the task's 10 ids
-LEARN_STEPS, LEARNED = 50, 0.25  # the slow test: steps, and the last 10 steps' mean reward
+LEARN_STEPS, LEARNED = 50, 0.35  # the slow test: steps, and the last 10 steps' mean reward
 
 
 def toy_config(**overrides):
@@ -401,12 +402,23 @@ def test_init_from_starts_from_another_run_s_latest_params(straight):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_toy_task_learns_from_random_initialisation(tmp_path):
-  """grpo_toy as shipped for LEARN_STEPS steps: the last 10 steps' mean reward is well above
-  chance (1/8), and the first step's is near it."""
-  config = load_config("grpo_toy", {"train.num_steps": LEARN_STEPS})
-  result = train.run(config, str(tmp_path / "w"), show_progress=False)
-  rewards = [r["reward_mean"] for r in result.history if "reward_mean" in r]
+  """The shipped command (`python -m pwtrain.main --config=grpo_toy`) for LEARN_STEPS steps, in
+  a process of its own with XLA's default flags (one CPU device, optimised code: the suite's 8
+  devices at optimisation level 0 make it 5x slower): the last 10 steps' mean reward is well
+  above chance (1/8), and the first step's is near it."""
+  import subprocess
+  import sys
+
+  from helpers import REPO
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  cmd = [sys.executable, "-m", "pwtrain.main", "--config=configs/grpo_toy.py",
+         f"--workdir={tmp_path}", f"--config.train.num_steps={LEARN_STEPS}"]  # fmt: skip
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rewards = [r["reward_mean"] for r in metrics_rows(tmp_path) if "reward_mean" in r]
   assert len(rewards) == LEARN_STEPS and rewards[0] < 0.1
   assert np.mean(rewards[-10:]) >= LEARNED, rewards
 
