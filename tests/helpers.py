@@ -1,8 +1,10 @@
 """What the tests share: the repository, the parity tolerance, small configs, random batches,
-and the step run every way the parity tests compare. conftest.py sets up the environment (8
+the step run every way the parity tests compare, and a standalone server with its streamed
+responses. conftest.py sets up the environment (8
 simulated CPU devices) before any of this imports JAX.
 """
 
+import contextlib
 import json
 import pathlib
 import time
@@ -188,3 +190,55 @@ class Gated:
 
   def __getattr__(self, name):  # get_state, set_state, ...
     return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def standalone_server(config, workdir, token_dir, token: str, **serve_settings):
+  """pwtrain.serve's standalone server of `workdir`'s checkpoint, as `config` says with
+  `serve_settings` {serve key: value} set, on 127.0.0.1 at a port the system picks
+  (serve.port=0), not reloading, and answering requests with `token`, written to the token file
+  `token_dir`/token. Yields the running server (its `url`); stops it on exit."""
+  from pwtrain import serve
+
+  token_file = pathlib.Path(token_dir) / "token"
+  token_file.write_text(token + "\n")
+  with config.unlocked():
+    config.serve.update(port=0, reload=False, token_file=str(token_file), **serve_settings)
+  with serve.listening(config) as sock:
+    running = serve.standalone(config, str(workdir), sock).start()
+    try:
+      yield running
+    finally:
+      running.stop()
+
+
+def openai_client(server, token: str):
+  """OpenAI's client of `server` (standalone_server's), with `token`; no retries."""
+  import openai
+
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key=token, max_retries=0, timeout=60)
+
+
+class StreamError(RuntimeError):
+  """An error chunk in a streamed response; its message is the server's."""
+
+
+def streamed_chunks(http, body: dict, path: str = "/v1/completions"):
+  """The JSON chunks, in order, of `body` POSTed to `path` as a stream (`"stream": true`) on
+  `http` (an httpx.Client with the server's base_url): each `data: {...}` line, the closing
+  `data: [DONE]` left out. Raises httpx.HTTPStatusError on an error status and StreamError on
+  an error chunk."""
+  with http.stream("POST", path, json={**body, "stream": True}) as response:
+    response.raise_for_status()
+    for line in response.iter_lines():
+      if line.startswith("data: {"):
+        chunk = json.loads(line.removeprefix("data: "))
+        if "error" in chunk:
+          raise StreamError(chunk["error"]["message"])
+        yield chunk
+
+
+def weights_step(response: dict) -> int:
+  """The training step of the weights a response or a streamed chunk came from (its
+  system_fingerprint, "pwtrain-step-<n>")."""
+  return int(response["system_fingerprint"].removeprefix("pwtrain-step-"))

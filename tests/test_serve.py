@@ -21,7 +21,16 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import REPO, Gated, small_config
+from helpers import (
+  REPO,
+  Gated,
+  StreamError,
+  openai_client,
+  small_config,
+  standalone_server,
+  streamed_chunks,
+  weights_step,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from pwtrain import sample, serve, train
@@ -47,31 +56,14 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(trained, tmp_path_factory):
-  _, workdir, _ = trained
-  token_file = tmp_path_factory.mktemp("token") / "token"
-  token_file.write_text(TOKEN + "\n")
-  config = small_config(
-    **{
-      **RUN,
-      "serve.port": 0,
-      "serve.max_len": MAX_LEN,
-      "serve.max_batch": MAX_BATCH,
-      "serve.queue_size": QUEUE,
-      "serve.prefill_chunk": 16,
-      "serve.reload": False,
-      "serve.token_file": str(token_file),
-    }
-  )
-  with serve.listening(config) as sock:
-    running = serve.standalone(config, str(workdir), sock).start()
-    try:
-      yield running
-    finally:
-      running.stop()
+  sizes = dict(max_len=MAX_LEN, max_batch=MAX_BATCH, queue_size=QUEUE, prefill_chunk=16)
+  token_dir = tmp_path_factory.mktemp("token")
+  with standalone_server(small_config(**RUN), trained[1], token_dir, TOKEN, **sizes) as running:
+    yield running
 
 
 def _client(server) -> openai.OpenAI:
-  return openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+  return openai_client(server, TOKEN)
 
 
 def _post(server, body, token=TOKEN, **kw):
@@ -454,7 +446,7 @@ def test_serving_while_training_changes_nothing(trained, tmp_path, monkeypatch):
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]  # the end
   assert len(ok) >= 3, responses
-  steps = [_step_of(r) for r in ok]
+  steps = [weights_step(r) for r in ok]
   assert steps == sorted(steps) and steps[-1] > steps[0], steps
   for r in ok:
     for choice in r["choices"]:
@@ -495,7 +487,7 @@ def test_serving_from_a_pipeline_of_pods_through_a_lost_pod(trained, tmp_path, c
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
   assert len(ok) >= 3, responses
-  steps = [_step_of(r) for r in ok]
+  steps = [weights_step(r) for r in ok]
   assert steps == sorted(steps), steps
   served_from = [m.split()[-1] for m in caplog.messages if m.startswith("serving from islands")]
   assert served_from == ["island2,island3", "island0,island1", "island2,island3"], served_from
@@ -526,7 +518,7 @@ def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, mon
   assert all(jax.tree.leaves(same))
   ok = [r for r in responses if not isinstance(r, Exception)]
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
-  steps = [_step_of(r) for r in ok]
+  steps = [weights_step(r) for r in ok]
   assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] > steps[0], steps
 
 
@@ -540,14 +532,10 @@ def _gate_on_responses(monkeypatch, responses: list) -> None:
   step's weights than the first."""
 
   def steps():
-    return [_step_of(r) for r in responses if not isinstance(r, Exception)]
+    return [weights_step(r) for r in responses if not isinstance(r, Exception)]
 
   gates = {2: lambda: len(steps()) >= 1, 5: lambda: len(s := steps()) >= 3 and s[-1] > s[0]}
   _gate_batches(monkeypatch, gates)
-
-
-def _step_of(response: dict) -> int:
-  return int(response["system_fingerprint"].removeprefix("pwtrain-step-"))
 
 
 def _train_with_a_client(config, workdir, responses: list):
@@ -586,7 +574,7 @@ def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
           response.raise_for_status()
           got = response.json()
         responses.append(got)
-      except (httpx.HTTPError, ValueError) as e:
+      except (httpx.HTTPError, StreamError) as e:
         responses.append(e)
         return
 
@@ -594,19 +582,11 @@ def _send_all_along(port: int, done: threading.Event, responses: list) -> None:
 def _streamed(http, body) -> dict:
   """A streamed completion as one response: its last chunk's fingerprint, its runs of steps."""
   runs, fingerprint = [], None
-  with http.stream("POST", "/v1/completions", json=body) as response:
-    response.raise_for_status()
-    for line in response.iter_lines():
-      if not line.startswith("data: {"):
-        continue
-      chunk = json.loads(line.removeprefix("data: "))
-      if "error" in chunk:
-        raise ValueError(chunk["error"]["message"])
-      fingerprint = chunk["system_fingerprint"]
-      step = int(fingerprint.removeprefix("pwtrain-step-"))
-      if not runs or runs[-1]["step"] != step:
-        runs.append({"step": step, "tokens": 0})
-      runs[-1]["tokens"] += 1
+  for chunk in streamed_chunks(http, body):
+    fingerprint, step = chunk["system_fingerprint"], weights_step(chunk)
+    if not runs or runs[-1]["step"] != step:
+      runs.append({"step": step, "tokens": 0})
+    runs[-1]["tokens"] += 1
   return {"system_fingerprint": fingerprint, "choices": [{"weights": runs}]}
 
 

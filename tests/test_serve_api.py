@@ -10,9 +10,10 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import openai_client, standalone_server
 from hf_models import make_hf, transformers
 
-from pwtrain import inference, sample, serve
+from pwtrain import inference, sample
 from pwtrain.convert import importer
 from pwtrain.models.sampling import Sampling
 
@@ -38,22 +39,14 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(run, tmp_path_factory):
-  token_file = tmp_path_factory.mktemp("token") / "token"
-  token_file.write_text(TOKEN)
   config = inference.load_config(None, str(run))
-  with config.unlocked():
-    config.serve.update(port=0, max_len=64, max_batch=4, prefill_chunk=8, reload=False,
-                        token_file=str(token_file))  # fmt: skip
-  with serve.listening(config) as sock:
-    running = serve.standalone(config, str(run), sock).start()
-    try:
-      yield running
-    finally:
-      running.stop()
+  sizes = dict(max_len=64, max_batch=4, prefill_chunk=8)
+  with standalone_server(config, run, tmp_path_factory.mktemp("token"), TOKEN, **sizes) as running:
+    yield running
 
 
 def _client(server) -> openai.OpenAI:
-  return openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+  return openai_client(server, TOKEN)
 
 
 def test_greedy_completions_are_pwtrain_sample_s_with_the_family_s_bos(server, run):

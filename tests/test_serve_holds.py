@@ -7,7 +7,6 @@ weights are at most one step behind the steps finished when it started, and a po
 
 import contextlib
 import gc
-import json
 import logging
 import threading
 import time
@@ -15,7 +14,7 @@ import time
 import httpx
 import jax
 import pytest
-from helpers import Gated, small_config
+from helpers import Gated, StreamError, small_config, streamed_chunks, weights_step
 
 from pwtrain import metrics as metrics_lib
 from pwtrain import serve, train
@@ -100,31 +99,24 @@ def _watched(monkeypatch, watch: _Watch, gates: dict, *, steps: bool = True) -> 
   monkeypatch.setattr(train, "_train_batches", gated)
 
 
-def _wait_healthy(url: str, done: threading.Event) -> bool:
+def _served_url(watch: _Watch, done: threading.Event) -> str | None:
+  """The attached server's URL once it has attached and answers /health; None if `done` is set
+  first."""
   while not done.is_set():
-    try:
-      if httpx.get(f"{url}/health").status_code == 200:
-        return True
-    except httpx.HTTPError:
-      pass
+    if watch.server is not None:
+      try:
+        if httpx.get(f"{watch.server.url}/health").status_code == 200:
+          return watch.server.url
+      except httpx.HTTPError:
+        pass
     time.sleep(0.02)
-  return False
+  return None
 
 
 def _stream(http: httpx.Client, body: dict) -> list[int]:
   """A streamed completion: the step of each token's weights (its chunk's fingerprint); raises
   on an error chunk or status."""
-  steps = []
-  with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-    response.raise_for_status()
-    for line in response.iter_lines():
-      if not line.startswith("data: {"):
-        continue
-      chunk = json.loads(line.removeprefix("data: "))
-      if "error" in chunk:
-        raise RuntimeError(chunk["error"]["message"])
-      steps.append(int(chunk["system_fingerprint"].removeprefix("pwtrain-step-")))
-  return steps
+  return [weights_step(chunk) for chunk in streamed_chunks(http, body)]
 
 
 def _complete(http: httpx.Client, body: dict) -> list[int]:
@@ -175,11 +167,9 @@ def served_run(tmp_path_factory):
   done = threading.Event()
 
   def client(i: int) -> None:
-    while watch.server is None and not done.is_set():
-      time.sleep(0.02)
-    if done.is_set() or not _wait_healthy(watch.server.url, done):
+    if (url := _served_url(watch, done)) is None:
       return
-    with httpx.Client(base_url=watch.server.url, timeout=120) as http:
+    with httpx.Client(base_url=url, timeout=120) as http:
       while True:
         with lock:  # REQUESTS in all
           n, tickets[0] = tickets[0], tickets[0] + 1
@@ -190,7 +180,7 @@ def served_run(tmp_path_factory):
         try:
           steps = (_stream if n % 2 else _complete)(http, body)
           got = (started, steps)
-        except (httpx.HTTPError, RuntimeError) as e:
+        except (httpx.HTTPError, StreamError) as e:
           got = e
         with lock:
           served.append(got)
@@ -292,28 +282,20 @@ def test_a_rejoin_moves_serving_back_without_failing_a_request(tmp_path, caplog)
 
   def client(i: int) -> None:
     try:
-      while watch.server is None and not done.is_set():
-        time.sleep(0.02)
-      if done.is_set() or not _wait_healthy(watch.server.url, done):
+      if (url := _served_url(watch, done)) is None:
         return
-      with httpx.Client(base_url=watch.server.url, timeout=120) as http:
+      with httpx.Client(base_url=url, timeout=120) as http:
         n = 0
         while not stop.is_set():
           body = {"prompt": "def ", "max_tokens": 40, "temperature": 0.8, "seed": 100 * i + n}
           n += 1
           try:
-            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-              r.raise_for_status()
-              for line in r.iter_lines():
-                if line.startswith("data: {"):
-                  chunk = json.loads(line.removeprefix("data: "))
-                  if "error" in chunk:
-                    raise RuntimeError(chunk["error"]["message"])
-                  with lock:
-                    streaming[i] = True
+            for _ in streamed_chunks(http, body):
+              with lock:
+                streaming[i] = True
             with lock:
               finished[i] += 1
-          except (httpx.HTTPError, RuntimeError) as e:
+          except (httpx.HTTPError, StreamError) as e:
             with lock:
               failed.append(f"client {i}: {e}")
           finally:
