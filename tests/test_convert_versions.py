@@ -8,7 +8,9 @@ scale), tiny and random (tests/hf_models.py), imported, then exported. transform
 venv's, in this process; 4.46 runs tests/hf_read.py in an overlay environment that pip fills
 with transformers 4.46.3 and the tokenizers and huggingface-hub it needs (downloaded once, kept
 under $PWTRAIN_TEST_CACHE, default ~/.cache/pwtrain/tests) and that takes everything else
-(torch, numpy, safetensors) from the venv. That test is marked `network`: it downloads.
+(torch, numpy, safetensors) from the venv. That test is marked `network`: it downloads (14 MB,
+once). Measured on 2 loaded cores: the file takes about 20 s of CPU with the environment built,
+30 s when it builds it.
 """
 
 import hashlib
