@@ -392,9 +392,7 @@ def _moved(error: BaseException) -> bool:
   """Whether `error` says the weights moved (the module doc's Faults)."""
   if isinstance(error, IslandLost | NotPublished | NoLivePod):
     return True
-  # A deleted array is caught in Python (RuntimeError "Array has been deleted") or, when it
-  # is deleted between that check and the launch, by the runtime (ValueError "Buffer has
-  # been deleted or donated").
+  # Python's check (RuntimeError) or, deleted after it, the runtime's (ValueError).
   return isinstance(error, RuntimeError | ValueError) and "has been deleted" in str(error)
 
 
