@@ -138,6 +138,44 @@ def test_a_metrics_write_the_disk_refuses_stops_the_run_in_one_line_and_the_resu
   assert (workdir / "metrics.torn.jsonl").read_text().count("\n") == 1
 
 
+_EVENTS_CHILD = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, resource.RLIM_INFINITY))
+from pwtrain import metrics
+from pwtrain.errors import WriteFailed
+logger = metrics.MetricsLogger(
+  sys.argv[1], start_step=0, num_steps=100, log_every=50, tokens_per_step=1,
+  flops_per_token=1.0, num_devices=1, peak_flops_per_device=None, progress="none",
+)
+try:
+  for step in range(1, 101):
+    logger.record(step, {f"m{i}": step / (i + 1) for i in range(20)})
+except WriteFailed as e:
+  logger.close()
+  print(e)
+  sys.exit(3)
+"""
+
+
+@pytest.mark.processes
+def test_a_tensorboard_write_the_disk_refuses_is_one_error_of_the_caller_not_a_hang(tmp_path):
+  """TensorBoard's events of 50 steps (about 56 KB) pass a 40 KB file size limit, metrics.jsonl's
+  rows (25 KB) do not: the write fails on the logging thread as WriteFailed naming the events
+  file, and closing the logger after it is quiet. tensorboardX's own writer thread died of it
+  with a traceback, and the run then blocked for good on its full queue."""
+  out = subprocess.run(
+    [sys.executable, "-c", _EVENTS_CHILD, str(tmp_path)],
+    cwd=REPO, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  (events,) = os.listdir(tmp_path / "tensorboard")
+  assert out.stdout.strip() == (
+    f"{tmp_path}/tensorboard/{events} could not be written: File too large (EFBIG)"
+  )
+  assert [r["step"] for r in metrics_rows(tmp_path)] == [*range(1, 51), 50]  # the rows, whole
+
+
 @pytest.mark.processes
 def test_a_start_the_disk_refuses_leaves_no_workdir(tmp_path):
   """The first write past the limit is the data's (a prepared dataset, in the workdir): one
