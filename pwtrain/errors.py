@@ -37,11 +37,15 @@ class WriteFailed(UserError):
   def stopped(self, step: int, latest: int | None) -> "WriteFailed":
     """This failure's one line: the file, the OS error, where the run stopped, the checkpoint
     the same command resumes from (`latest`) and the fix."""
-    kept = f"the latest checkpoint, step {latest}, is intact" if latest else "no checkpoint is kept"
+    kept, again = (
+      (f"the latest checkpoint, step {latest}, is intact", " to resume from it")
+      if latest
+      else ("no checkpoint was written yet", "")
+    )
     return WriteFailed(
       self.path,
       self.error,
       f"{self.path} could not be written: {self.reason}; the run stopped at step {step} and "
       f"{kept}. Free space on that filesystem (or raise its quota or file size limit) and run "
-      "the same command again to resume from it, or start afresh with another --workdir",
+      f"the same command again{again}, or start afresh with another --workdir",
     )

@@ -207,6 +207,22 @@ def test_storage_failures_are_found_under_any_library_s_wording():
   assert saving.storage_reason(TypeError("'NoneType' object is not subscriptable")) is None
 
 
+def test_a_refused_write_names_the_file_the_os_error_the_stop_and_the_fix():
+  import errno
+
+  from pwtrain.errors import WriteFailed
+
+  eio = WriteFailed("/w/metrics.jsonl", OSError(errno.EIO, os.strerror(errno.EIO)))
+  assert str(eio) == "/w/metrics.jsonl could not be written: Input/output error (EIO)"
+  full = WriteFailed("/w/config.json", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+  assert str(full.stopped(1, None)) == (
+    "/w/config.json could not be written: No space left on device (ENOSPC); the run stopped at "
+    "step 1 and no checkpoint was written yet. Free space on that filesystem (or raise its "
+    "quota or file size limit) and run the same command again, or start afresh with another "
+    "--workdir"
+  )
+
+
 def _logger(workdir, start_step):
   return metrics_lib.MetricsLogger(
     str(workdir), start_step=start_step, num_steps=8, log_every=2, tokens_per_step=1,
