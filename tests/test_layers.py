@@ -41,6 +41,7 @@ LAYERS = (
     "guard",
     "metrics",
     "wandb_run",
+    "process_logs",
   ),
   ("checkpoint",),  # the checkpoint store: Orbax saves, parts, integrity (remote workers use it)
   # The model, the runtime and the data: independent of each other.

@@ -319,3 +319,24 @@ def test_a_damaged_restore_keeps_other_threads_errors_where_they_go(tmp_path, mo
     ckpt.close()
   assert len(emitted) >= 5  # the read took its half second at least
   assert seen.count("a thread's own unraisable error") == len(emitted)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_launcher_log_the_disk_refuses_stops_the_run_in_one_line(tmp_path):
+  """pwtrain.launch's log of process 0 is /dev/full (every write: ENOSPC): the launcher says so
+  in one line naming the file, the OS error and the fix, and stops the run. Its echo thread
+  died of the error with a traceback, and the processes' pipes were then read by nobody."""
+  from test_distributed import PODS, launch
+
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  (logs / "process0.log").symlink_to("/dev/full")
+  out = launch(tmp_path / "run", 2, {**PODS, "train.num_steps": 8}, extra=(f"--log_dir={logs}",))
+  assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr, out.stdout[-3000:]
+  said = [line for line in out.stdout.splitlines() if line.startswith("[launch]")]
+  assert said == [
+    f"[launch] {logs}/process0.log could not be written: No space left on device (ENOSPC); "
+    "stopping the run, its latest checkpoint kept. Free space on that filesystem (or give "
+    "another --log_dir) and run the same command again to resume"
+  ], out.stdout[-3000:]
