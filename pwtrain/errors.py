@@ -2,9 +2,12 @@
 
 Every check of what the user gave (a config value or flag, a data file, the workdir) raises one
 of these, naming the key or file, the value, and what would be valid or how to fix it. They
-are ValueErrors, so code that catches a bad value keeps working. Any other exception is a bug
-or a failure of the machine, and keeps its traceback.
+are ValueErrors, so code that catches a bad value keeps working. A storage that refuses the
+run's own writes (a full disk: `WriteFailed`, and checkpoint/saving.py's `SaveFailed`) is one
+line too. Any other exception is a bug or a failure of the machine, and keeps its traceback.
 """
+
+import errno
 
 
 class UserError(ValueError):
@@ -17,3 +20,32 @@ class ConfigError(UserError):
 
 class DataError(UserError):
   """A data file, a dataset or a tokenizer file is wrong or damaged."""
+
+
+class WriteFailed(UserError):
+  """A file the run writes in its workdir as it trains (metrics.jsonl, TensorBoard's events,
+  the config record) could not be written: the storage refused it (a full disk, a quota, a
+  file size limit, an I/O error). The run stops at once (train.py adds the step it stopped at
+  and its latest checkpoint, `stopped`); nothing committed is lost."""
+
+  def __init__(self, path: str, error: OSError, message: str | None = None):
+    self.path, self.error = path, error
+    code = errno.errorcode.get(error.errno, error.errno) if error.errno else None
+    self.reason = f"{error.strerror or error}" + (f" ({code})" if code else "")
+    super().__init__(message or f"{path} could not be written: {self.reason}")
+
+  def stopped(self, step: int, latest: int | None) -> "WriteFailed":
+    """This failure's one line: the file, the OS error, where the run stopped, the checkpoint
+    the same command resumes from (`latest`) and the fix."""
+    kept, again = (
+      (f"the latest checkpoint, step {latest}, is intact", " to resume from it")
+      if latest
+      else ("no checkpoint was written yet", "")
+    )
+    return WriteFailed(
+      self.path,
+      self.error,
+      f"{self.path} could not be written: {self.reason}; the run stopped at step {step} and "
+      f"{kept}. Free space on that filesystem (or raise its quota or file size limit) and run "
+      f"the same command again{again}, or start afresh with another --workdir",
+    )

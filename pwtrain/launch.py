@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 
-from pwtrain import console, liveness
+from pwtrain import console, liveness, process_logs
 from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit
 
 PREFIX = "[launch]"
@@ -140,8 +140,7 @@ class Attempt:
       "--config.backend.mode=distributed",
     ]
     mode = "w" if attempt == 0 else "a"
-    self.paths = [os.path.join(log_dir, f"process{i}.log") for i in range(n)]
-    self.logs = [open(path, mode) for path in self.paths]
+    self.logs = process_logs.ProcessLogs(log_dir, n, mode)  # a refused write: `logs.failed`
     self.beats = [liveness.file_for(log_dir, i) for i in range(n)]
     self._start = lambda i, env: subprocess.Popen(
       command,
@@ -156,7 +155,7 @@ class Attempt:
     self.dumping: set[int] = set()
     for i in range(n):
       if attempt:
-        self.logs[i].write(f"{PREFIX} restart {attempt}\n")
+        self.logs.append(i, f"{PREFIX} restart {attempt}\n")
       liveness.remove(self.beats[i])
       self.procs.append(self._start(i, {}))
     self.verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in args.main_args)
@@ -172,7 +171,7 @@ class Attempt:
   def start_again(self, i: int) -> None:
     """Starts process `i` again in its dead predecessor's place, while the others go on
     (fault.elastic): $PWTRAIN_REJOIN tells it to join them at a step boundary."""
-    self.logs[i].write(f"{PREFIX} started again\n")
+    self.logs.append(i, f"{PREFIX} started again\n")
     liveness.remove(self.beats[i])  # its predecessor's, stale
     self.dumping.discard(i)
     self.procs[i] = self._start(i, {REJOIN_ENV: "1"})
@@ -189,8 +188,7 @@ class Attempt:
           self._open_streams -= 1
           continue
         text = line.decode(errors="replace")
-        self.logs[key.data].write(text)
-        self.logs[key.data].flush()
+        self.logs.append(key.data, text)
         if key.data == 0 and (said := barrier_line(text)) is not None:
           self.waited_for = said  # in process 0's log, not on the console
           continue
@@ -257,8 +255,7 @@ class Attempt:
 
   def close(self) -> None:
     self.echo.join(timeout=5)
-    for log in self.logs:
-      log.close()
+    self.logs.close()
 
 
 # An absl INFO line ("I1125 21:24:23.123456 ..."): the other processes' go to their logs only.
@@ -341,6 +338,10 @@ def run(args) -> int:
                 "stopped or wedged; killing it (SIGKILL)")  # fmt: skip
           sys.stdout.flush()
           current[-1].kill(i)
+      if current[-1].logs.failed and not stopping.is_set():  # a full disk: the run stops now
+        print(f"{PREFIX} {current[-1].logs.failed}", flush=True)
+        stopping.set()  # as a process's death stops it, but with no restart: the disk is full
+        current[-1].stop(min(args.grace_s, 5.0))
       if stopping.is_set():  # asked to stop: processes past the grace period are killed
         stop_at = stop_at or time.monotonic() + args.grace_s
         if time.monotonic() > stop_at:
@@ -352,7 +353,7 @@ def run(args) -> int:
       if failed is not None and not stopping.is_set():
         proc = procs[failed]
         died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
-        died += f" (its output: {current[-1].paths[failed]})"
+        died += f" (its output: {current[-1].logs.paths[failed]})"
         if drops and failed != 0:
           print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
           sys.stdout.flush()
@@ -385,7 +386,7 @@ def run(args) -> int:
         if stopped:
           bad.append(f"process(es) {', '.join(map(str, sorted(stopped)))} stopped by the launcher")
         print(f"{PREFIX} giving up after {attempt} restart(s): {'; '.join(bad)}")
-      return worst
+      return worst or int(current[-1].logs.failed is not None)
     attempt += 1
     print(f"{PREFIX} restarting all {args.nproc} processes ({attempt} of {restarts})")
     sys.stdout.flush()

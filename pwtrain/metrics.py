@@ -16,8 +16,15 @@ left out) is badput, `degraded`.
 
 Evaluation rows ({"step", "eval_loss", "eval_perplexity", "eval_bits_per_byte", ...}) go to the
 same file, after the step's own rows, and to TensorBoard under eval/.
+
+Every write happens on the caller's thread (TensorBoard's too: events.py), and one the storage
+refuses (a full disk, a quota, a file size limit, an I/O error: any OSError) raises
+`errors.WriteFailed`, naming the file, once; the logger writes nothing more, and train.py stops
+the run there in one line. A row that write cut short is set aside on the next start
+(`set_aside_torn`).
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -28,9 +35,10 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
 
 from pwtrain import goodput as goodput_lib
+from pwtrain.errors import WriteFailed
+from pwtrain.events import Events
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,7 @@ class MetricsLogger:
     self._host: dict[int, dict] = {}  # step -> its host metrics (`record`)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
+    self.failed = False  # a write was refused (WriteFailed): nothing more is written
     self._jsonl, self._tb, earlier = self._open_from(start_step)
     # Steps after the start that an earlier start trained and logged: they run again.
     self.rerun_through = max((r["step"] for r in earlier if "loss" in r), default=start_step)
@@ -137,10 +146,8 @@ class MetricsLogger:
 
   def record_once(self, step: int, **values) -> None:
     """A row of its own, e.g. {"compile_s"} (the time to the first step), once per start."""
-    self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-    self._jsonl.flush()
-    for k, x in values.items():
-      self._tb.add_scalar(f"perf/{k}", x, step)
+    self._write([{"step": step, **values}])
+    self._scalars({f"perf/{k}": x for k, x in values.items()}, step)
 
   def record(self, step: int, metrics_future, host: dict | None = None) -> None:
     """`step` is the step number after the update (1-based); `host`: metrics of the step known
@@ -166,10 +173,7 @@ class MetricsLogger:
       row = {"step": step, **{k: float(np.asarray(x)) for k, x in v.items()}}
       row.update(self._host.pop(step, {}))
       self.history.append(row)
-      self._jsonl.write(json.dumps(row) + "\n")
-      for k, x in row.items():
-        if k != "step":
-          self._tb.add_scalar(f"train/{k}", x, step)
+    rows = self.history[-len(steps) :]
     self.tokens_per_s = tokens_per_s
     self.steps_run += done
     speed = {"tokens_per_s": tokens_per_s, "steps_per_s": done / elapsed}
@@ -184,15 +188,14 @@ class MetricsLogger:
     speed["data_wait_s"], self._data_wait = self._data_wait, 0.0
     speed.update(goodput_lib.memory_row(self.devices) if self.devices else {})
     if self.goodput is not None:
-      self._count_badput(self.history[-len(steps) :], now)
+      self._count_badput(rows, now)
       speed.update(self.goodput.row(now))
-    for k, x in speed.items():
-      self._tb.add_scalar(f"perf/{k}", x, steps[-1])
-    self._jsonl.write(json.dumps({"step": steps[-1], **speed}) + "\n")
-    self._jsonl.flush()
-    self._tb.flush()
+    self._write([*rows, {"step": steps[-1], **speed}])
+    for row in rows:
+      self._scalars({f"train/{k}": x for k, x in row.items() if k != "step"}, row["step"])
+    self._scalars({f"perf/{k}": x for k, x in speed.items()}, steps[-1], flush=True)
     if self.wandb is not None:
-      for row in self.history[-len(steps) :]:
+      for row in rows:
         self._to_wandb(row, "train")
       self._to_wandb({"step": steps[-1], **speed}, "perf")
     self._bar.update(done)
@@ -251,14 +254,36 @@ class MetricsLogger:
     self.flush()  # the step's own rows first
     row = {"step": step, **values}
     self.evals.append(row)
-    self._jsonl.write(json.dumps(row) + "\n")
-    self._jsonl.flush()
-    for k, x in values.items():
-      self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", x, step)
-    self._tb.flush()
+    self._write([row])
+    self._scalars({f"eval/{k.removeprefix('eval_')}": x for k, x in values.items()}, step, True)
     if self.wandb is not None:
       self._to_wandb(row, "eval")
     self._show()
+
+  def _write(self, rows: list[dict]) -> None:
+    """Appends `rows` to metrics.jsonl, flushed (nothing once a write failed)."""
+    if not self.failed:
+      with self._writing(self.path):
+        self._jsonl.write("".join(json.dumps(row) + "\n" for row in rows))
+        self._jsonl.flush()
+
+  def _scalars(self, tags: dict[str, float], step: int, flush: bool = False) -> None:
+    """Adds {tag: value} of `step` to TensorBoard's events; `flush`: written to the disk."""
+    if not self.failed:
+      with self._writing(self._tb.path):
+        for tag, x in tags.items():
+          self._tb.add_scalar(tag, x, step)
+        if flush:
+          self._tb.flush()
+
+  @contextlib.contextmanager
+  def _writing(self, path: str):
+    """A write of `path`: an OSError is `WriteFailed` naming it, and nothing more is written."""
+    try:
+      yield
+    except OSError as e:
+      self.failed = True
+      raise WriteFailed(path, e) from None
 
   def _show(self) -> None:
     postfix = {}
@@ -280,7 +305,7 @@ class MetricsLogger:
     returned, as dicts), later events purged."""
     set_aside_torn(self.path)
     later = set_aside_after(self.path, step)
-    return open(self.path, "a"), SummaryWriter(self._tb_dir, purge_step=step + 1), later
+    return open(self.path, "a"), Events(self._tb_dir, purge_step=step + 1), later
 
   def rewind(self, step: int, **event) -> None:
     """After a rollback to `step`: log the event; rates and the bar restart from there."""
@@ -289,8 +314,7 @@ class MetricsLogger:
     self._tb.close()
     self._jsonl, self._tb, _ = self._open_from(step)  # train.py counts the abandoned steps
     self.rerun_through = min(self.rerun_through, step)
-    self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
-    self._jsonl.flush()
+    self._write([{"step": step, **event}])
     self.evals = [row for row in self.evals if row["step"] <= step]
     if self.wandb is not None:
       self._to_wandb({"step": step, **event}, "events")
@@ -302,8 +326,9 @@ class MetricsLogger:
   def close(self) -> None:
     self.flush()
     self._bar.close()
-    self._jsonl.close()
-    self._tb.close()
+    for file in (self._jsonl, self._tb):  # after a failed write, what it could not write is lost
+      with contextlib.suppress(OSError) if self.failed else contextlib.nullcontext():
+        file.close()
     if self.wandb is not None:
       self.wandb.finish()
 

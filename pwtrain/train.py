@@ -35,7 +35,7 @@ from pwtrain.data import (
   streams_of_rows,
 )
 from pwtrain.elastic import ElasticSteps
-from pwtrain.errors import ConfigError, UserError
+from pwtrain.errors import ConfigError, UserError, WriteFailed
 from pwtrain.goodput import Goodput
 from pwtrain.harness import Harness
 from pwtrain.metrics import PROGRESS, MetricsLogger, peak_flops
@@ -254,7 +254,11 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
           with goodput.bad("eval"):
             state = steps.settle(state)
             _evaluate(steps, state, eval_set, step, logger)
+    logger.flush()  # the last rows, here: a write refused is one line below, not in `finally`
     state = steps.step_program.to_checkpoint(run_mode.results(steps.settle(state)))
+  except WriteFailed as e:  # the storage refused the logs: the run stops here, in one line
+    ckpt.wait()  # the saves in flight committed (or their own failure raised)
+    raise e.stopped(step, ckpt.latest_step()) from None
   finally:
     profiler.close()
     logger.close()

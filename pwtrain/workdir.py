@@ -8,6 +8,7 @@ clean up. (flock is advisory and per host: runs on different hosts sharing a net
 are not kept apart by it.)
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -15,7 +16,7 @@ import os
 import shutil
 import socket
 
-from pwtrain.errors import ConfigError
+from pwtrain.errors import ConfigError, WriteFailed
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
@@ -126,9 +127,14 @@ def save_config(workdir: str, config, start_step: int = 0) -> None:
     os.path.join(workdir, f"config.{start_step}.json"),
   ):
     tmp = f"{target}.tmp"
-    with open(tmp, "w") as f:
-      json.dump(now, f, indent=2, sort_keys=True)
-      f.write("\n")
+    try:
+      with open(tmp, "w") as f:
+        json.dump(now, f, indent=2, sort_keys=True)
+        f.write("\n")
+    except OSError as e:  # the storage refused it (a full disk): one line, the record unchanged
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+      raise WriteFailed(target, e) from None
     os.replace(tmp, target)
 
 

@@ -228,3 +228,48 @@ def test_a_key_a_run_does_not_read_is_refused_where_it_is_set(tmp_path, monkeypa
         continue
       silent.append(key)
   assert not silent, f"read by no code path of this run and refused nowhere: {silent}"
+
+
+# Keys that every run mode reads, but that act through a part each mode supplies: the read
+# trace above sees such a key read wherever train.py reads it, also where the mode's part then
+# ignores it (train.async_checkpoint did in remote and multi-island distributed runs, whose
+# saves in parts went on asynchronously). So each such key is also set to its two values under
+# each part that acts on it, and what it does must differ there; where it cannot, the key needs
+# a rule. {key: (what it does under a part, given its value: a hashable result; {part: what})}.
+def _commit_in_flight_after_save(tmp_path, value: bool, part_writer) -> bool:
+  """Whether `Checkpointer.save` returns with the save still in flight (not yet seen committed:
+  its commit runs on while the steps go on), under `part_writer` (None: the state whole)."""
+  import jax.numpy as jnp
+
+  from pwtrain.checkpoint import Checkpointer
+
+  directory = tmp_path / f"{value}-{getattr(part_writer, '__name__', 'whole')}"
+  ckpt = Checkpointer(str(directory), keep=1, every=1, async_save=value, part_writer=part_writer)
+  try:
+    ckpt.save(1, {"w": jnp.zeros((64, 64), jnp.float32)}, {"pos": 1})
+    return ckpt._in_flight is not None  # noqa: SLF001 - a save not yet seen finished
+  finally:
+    ckpt.close()
+
+
+def _part_writers() -> dict:
+  from pwtrain.checkpoint import ProcessParts
+
+  # Remote mode's part writer (PendingSave) needs island workers: not exercised here.
+  return {"the state whole (embedded)": None, "in parts, per process (distributed)": ProcessParts}
+
+
+EFFECTS = {"train.async_checkpoint": (_commit_in_flight_after_save, _part_writers)}
+
+
+@pytest.mark.parametrize(
+  "key,part", [(k, p) for k, (_, parts) in EFFECTS.items() for p in parts()], ids=str
+)
+def test_a_key_each_mode_acts_on_with_its_own_part_changes_what_it_does_under_each(
+  tmp_path, key, part
+):
+  effect, parts = EFFECTS[key]
+  section, name = key.split(".")
+  default = defaults.get_config()[section][name]
+  outcomes = {effect(tmp_path, value, parts()[part]) for value in (default, _other(default))}
+  assert len(outcomes) == 2, f"{key} does the same at either value with {part}: it needs a rule"

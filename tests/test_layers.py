@@ -17,7 +17,17 @@ FILE_LINES = 400
 # components of one layer do not import each other.
 LAYERS = (
   # What a distributed run's processes say to each other on the host; the errors a user fixes.
-  ("processes", "errors", "goodput", "platforms", "console", "console_lines", "watch", "liveness"),
+  (
+    "processes",
+    "errors",
+    "goodput",
+    "platforms",
+    "console",
+    "console_lines",
+    "watch",
+    "liveness",
+    "events",
+  ),
   # Foundations: jax, orbax and the standard library only.
   (
     "sharding",
@@ -31,6 +41,7 @@ LAYERS = (
     "guard",
     "metrics",
     "wandb_run",
+    "process_logs",
   ),
   ("checkpoint",),  # the checkpoint store: Orbax saves, parts, integrity (remote workers use it)
   # The model, the runtime and the data: independent of each other.

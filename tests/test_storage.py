@@ -1,6 +1,7 @@
 """Storage faults say one line and lose nothing: a save the disk refuses stops the run at once
-with its committed checkpoints intact, a start the disk refuses leaves no workdir behind, and a
-torn last row of metrics.jsonl is repaired on resume.
+with its committed checkpoints intact, so does a write of metrics.jsonl it refuses, a start the
+disk refuses leaves no workdir behind, and a torn last row of metrics.jsonl is repaired on
+resume.
 
 A full disk is made here by a file size limit (RLIMIT_FSIZE, with SIGXFSZ ignored, as a shell's
 `ulimit -f` gives): every write past it fails in the kernel, in TensorStore's C++ writers as in
@@ -8,6 +9,7 @@ Python's, as a full disk fails them (EFBIG, "File too large", where a full disk 
 "No space left on device"); no filesystem can be mounted here.
 """
 
+import functools
 import json
 import logging
 import os
@@ -31,21 +33,26 @@ FLAGS = [f"--config.{k}={v}" for k, v in TINY.items()] + [
   "--progress=none",
 ]
 LIMIT = 64 * 1024  # the checkpoint's array files are larger; metrics, logs and configs smaller
+# Above every file of a checkpoint of this model (760 KB at most) and of its prepared data.
+METRICS_LIMIT = 1024 * 1024
 
 
-def _limited():
+def _limited(limit=LIMIT):
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-  resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
 
-def _main(workdir, *args, limited=False):
+def _main(workdir, *args, limited=False, flags=FLAGS):
+  """`python -m pwtrain.main` in a process of its own; `limited`: under the file size limit
+  LIMIT (True) or under that many bytes."""
   # No compilation cache: its entries would be writes past the limit too.
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   return subprocess.run(
-    [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *FLAGS,
+    [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *flags,
      f"--workdir={workdir}", *args],
     cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    preexec_fn=_limited if limited else None,
+    preexec_fn=functools.partial(_limited, LIMIT if limited is True else limited)
+    if limited else None,
   )  # fmt: skip
 
 
@@ -83,6 +90,92 @@ def test_a_save_the_disk_refuses_stops_the_run_at_once_in_one_line(tmp_path):
   assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "6", "8"]
 
 
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_metrics_write_the_disk_refuses_stops_the_run_in_one_line_and_the_resume_is_exact(
+  tmp_path,
+):
+  """metrics.jsonl already holds all but ROOM bytes of what the file size limit allows (rows of
+  step 0, which every start keeps), and the checkpoints (every 4 steps) fit under the limit:
+  the rows of step 8 (about 1.1 KB an interval of 2 steps) meet it. One line names the file,
+  the OS error, the step and the checkpoint kept, and the fix (a run printed a traceback); no
+  step past 8 runs; checkpoint 4 is committed. The same command without the limit resumes from
+  4, sets the torn row aside, runs steps 5-8 again with the very losses the first start logged
+  for them, and finishes: steps 1-12 once each, every line a row."""
+  room = 3900  # steps 2-6's intervals fit (3.3 KB), step 8's does not (4.4 KB)
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  pad = json.dumps({"step": 0, "pad": "x" * 1000}) + "\n"
+  count, rest = divmod(METRICS_LIMIT - room, len(pad))  # count - 1 rows, and one of the rest
+  last = json.dumps({"step": 0, "pad": "x" * (len(pad) + rest - 23)}) + "\n"
+  (workdir / "metrics.jsonl").write_text(pad * (count - 1) + last)
+  assert (workdir / "metrics.jsonl").stat().st_size == METRICS_LIMIT - room
+  flags = [f for f in FLAGS if "checkpoint_every" not in f] + ["--config.train.checkpoint_every=4"]
+  full = _main(workdir, "--config.train.num_steps=12", limited=METRICS_LIMIT, flags=flags)
+  assert full.returncode == 1, full.stderr[-3000:]
+  lines = _lines(full)
+  assert "Traceback" not in full.stderr and len(lines) == 1, full.stderr[-5000:]
+  assert lines[0] == (
+    f"error: {workdir}/metrics.jsonl could not be written: File too large (EFBIG); the run "
+    "stopped at step 8 and the latest checkpoint, step 4, is intact. Free space on that "
+    "filesystem (or raise its quota or file size limit) and run the same command again to "
+    "resume from it, or start afresh with another --workdir"
+  )
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]
+  text = (workdir / "metrics.jsonl").read_text()
+  assert len(text) == METRICS_LIMIT and not text.endswith("\n")  # torn at the limit
+  first = {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()[:-1]) if "loss" in r}
+  assert set(first) == set(range(1, 9)) - {8} or set(first) == set(range(1, 9)), first
+
+  again = _main(workdir, "--config.train.num_steps=12", flags=flags)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resumed from step 4" in again.stderr and "1 torn line" in again.stderr
+  rows = metrics_rows(workdir)  # every line parses
+  assert sum(1 for r in rows if r.get("pad")) == count  # the rows of step 0 kept
+  losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+  assert [s for s, _ in losses] == list(range(1, 13))
+  assert {s: x for s, x in losses if s in first} == first  # steps 1-4 kept, 5-8 run again alike
+  assert (workdir / "metrics.torn.jsonl").read_text().count("\n") == 1
+
+
+_EVENTS_CHILD = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, resource.RLIM_INFINITY))
+from pwtrain import metrics
+from pwtrain.errors import WriteFailed
+logger = metrics.MetricsLogger(
+  sys.argv[1], start_step=0, num_steps=100, log_every=50, tokens_per_step=1,
+  flops_per_token=1.0, num_devices=1, peak_flops_per_device=None, progress="none",
+)
+try:
+  for step in range(1, 101):
+    logger.record(step, {f"m{i}": step / (i + 1) for i in range(20)})
+except WriteFailed as e:
+  logger.close()
+  print(e)
+  sys.exit(3)
+"""
+
+
+@pytest.mark.processes
+def test_a_tensorboard_write_the_disk_refuses_is_one_error_of_the_caller_not_a_hang(tmp_path):
+  """TensorBoard's events of 50 steps (about 56 KB) pass a 40 KB file size limit, metrics.jsonl's
+  rows (25 KB) do not: the write fails on the logging thread as WriteFailed naming the events
+  file, and closing the logger after it is quiet. tensorboardX's own writer thread died of it
+  with a traceback, and the run then blocked for good on its full queue."""
+  out = subprocess.run(
+    [sys.executable, "-c", _EVENTS_CHILD, str(tmp_path)],
+    cwd=REPO, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  (events,) = os.listdir(tmp_path / "tensorboard")
+  assert out.stdout.strip() == (
+    f"{tmp_path}/tensorboard/{events} could not be written: File too large (EFBIG)"
+  )
+  assert [r["step"] for r in metrics_rows(tmp_path)] == [*range(1, 51), 50]  # the rows, whole
+
+
 @pytest.mark.processes
 def test_a_start_the_disk_refuses_leaves_no_workdir(tmp_path):
   """The first write past the limit is the data's (a prepared dataset, in the workdir): one
@@ -112,6 +205,22 @@ def test_storage_failures_are_found_under_any_library_s_wording():
   except RuntimeError as wrapped:
     assert saving.storage_reason(wrapped) == "No space left on device (ENOSPC)"
   assert saving.storage_reason(TypeError("'NoneType' object is not subscriptable")) is None
+
+
+def test_a_refused_write_names_the_file_the_os_error_the_stop_and_the_fix():
+  import errno
+
+  from pwtrain.errors import WriteFailed
+
+  eio = WriteFailed("/w/metrics.jsonl", OSError(errno.EIO, os.strerror(errno.EIO)))
+  assert str(eio) == "/w/metrics.jsonl could not be written: Input/output error (EIO)"
+  full = WriteFailed("/w/config.json", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+  assert str(full.stopped(1, None)) == (
+    "/w/config.json could not be written: No space left on device (ENOSPC); the run stopped at "
+    "step 1 and no checkpoint was written yet. Free space on that filesystem (or raise its "
+    "quota or file size limit) and run the same command again, or start afresh with another "
+    "--workdir"
+  )
 
 
 def _logger(workdir, start_step):
@@ -210,3 +319,24 @@ def test_a_damaged_restore_keeps_other_threads_errors_where_they_go(tmp_path, mo
     ckpt.close()
   assert len(emitted) >= 5  # the read took its half second at least
   assert seen.count("a thread's own unraisable error") == len(emitted)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_launcher_log_the_disk_refuses_stops_the_run_in_one_line(tmp_path):
+  """pwtrain.launch's log of process 0 is /dev/full (every write: ENOSPC): the launcher says so
+  in one line naming the file, the OS error and the fix, and stops the run. Its echo thread
+  died of the error with a traceback, and the processes' pipes were then read by nobody."""
+  from test_distributed import PODS, launch
+
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  (logs / "process0.log").symlink_to("/dev/full")
+  out = launch(tmp_path / "run", 2, {**PODS, "train.num_steps": 8}, extra=(f"--log_dir={logs}",))
+  assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr, out.stdout[-3000:]
+  said = [line for line in out.stdout.splitlines() if line.startswith("[launch]")]
+  assert said == [
+    f"[launch] {logs}/process0.log could not be written: No space left on device (ENOSPC); "
+    "stopping the run, its latest checkpoint kept. Free space on that filesystem (or give "
+    "another --log_dir) and run the same command again to resume"
+  ], out.stdout[-3000:]
