@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from helpers import load_config, metrics_rows
 
+from pwtrain import harness as harness_lib
 from pwtrain import objectives, rl, train
 from pwtrain import step as step_lib
 from pwtrain.errors import DataError, UserError
 from pwtrain.harness import Harness
+from pwtrain.parallel import plan as plan_lib
 from pwtrain.rl import advantages, prompts, rewards, tasks
 
 # grpo_toy, smaller: 4 prompts x 4 completions a step, the model's vocabulary padded past the
@@ -236,6 +238,17 @@ def test_rollout_log_probs_equal_the_trainer_s_recomputation(rollouts):
     completion = targets >= 0
     assert completion.any()
     assert np.abs(mine - batch["behavior_logprobs"])[completion].max() <= 1e-5
+
+
+def test_the_objective_s_ids_are_part_of_what_a_saved_build_is_keyed_by():
+  """The ids the trainer's log-probs keep (objectives.make's num_tokens, from the run's tokenizer,
+  not a config key) change the step's program, so a saved build of one is not loaded for
+  another (harness.build_key)."""
+  config = toy_config()
+  plan = plan_lib.build(config, plan_lib.make_cluster(config))
+  keys = {n: harness_lib.build_key(config, plan, objectives.make(config, n)) for n in (10, 16)}
+  assert keys[10] != keys[16]
+  assert keys[10] == harness_lib.build_key(config, plan, objectives.make(config, 10))
 
 
 def test_rollouts_are_groups_of_completions_with_their_metrics(rollouts):
