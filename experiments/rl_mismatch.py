@@ -1,20 +1,24 @@
 """Where GRPO's float32 generator/trainer log-prob mismatch peaks (docs/benchmarks.md, docs/rl.md).
 
   python experiments/bench_rl.py --sections=learning --seeds=0 --workdir=/tmp/bench_rl
-  python experiments/rl_mismatch.py --workdir=/tmp/bench_rl/seed0 --seed=0
+  python experiments/rl_mismatch.py --workdir=/tmp/bench_rl/seed0 --seed=0  # [--reuse]
 
 1. Replay: a copy of the learning run (grpo_toy, its --seed) resumes from its checkpoint of
    --from_step to its last step (a resume samples and trains what the run did, bitwise: the
    replayed steps' logprob_mismatch_max are checked equal to the run's), saving every step, with
    GRPO's loss wrapped to report each step's peak completion token: its row and position, the
-   sampler's log-prob (behaviour), the training step's (logp) and the token's probability.
-2. At the largest peak, three log-probs of that token from the weights that sampled it (the
+   sampler's log-prob (behaviour), the training step's (logp) and the token's probability; the
+   peaks and the steps' batches are kept in the copy (<workdir>_replay), which --reuse reads
+   instead of replaying again.
+2. At the largest peak, the log-probs of that token from the weights that sampled it (the
    checkpoint of the step before): the engine's (recorded), the engine's programs emulated with
    decode.forward at the engine's shapes (a prefill of [1, max_len] into the row's slot, then
    decodes of [global_batch, 1] over max_len positions; checked equal to the engine's), and a
-   plain forward pass of the batch ([global_batch, seq_len], jitted alone, not inside the
-   step's gradient program). Their differences split the mismatch into the KV-cache decode's
-   rounding and the training step's own; with the logits' differences dz it checks the first
+   plain forward pass of the batch ([global_batch, seq_len], jitted alone), and the step's
+   gradient program (step.loss_and_grads of the batch, jitted; checked equal to the step's).
+   Their differences split the mismatch into the KV-cache decode's rounding and the gradient
+   program's (its logits against the plain forward's); with the logits' differences dz between
+   the decode and the plain forward it checks the first
    order |dlogp_t| = |sum_i p_i (dz_t - dz_i)| <= (1 - p_t) (max dz - min dz), and gives the
    decode-vs-forward mismatch over the whole batch.
 """
@@ -38,7 +42,8 @@ def _rows(workdir: str) -> dict:
 
 
 def replay(args, config, copy: str) -> tuple[list, list]:
-  """Steps from_step+1 .. the run's last replayed in `copy`: (each step's peak, its inputs)."""
+  """Steps from_step+1 .. the run's last replayed in `copy`: (each step's peak, its batch), also
+  written there (peaks.json, batches.npz)."""
   import jax
   import numpy as np
 
@@ -51,7 +56,7 @@ def replay(args, config, copy: str) -> tuple[list, list]:
     if name.isdigit() and int(name) > args.from_step:
       shutil.rmtree(os.path.join(copy, "checkpoints", name))
   os.remove(os.path.join(copy, "metrics.jsonl"))
-  peaks, inputs = [], []
+  peaks, batches = [], []
 
   def record(*arrays):
     targets, behavior, logp, logits = map(np.asarray, arrays)
@@ -73,7 +78,7 @@ def replay(args, config, copy: str) -> tuple[list, list]:
 
   def batch(self):
     made = make(self)
-    inputs.append(np.asarray(made["inputs"]))
+    batches.append({k: np.asarray(v) for k, v in made.items()})
     return made
 
   objectives.GRPO.loss, rollouts.RolloutBatches.__next__ = wrapped, batch
@@ -81,19 +86,37 @@ def replay(args, config, copy: str) -> tuple[list, list]:
     train.run(config, copy, show_progress=False)
   finally:
     objectives.GRPO.loss, rollouts.RolloutBatches.__next__ = loss, make
-  return peaks, inputs
+  common.write_json(os.path.join(copy, "peaks.json"), peaks)
+  arrays = {f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()}
+  np.savez(os.path.join(copy, "batches.npz"), **arrays)
+  return peaks, batches
 
 
-def paths(config, copy: str, step: int, peak: dict, inputs) -> dict:
+def reused(copy: str) -> tuple[list, list]:
+  """What `replay` wrote in `copy`."""
+  import numpy as np
+
+  with open(os.path.join(copy, "peaks.json")) as f:
+    peaks = json.load(f)
+  arrays = np.load(os.path.join(copy, "batches.npz"))
+  batches = [{} for _ in peaks]
+  for name in arrays.files:
+    i, k = name.split("/")
+    batches[int(i)][k] = arrays[name]
+  return peaks, batches
+
+
+def paths(config, copy: str, step: int, peak: dict, batch: dict) -> dict:
   """The three log-probs of `peak`'s token (module doc 2) from the checkpoint of step - 1."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  from pwtrain import restore
+  from pwtrain import objectives, restore
   from pwtrain import step as step_lib
   from pwtrain.models import decode
   from pwtrain.models.sampling import sampled_logits
+  from pwtrain.rl import tasks
 
   fns = step_lib.model_fns(config.model, config.moe)
   with tempfile.TemporaryDirectory() as alone:  # restore.latest of that checkpoint alone
@@ -102,14 +125,16 @@ def paths(config, copy: str, step: int, peak: dict, inputs) -> dict:
                os.path.join(alone, "checkpoints", str(step - 1)))  # fmt: skip
     _, state = restore.latest(config, alone, restore.reading_mesh(config))
   params = jax.device_get(state["params"])
+  inputs = batch["inputs"]
   rows, length = inputs.shape
+  num_tokens = tasks.tokenizer(config.rl.task).vocab_size
   max_len, prompt = length + 1, length - config.rl.max_tokens  # the engine's; EOS + letters + "="
 
   @jax.jit
   def logprobs(logits, tokens):
     n = logits.shape[0]
     ones = jnp.ones((n,), jnp.float32)
-    cut = sampled_logits(logits, ones, jnp.zeros((n,), jnp.int32), ones, 10)  # as the engine
+    cut = sampled_logits(logits, ones, jnp.zeros((n,), jnp.int32), ones, num_tokens)
     return jnp.take_along_axis(jax.nn.log_softmax(cut, -1), tokens[:, None], -1)[:, 0]
 
   @jax.jit
@@ -138,6 +163,22 @@ def paths(config, copy: str, step: int, peak: dict, inputs) -> dict:
     engine[position] = np.asarray(logits)
   forward = np.asarray(jax.jit(lambda p, x: fns.module(p)(x))(params, inputs))
   b, t, token = peak["row"], peak["pos"], peak["token"]
+  seen = {}  # the gradient program's logp and logits at the peak
+  objective, loss = objectives.make(config, num_tokens), objectives.GRPO.loss
+
+  def wrapped(self, logits, labels, reference_logits=None):
+    def keep(logp, z):
+      seen.update(logp=float(np.asarray(logp)[b, t]), z=np.asarray(z)[b, t])
+
+    jax.debug.callback(keep, self.logprobs(logits, labels["targets"]), logits)
+    return loss(self, logits, labels, reference_logits)
+
+  objectives.GRPO.loss = wrapped
+  try:
+    grads = jax.jit(step_lib.loss_and_grads(fns, objective=objective))
+    jax.block_until_ready(grads(params, {k: batch[k] for k in objective.columns}))
+  finally:
+    objectives.GRPO.loss = loss
   at = lambda z: float(np.asarray(logprobs(jnp.asarray(z[None]), jnp.asarray([token])))[0])  # noqa: E731
   emulated, plain = at(engine[t][b]), at(forward[b, t])
   dz = (engine[t][b] - forward[b, t]).astype(np.float64)
@@ -154,7 +195,10 @@ def paths(config, copy: str, step: int, peak: dict, inputs) -> dict:
     "emulated_equals_engine": bool(np.float32(emulated) == np.float32(peak["behavior"])),
     "plain_forward_logp": plain,
     "engine_minus_plain": abs(peak["behavior"] - plain),
+    "gradient_program_logp": seen["logp"],
+    "gradient_program_equals_step": bool(np.float32(seen["logp"]) == np.float32(peak["logp"])),
     "step_minus_plain": abs(peak["logp"] - plain),
+    "gradient_program_dz_max_abs": float(np.abs(seen["z"] - forward[b, t]).max()),
     "dz_max_abs": float(np.abs(dz).max()),
     "first_order_dlogp": abs(float(np.sum(p * (dz[token] - dz)))),
     "bound_1_minus_p_spread": float((1 - p[token]) * np.ptp(dz)),
@@ -169,6 +213,7 @@ def main():
   parser.add_argument("--workdir", required=True, help="a finished learning run of grpo_toy")
   parser.add_argument("--seed", type=int, required=True, help="the run's seed")
   parser.add_argument("--from_step", type=int, default=100, help="a checkpoint of the run")
+  parser.add_argument("--reuse", action="store_true", help="the replay already made, read")
   parser.add_argument("--out", default="", help="write the results as JSON here")
   common.add_config_args(parser, default="grpo_toy")
   args = parser.parse_args()
@@ -178,7 +223,7 @@ def main():
                "train.checkpoint_every": 1, "train.keep_checkpoints": last}  # fmt: skip
   config = common.load_config(args.config, overrides)
   copy = args.workdir.rstrip("/") + "_replay"
-  peaks, inputs = replay(args, config, copy)
+  peaks, batches = reused(copy) if args.reuse else replay(args, config, copy)
   steps = list(range(args.from_step + 1, last + 1))
   replayed = _rows(copy)
   same = all(
@@ -191,7 +236,7 @@ def main():
     "replay_equals_run": same,
     "peak_step": steps[top],
     "peak": peaks[top],
-    "paths": paths(config, copy, steps[top], peaks[top], inputs[top]),
+    "paths": paths(config, copy, steps[top], peaks[top], batches[top]),
   }
   print(json.dumps(results, indent=1), flush=True)
   if args.out:
