@@ -26,9 +26,11 @@ mismatch   --mismatch_steps steps of grpo_toy with model.dtype float32 and bfloa
            float32): the largest and mean |sampler log-prob - trainer log-prob| over the
            completion tokens (the step's logprob_mismatch_max/_mean), over the steps.
 split      from the learning runs: generation, reward and training seconds per step (medians,
-           the first step apart), at rl.max_staleness=0 (the only value supported: step N+1's
-           rollouts cannot overlap step N's training here). On this CPU the controller runs one
-           computation at a time, so rollouts and training take turns on the two cores.
+           the first step apart) at the runs' rl.max_staleness (--set rl.max_staleness=1: step
+           N+1's rollouts made while step N trains, train_s then 0 as the loop does not wait).
+           On a CPU the controller runs one computation at a time, so only the host's work
+           overlaps the device's, not the rollouts' programs with the step's.
+mismatch peak: experiments/rl_mismatch.py (where the float32 mismatch peaks, and why).
 """
 
 import argparse

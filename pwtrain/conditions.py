@@ -136,7 +136,6 @@ RULES = (
       "rl.normalize_std",
       "rl.max_staleness",
       "rl.init_from",
-      "rl.num_tokens",
     ),
     _is("train.objective", "grpo"),
   ),  # fmt: skip

@@ -255,7 +255,6 @@ def get_config():
   c.rl.normalize_std = True  # advantages divided by the group's std (False: Dr. GRPO)
   c.rl.max_staleness = 0  # 0: step N's rollouts come from the weights after step N-1
   c.rl.init_from = ""  # a run's workdir whose latest checkpoint's params the run starts from
-  c.rl.num_tokens = 0  # set by the run: its tokenizer's ids, the ones sampled and trained on
 
   # Serving over HTTP (pwtrain/serve/, docs/serving.md): `python -m pwtrain.serve` reads these,
   # and serve.enabled=True serves the training run's own parameters while it trains.

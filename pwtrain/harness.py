@@ -69,6 +69,7 @@ class Harness:
   tx: Any  # the optax optimizer the step applies (optim.build)
   schedule: Any  # its learning-rate schedule: step -> lr
   compile_s: float  # seconds build_step_program took (compiling every piece)
+  objective: Any = None  # what the step minimises (objectives.make)
   owns_cluster: bool = dataclasses.field(default=True, repr=False)
   owns_controller: bool = dataclasses.field(default=True, repr=False)
 
@@ -85,6 +86,7 @@ class Harness:
     trace: Trace | None = None,
     serialize_execution: bool | None = None,
     saved_dir: str | None = None,
+    objective=None,
   ) -> "Harness":
     """Lays `config` out and compiles its step. Checking the config is the caller's
     (config.validate; train.run checks it before remote workers are launched and listed in it).
@@ -97,7 +99,7 @@ class Harness:
     is given (then `trace` and `serialize_execution` must be left unset).
     With `saved_dir` (and a controller that `saves_pieces`), the compiled pieces are kept there
     under what built them (`build_key`), and a later build of the same key loads them without
-    tracing (backend/saved.py).
+    tracing (backend/saved.py). `objective`: objectives.make's (default: of `config` alone).
     """
     if cluster is not None and devices is not None:
       raise ValueError("Harness.build: give `devices` or a `cluster`, not both")
@@ -125,16 +127,17 @@ class Harness:
           donate=not (config.fault.elastic and config.backend.mode == "distributed"),
         )
       tx, schedule = optim.build(config.optim, config.train.num_steps)
+      objective = objectives.make(config) if objective is None else objective
       start = time.perf_counter()
       saved = None
       if saved_dir and controller.saves_pieces:
-        saved = SavedExecutables(saved_dir, build_key(config, plan))
+        saved = SavedExecutables(saved_dir, build_key(config, plan, objective))
       try:
-        step_program = _build_step(config, plan, controller, tx, schedule, saved)
+        step_program = _build_step(config, plan, controller, tx, schedule, objective, saved)
       except NotSaved as e:  # a loading build missing a piece: traced whole instead
         log.warning("the compiled pieces in %s did not load (%s); tracing them", saved_dir, e)
         saved = saved.discard()
-        step_program = _build_step(config, plan, controller, tx, schedule, saved)
+        step_program = _build_step(config, plan, controller, tx, schedule, objective, saved)
       if saved:
         saved.finish()
         log.info(
@@ -147,17 +150,9 @@ class Harness:
       _close(controller if owns_controller else None, cluster if owns_cluster else None)
       raise
     return cls(
-      config,
-      cluster,
-      plan,
-      controller,
-      step_program,
-      tx,
-      schedule,
-      compile_s,
-      owns_cluster=owns_cluster,
-      owns_controller=owns_controller,
-    )
+      config, cluster, plan, controller, step_program, tx, schedule, compile_s, objective,
+      owns_cluster=owns_cluster, owns_controller=owns_controller,
+    )  # fmt: skip
 
   def init(self) -> dict:
     """A fresh train state (seeded by config.seed), computed on the islands: {state key: value}."""
@@ -255,7 +250,7 @@ class Harness:
   @functools.cached_property
   def _logprobs(self):
     fns = step_lib.model_fns(self.config.model, self.config.moe)
-    return jax.jit(step_lib.token_logprobs(fns, objectives.make(self.config)))
+    return jax.jit(step_lib.token_logprobs(fns, self.objective))
 
   def with_controller(self, controller: Controller) -> "Harness":
     """This compiled step dispatched by `controller` (e.g. one with a Trace), on the same
@@ -294,12 +289,12 @@ def _close(controller: Controller | None, cluster: Cluster | None) -> None:
       cluster.close()
 
 
-def _build_step(config, plan, controller, tx, schedule, saved) -> StepProgram:
+def _build_step(config, plan, controller, tx, schedule, objective, saved) -> StepProgram:
   """build_step_program, its pieces loaded from or saved in `saved` (if any), every compile
   ended (errors raised here, not at a step)."""
   with controller.saving(saved) if saved else contextlib.nullcontext():
     try:
-      step_program = build_step_program(config, plan, controller, tx, schedule)
+      step_program = build_step_program(config, plan, controller, tx, schedule, objective)
     except BaseException:
       # A piece that failed while building (a saved piece that did not load, met where the
       # build reads a piece's outputs): the build's other compiles end here, so that a retry's
@@ -311,12 +306,13 @@ def _build_step(config, plan, controller, tx, schedule, saved) -> StepProgram:
   return step_program
 
 
-def build_key(config, plan: Plan) -> str:
+def build_key(config, plan: Plan, objective) -> str:
   """What decides the programs `Harness.build` traces and compiles for `config` on `plan`, as a
-  digest: the config, the islands' devices, pwtrain's source, the versions of the libraries
-  and PJRT plugins that trace and compile (`_versions`), the backends' platform versions, JAX's
-  settings (but where it logs, dumps and caches), the environment XLA and the plugins read
-  (`_environment`) and this host's CPU (`_host_cpu`: XLA:CPU compiles for its features)."""
+  digest: the config, the objective's `num_tokens` (not in the config), the islands' devices,
+  pwtrain's source, the versions of the libraries and PJRT plugins that trace and compile
+  (`_versions`), the backends' platform versions, JAX's settings (but where it logs, dumps and
+  caches), the environment XLA and the plugins read (`_environment`) and this host's CPU
+  (`_host_cpu`: XLA:CPU compiles for its features)."""
   devices = [(i.name, [(d.id, d.platform, d.device_kind) for d in i.devices]) for i in plan.islands]
   platforms = sorted(
     {(d.platform, d.client.platform_version) for i in plan.islands for d in i.devices}
@@ -328,6 +324,7 @@ def build_key(config, plan: Plan) -> str:
   )
   return digest(
     config.to_json_best_effort(sort_keys=True),
+    objective.num_tokens,
     devices,
     platforms,
     _source_digest(),

@@ -19,9 +19,9 @@ the step, the others by `loss`.
 `GRPO` ("grpo", Shao et al. 2024), per completion token t of a sampled sequence with advantage A:
   logp       log-prob of the target (the sampled token) under the distribution the sampler drew
              from: softmax(models.sampling.sampled_logits(logits, rl.temperature, rl.top_k,
-             rl.top_p, rl.num_tokens)), the same function as the sampler's; rl.num_tokens, the
-             run's tokenizer's ids (rl.settings.with_num_tokens), cuts the ids of a padded
-             vocabulary as the sampler does
+             rl.top_p, num_tokens)), the same function as the sampler's; `num_tokens`, the
+             run's tokenizer's ids (an argument of `make`, from the tokenizer the run opened),
+             cuts the ids of a padded vocabulary as the sampler does
   ratio      exp(logp - behavior_logprobs), the sampler's log-prob recorded at generation
   pg         -min(ratio A, clip(ratio, 1 - rl.clip_low, 1 + rl.clip_high) A)
   kl         (rl.kl_coef > 0) k3 to the frozen reference policy (the train state's "reference"
@@ -129,7 +129,7 @@ class GRPO(LanguageModeling):
   max_keys = ("mismatch_max",)
 
   def __init__(self, z_loss: float, rl, num_tokens: int | None = None):
-    """`num_tokens`: the sampler's (the run's tokenizer's ids, rl.num_tokens); None: every id."""
+    """`num_tokens`: the sampler's (the run's tokenizer's ids); None: every id."""
     super().__init__(z_loss)
     self.temperature, self.top_k, self.top_p = rl.temperature, rl.top_k, rl.top_p
     self.clip_low, self.clip_high, self.kl_coef = rl.clip_low, rl.clip_high, rl.kl_coef
@@ -185,10 +185,14 @@ class GRPO(LanguageModeling):
     }
 
 
-def make(config) -> LanguageModeling:
-  """The run's objective (`train.objective`)."""
+def make(config, num_tokens: int | None = None) -> LanguageModeling:
+  """The run's objective (`train.objective`). `num_tokens` (GRPO's): the ids of the tokenizer
+  the run samples with, which its sampler never draws past; the run derives it once from the
+  tokenizer it opened (train.py) and passes the objective on (Harness.build). None: every id.
+  It changes only the log-probs, so `make(config)` has the run's columns, statistics and
+  reference (what the layouts' exchanges and the checkpoints read)."""
   if config.train.objective == "grpo":
-    return GRPO(config.model.z_loss, config.rl, config.rl.num_tokens or None)
+    return GRPO(config.model.z_loss, config.rl, num_tokens)
   return LanguageModeling(config.model.z_loss)
 
 

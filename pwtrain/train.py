@@ -15,6 +15,7 @@ from pwtrain import (
   console_lines,
   drills,
   guard,
+  objectives,
   processes,
   restore,
   rl,
@@ -131,8 +132,8 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
       processes.barrier("data")
     rollouts = rl.rollout_batches(config, workdir) if config.train.objective == "grpo" else None
     tokenizer, source = (rollouts.tokenizer, ()) if rollouts else open_train_source(config, workdir)
-    if rollouts:  # the trainer's log-probs cut the ids the sampler never draws
-      config = rl.with_num_tokens(config, tokenizer)
+    # GRPO's log-probs cut the ids the sampler never draws: those past the tokenizer's.
+    objective = objectives.make(config, num_tokens=tokenizer.vocab_size if rollouts else None)
     eval_set = build_eval_set(config, workdir, tokenizer) if config.train.eval_every else None
     if primary:
       processes.barrier("data")
@@ -141,8 +142,9 @@ def _run(config, workdir: str, context: RunContext, cluster, plan) -> RunResult:
       # Closed last: waits for every step.
       with context.goodput.bad("compile"):
         harness = Harness.build(
-          config, cluster=cluster, plan=plan, trace=trace, saved_dir=compile_cache.pieces()
-        )
+          config, cluster=cluster, plan=plan, trace=trace, saved_dir=compile_cache.pieces(),
+          objective=objective,
+        )  # fmt: skip
         compile_cache.within_cap(config.train)
       with harness:
         batches = rollouts or _train_batches(config, tokenizer, source, harness)

@@ -12,21 +12,24 @@ import numpy as np
 import pytest
 from helpers import load_config, metrics_rows
 
+from pwtrain import harness as harness_lib
 from pwtrain import objectives, rl, train
 from pwtrain import step as step_lib
 from pwtrain.errors import DataError, UserError
 from pwtrain.harness import Harness
+from pwtrain.parallel import plan as plan_lib
 from pwtrain.rl import advantages, prompts, rewards, tasks
 
-# grpo_toy, smaller: 4 prompts x 4 completions a step.
+# grpo_toy, smaller: 4 prompts x 4 completions a step, the model's vocabulary padded past the
+# task's 10 ids to 16, as an imported model's may be (the trainer cuts the ids the sampler does).
 SMALL = {
   "train.global_batch": 16,
   "rl.group_size": 4,
   "train.num_steps": 4,
   "train.log_every": 1,
   "train.checkpoint_every": 2,
+  "model.vocab_size": 16,
 }
-PADDED = {"model.vocab_size": 16}  # past the task's 10 ids
 LEARN_STEPS, LEARNED = 50, 0.35  # the slow test: steps, and the last 10 steps' mean reward
 
 
@@ -206,38 +209,50 @@ def test_the_batch_is_prompt_then_completion_left_aligned_with_targets_on_the_co
 def rollouts(tmp_path_factory):
   """Two batches sampled from the initial weights of grpo_toy (small) by the serving engine, the
   config and the params; rewarded by a completion's hash, so that groups vary (at random
-  initialisation the task's reward is mostly 0 in every group, and such groups are masked). The
-  model's vocabulary is padded past the task's 10 ids to 16, as an imported model's may be."""
-  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5, **PADDED})
+  initialisation the task's reward is mostly 0 in every group, and such groups are masked); the
+  model's vocabulary padded to 16 ids (SMALL)."""
+  config = toy_config(**{"rl.reward": "test_rl:hashed", "rl.temperature": 1.5})
   batches = rl.rollout_batches(config, str(tmp_path_factory.mktemp("rollouts")))
-  config = rl.with_num_tokens(config, batches.tokenizer)  # as train.run derives it
-  harness = Harness.build(config)
+  # As train.run derives it: the trainer's log-probs cut the ids past the tokenizer's.
+  objective = objectives.make(config, num_tokens=batches.tokenizer.vocab_size)
+  harness = Harness.build(config, objective=objective)
   with harness:
     state = harness.step_program.init()
     with rl.running(batches, harness, state, 0):
       made = [(next(batches), dict(batches.metrics)) for _ in range(2)]
     params = harness.step_program.to_checkpoint(state)["params"]
-    yield config, made, params
+    yield config, made, params, harness.objective
 
 
 def test_rollout_log_probs_equal_the_trainer_s_recomputation(rollouts):
   """The engine's log-prob of each sampled token (KV-cache decode, recorded as generated)
   against the trainer's (objectives.GRPO.logprobs of a full forward pass over the batch's rows,
   the ids past the task's vocabulary cut as the sampler cuts them): within 1e-5 in float32."""
-  config, made, params = rollouts
-  assert config.model.vocab_size > config.rl.num_tokens == tasks.ShiftTokenizer.vocab_size
+  config, made, params, objective = rollouts
+  assert config.model.vocab_size > objective.num_tokens == tasks.ShiftTokenizer.vocab_size
   fns = step_lib.model_fns(config.model, config.moe)
   for batch, _ in made:
     logits = fns.module(params)(jnp.asarray(batch["inputs"]))
     targets = batch["targets"]
-    mine = np.asarray(objectives.make(config).logprobs(logits, jnp.asarray(targets)))
+    mine = np.asarray(objective.logprobs(logits, jnp.asarray(targets)))
     completion = targets >= 0
     assert completion.any()
     assert np.abs(mine - batch["behavior_logprobs"])[completion].max() <= 1e-5
 
 
+def test_the_objective_s_ids_are_part_of_what_a_saved_build_is_keyed_by():
+  """The ids the trainer's log-probs keep (objectives.make's num_tokens, from the run's tokenizer,
+  not a config key) change the step's program, so a saved build of one is not loaded for
+  another (harness.build_key)."""
+  config = toy_config()
+  plan = plan_lib.build(config, plan_lib.make_cluster(config))
+  keys = {n: harness_lib.build_key(config, plan, objectives.make(config, n)) for n in (10, 16)}
+  assert keys[10] != keys[16]
+  assert keys[10] == harness_lib.build_key(config, plan, objectives.make(config, 10))
+
+
 def test_rollouts_are_groups_of_completions_with_their_metrics(rollouts):
-  config, made, _ = rollouts
+  config, made, _, _ = rollouts
   tok = tasks.ShiftTokenizer()
   batch, metrics = made[0]
   first_prompt = tok.prompt(tasks.ShiftPrompts(config.seed).row(0)["prompt"])
@@ -332,7 +347,8 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(straight
   """4 steps straight against 2 steps, then a second start that resumes from the checkpoint of
   step 2 and runs 2 more: the same rollouts, rewards, losses and parameters, bitwise; every
   step's rollouts come from the weights after the step before it (weights_step_behind 0), and the
-  sampler's log-probs match the trainer's within 1e-5."""
+  sampler's log-probs match the trainer's within 1e-5 (the run passes its tokenizer's ids to
+  the objective, which cuts the padded vocabulary's others as the sampler does)."""
   workdir, uninterrupted = straight
   train.run(toy_config(**{"train.num_steps": 2}), str(tmp_path / "split"), show_progress=False)
   resumed = train.run(toy_config(), str(tmp_path / "split"), show_progress=False)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pwtrain import guard, objectives
+from pwtrain import guard
 from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program, Transfer
@@ -93,11 +93,10 @@ def with_shardings(abstract, shardings):
   )
 
 
-def build(config, plan, controller: Controller, tx, schedule) -> SpmdProgram:
+def build(config, plan, controller: Controller, tx, schedule, objective) -> SpmdProgram:
   island = plan.cells[(0, 0)]
   mesh = plan.mesh((0, 0))
   fns = step_lib.model_fns(config.model, config.moe)
-  objective = objectives.make(config)
   init_fn = lambda: step_lib.init_state(fns, tx, config.seed, reference=objective.holds_reference)
   abstract = jax.eval_shape(init_fn)
   shardings = state_shardings(fns, mesh, abstract)

@@ -15,7 +15,7 @@ import contextlib
 
 from pwtrain.rl.init_from import initial_state
 from pwtrain.rl.rollouts import RolloutBatches
-from pwtrain.rl.settings import open_source, validate, with_num_tokens
+from pwtrain.rl.settings import open_source, validate
 
 __all__ = [
   "RolloutBatches",
@@ -23,7 +23,6 @@ __all__ = [
   "rollout_batches",
   "running",
   "validate",
-  "with_num_tokens",
 ]
 
 

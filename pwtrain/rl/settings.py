@@ -81,14 +81,6 @@ def validate(config) -> None:
     )
 
 
-def with_num_tokens(config, tokenizer):
-  """`config` (a copy) with rl.num_tokens the tokenizer's ids, which the sampler draws from
-  (serve/engine.py): the trainer's log-probs (objectives.GRPO) cut the same ids."""
-  derived = config.copy_and_resolve_references()
-  derived.rl.num_tokens = int(tokenizer.vocab_size)
-  return derived
-
-
 def tokenizer(config, workdir: str):
   """The run's tokenizer: the task's vocabulary (rl.task), else data.tokenizer's (a
   SentencePiece model must exist: an RL run reads no corpus to train one)."""

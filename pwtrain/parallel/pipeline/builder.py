@@ -6,7 +6,7 @@ wiring.py, and the PipelineProgram (state.py) around it.
 import jax
 import jax.numpy as jnp
 
-from pwtrain import guard, objectives
+from pwtrain import guard
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Node, Program
 from pwtrain.models import family
@@ -21,11 +21,10 @@ from pwtrain.parallel.pipeline.wiring import ProgramBuilder
 from pwtrain.parallel.stages import to_stage
 
 
-def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram:
+def build(config, plan, controller: Controller, tx, schedule, objective) -> PipelineProgram:
   assert not plan.single_island, "one stage on one island is spmd.build's job"
   exchange, stages = plan.exchange, list(plan.stages)
   whole_fns = step_lib.model_fns(config.model, config.moe)
-  objective = objectives.make(config)
   reference = objective.holds_reference
   whole_init = lambda: train_state(whole_fns, tx, config.seed, exchange, reference=reference)
   whole = jax.eval_shape(whole_init)
@@ -48,6 +47,7 @@ def build(config, plan, controller: Controller, tx, schedule) -> PipelineProgram
     shardings = spmd.state_shardings(fns, mesh, abstract)
     cell = pieces_lib.cell_pieces(
       config,
+      objective,
       key=(p, s),
       stage=stage,
       num_stages=plan.num_stages,

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pwtrain import objectives
 from pwtrain import sharding as sharding_lib
 from pwtrain import step as step_lib
 from pwtrain.backend import Controller, Executable
@@ -159,13 +158,12 @@ class CellPieces:
     return piece
 
 
-def cell_pieces(config, *, mesh, **fields) -> "CellPieces":
-  """A CellPieces of `fields` (its other fields, by name) with the run's objective and the
+def cell_pieces(config, objective, *, mesh, **fields) -> "CellPieces":
+  """A CellPieces of `fields` (its other fields, by name) with the run's `objective` and the
   step's abstract activations, tokens, labels and statistics on `mesh`."""
   replicated = NamedSharding(mesh, PartitionSpec())
   mb = config.train.global_batch // config.parallel.pods // config.train.num_microbatches
   seq = config.data.seq_len
-  objective = objectives.make(config)
   column = lambda dtype: jax.ShapeDtypeStruct(
     (mb, seq), dtype, sharding=sharding_lib.named_sharding(mesh, TOKENS)
   )
