@@ -12,6 +12,13 @@ has run since its inputs and executable were there (`running_s`: grows on a wedg
 server still answers; the controller's monitor declares it lost past `fault.progress_timeout_s`).
 Its `incarnation`, random per process, tells a worker started again from the one it replaced.
 
+No silent copies. An Execute's device array that arrives in a sharding other than the one its
+program takes (and not an equivalent one) is copied into that one: a transfer on the device the
+controller did not ask for. Each such copy is counted (Health's `copied_inputs` and
+`copied_bytes`) and logged, once per (program, input), with its bytes and both shardings. A
+training or serving run makes none (tests/test_remote_scheduling.py); host arrays uploaded
+without a sharding (a batch) are placed where the program takes them, which is their upload.
+
 A worker trusts nothing it is sent beyond the token: programs are StableHLO, arrays are bytes
 with checked headers, and no message is ever unpickled.
 """
@@ -62,6 +69,8 @@ class Worker(pb_grpc.WorkerServicer):
     self.incarnation = uuid.uuid4().hex
     self._running_since = 0.0  # time.monotonic() the current op started running; 0: none
     self._done_ops = 0
+    self.copied = {"inputs": 0, "bytes": 0}  # inputs copied to another sharding (module doc)
+    self._copied_logged: set = set()  # (executable, input index) logged once
     self._saves: dict[str, concurrent.futures.Future] = {}  # ticket -> SaveReply
     self._saves_lock = threading.Lock()
     self._spans: list = []  # traced ops' (trace_id, start, end), until Timeline takes them
@@ -83,6 +92,8 @@ class Worker(pb_grpc.WorkerServicer):
       incarnation=self.incarnation,
       running_s=time.monotonic() - since if (since := self._running_since) else 0.0,
       done_ops=self._done_ops,
+      copied_inputs=self.copied["inputs"],
+      copied_bytes=self.copied["bytes"],
     )
 
   def Compile(self, request, context):
@@ -255,8 +266,8 @@ class Worker(pb_grpc.WorkerServicer):
     if len(leaves) != len(exe.in_shardings):
       raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
     leaves = [
-      x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
-      for x, s in zip(leaves, exe.in_shardings, strict=True)
+      self._placed(op.executable, i, x, s)
+      for i, (x, s) in enumerate(zip(leaves, exe.in_shardings, strict=True))
     ]
     result = exe.compiled(*leaves)
     if self.platform == "cpu" or block:  # block: a traced op ends when its outputs are ready
@@ -268,6 +279,25 @@ class Worker(pb_grpc.WorkerServicer):
       out.set_result(list(result[first : first + n]))
       first += n
     return start
+
+  def _placed(self, executable: str, index: int, x, sharding):
+    """Input `index` of `executable` in the sharding it takes: a host array placed there (its
+    upload), a device array as it is if its sharding is that one or an equivalent, else copied
+    into it, counted and logged (the module doc)."""
+    if not isinstance(x, jax.Array):
+      return jax.device_put(x, sharding)
+    if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    self.copied["inputs"] += 1
+    self.copied["bytes"] += x.nbytes
+    if (executable, index) not in self._copied_logged:
+      self._copied_logged.add((executable, index))
+      logging.warning(
+        "island %s: %s's input %d (%s, %d bytes) arrived as %s; the program takes %s: copied "
+        "(further copies of it are counted in Health's copied_inputs, not logged)",
+        self.island, executable, index, x.shape, x.nbytes, _spec(x.sharding), _spec(sharding),
+      )  # fmt: skip
+    return jax.device_put(x, sharding)
 
   def _save(self, op) -> None:
     """Phase one of a checkpoint on this island: reads the values now (in queue order, so before
@@ -307,6 +337,10 @@ class Worker(pb_grpc.WorkerServicer):
         saver.close()
 
     threading.Thread(target=finish, name=f"save-{op.ticket}", daemon=True).start()
+
+
+def _spec(sharding) -> str:
+  return str(getattr(sharding, "spec", sharding))
 
 
 def serve(
