@@ -8,6 +8,7 @@ priority test keeps work queued behind it.
 """
 
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pwtrain.backend import Cluster, Controller, Node, Program
+from pwtrain.backend import Cluster, Controller, Node, Program, Trace
 from pwtrain.backend.remote import launcher
+from pwtrain.backend.remote.values import Ref, RemoteValue
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def workers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def controller(workers):
   cluster = Cluster.connect(workers.addresses, workers.token, devices=jax.devices()[:2])
-  with Controller(cluster, max_inflight=16) as controller:
+  with Controller(cluster, max_inflight=16, trace=Trace()) as controller:
     yield controller
   cluster.close()
 
@@ -74,3 +76,48 @@ def test_an_input_in_another_sharding_is_a_counted_logged_copy(controller, worke
   ]
   assert len(logged) == 1, logged
   assert "input 0 ((8,), 32 bytes) arrived as P('d',); the program takes P()" in logged[0]
+
+
+def _one(executable, tag):
+  """A one-node program of `executable`: x -> y, its node named `tag`."""
+  return Program((Node(tag, executable, ("x",)),), {"y": (tag, 0)})
+
+
+def _gate(controller, whole):
+  """A value the worker does not have yet: a program reading it holds the worker's queue until
+  `controller`'s test puts it (under the returned handle)."""
+  worker = controller.cluster["island0"].worker
+  handle = f"gate-{time.monotonic_ns()}"
+  aval = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=whole)
+  ref = Ref(worker, handle, jax.tree.structure(0), (aval,), frozenset({"island0"}))
+  return RemoteValue(ref), handle
+
+
+def test_a_priority_program_goes_ahead_of_queued_steps_on_its_worker(controller):
+  """The worker has begun `hold` (it waits for its input) and three steps are queued behind it:
+  a priority program `p1` dispatched now runs right after `hold`, ahead of all three (it waits
+  for 0 queued steps; in arrival order it would wait for 3). A priority program `p2` that reads
+  step s2's output goes after s2 (ahead of s3), and after p1: the client's order."""
+  _, whole = _shardings(controller)
+  add = _program(controller, "add", lambda x: x + 1, whole, whole).nodes[0].executable
+  x = np.zeros(8, np.float32)
+  controller.trace.events.clear()
+  gate, handle = _gate(controller, whole)
+  outs = {"hold": controller.run(_one(add, "hold"), {"x": gate})["y"]}
+  worker = controller.cluster["island0"].worker
+  deadline = time.monotonic() + 60
+  while worker.health().pending_ops:  # until the worker has taken `hold` and waits in it
+    assert time.monotonic() < deadline, "the worker never took its work"
+    time.sleep(0.01)
+  for tag in ("s1", "s2", "s3"):
+    outs[tag] = controller.run(_one(add, tag), {"x": x})["y"]
+  outs["p1"] = controller.run(_one(add, "p1"), {"x": x}, priority=True)["y"]
+  outs["p2"] = controller.run(_one(add, "p2"), {"x": outs["s2"]}, priority=True)["y"]
+  worker.put_async(handle, [np.zeros(8, np.float32)], [whole], 1).result()
+  for out in outs.values():
+    out.result()
+  np.testing.assert_array_equal(np.asarray(outs["p2"].result()), np.full(8, 2.0))
+  controller._dispatcher.collect_trace()
+  ran = [e.name for e in sorted(controller.trace.events, key=lambda e: e.launch)]
+  assert ran == ["hold", "p1", "s1", "s2", "p2", "s3"], ran
+  assert ran.index("p1") - 1 == 0  # queued steps p1 waited for

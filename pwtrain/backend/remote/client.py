@@ -111,14 +111,14 @@ class WorkerClient:
     self.stub.Compile(request, metadata=self._metadata, timeout=self.timeout_s)
     self._compiled.append(request)
 
-  def enqueue_async(self, ops: list) -> grpc.Future:
-    """A future of the Enqueue (cancelled if the worker is lost: FutureCancelledError)."""
+  def enqueue_async(self, ops: list, priority: bool = False) -> grpc.Future:
+    """A future of the Enqueue (cancelled if the worker is lost: FutureCancelledError);
+    `priority`: placed ahead of the queued work the worker has not begun (its ordered.py)."""
     with self._lock:
       release, self._releases = self._releases, []
+    request = pb.EnqueueRequest(ops=ops, release=release, priority=priority)
     return self._watched(
-      self.stub.Enqueue.future(
-        pb.EnqueueRequest(ops=ops, release=release), metadata=self._metadata, timeout=self.timeout_s
-      )
+      self.stub.Enqueue.future(request, metadata=self._metadata, timeout=self.timeout_s)
     )
 
   def put_async(self, handle: str, leaves: list, shardings=None, uses: int = 0) -> grpc.Future:

@@ -187,7 +187,8 @@ class RemoteDispatcher:
 
   def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
     """Sends every island's operations of `program` at once; a RemoteValue per output. A
-    worker runs its ops in arrival order: `priority` programs too (Controller.run), whose
+    worker runs its ops in arrival order, but for a `priority` program's (Controller.run) on one
+    worker, placed ahead of the queued work it has not begun (the worker's ordered.py); their
     carried outputs (a server's caches) are not published."""
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
@@ -298,8 +299,11 @@ class RemoteDispatcher:
       )
       values[key] = Ref(worker, handle, src.treedef, avals, islands)
 
+    # A priority program goes ahead of queued work on its worker if it touches one worker only
+    # and copies nothing from another (the worker's ordered.py); else it joins the end.
+    ahead = priority and len(ops) == 1 and all(not op.receive.source for op in [*ops.values()][0])
     for worker, worker_ops in ops.items():
-      calls.append((worker, worker.enqueue_async(worker_ops)))
+      calls.append((worker, worker.enqueue_async(worker_ops, ahead)))
     for worker, call in calls:  # one round trip for the whole program, all islands at once
       try:
         call.result()

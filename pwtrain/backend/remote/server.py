@@ -2,10 +2,11 @@
 
 State: an object store of futures keyed by handle (store.py; values are flat lists of arrays), an
 executable cache, and one execution queue drained by one thread, so the island runs every
-program's computations in the order the controller enqueued them (gang scheduling). Transfers
-run beside the queue (receives.py): a Receive pulls its value straight from the worker that
-holds it, and takes no place in the queue, so a node waiting for its inputs never holds up a
-transfer.
+program's computations in one order (gang scheduling): the order the controller enqueued them,
+but for a priority client's, placed ahead of queued work the worker has not begun (ordered.py).
+Transfers run beside the queue (receives.py): a Receive pulls its value straight from the worker
+that holds it, and takes no place in the queue, so a node waiting for its inputs never holds up
+a transfer.
 
 Health says how the queue is doing: how many ops it has finished, and how long its current op
 has run since its inputs and executable were there (`running_s`: grows on a wedged worker, whose
@@ -25,7 +26,6 @@ with checked headers, and no message is ever unpickled.
 
 import concurrent.futures
 import logging
-import queue
 import re
 import threading
 import time
@@ -40,6 +40,7 @@ from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
+from pwtrain.backend.remote.ordered import OpQueue
 from pwtrain.backend.remote.receives import Receives, describe
 from pwtrain.backend.remote.store import Store
 from pwtrain.checkpoint import integrity
@@ -64,7 +65,7 @@ class Worker(pb_grpc.WorkerServicer):
     self.store = Store()
     self._executables: dict[str, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-    self._queue: queue.Queue = queue.Queue()
+    self._queue = OpQueue()
     self._receives = Receives(self)
     self.incarnation = uuid.uuid4().hex
     self._running_since = 0.0  # time.monotonic() the current op started running; 0: none
@@ -86,7 +87,7 @@ class Worker(pb_grpc.WorkerServicer):
       island=self.island,
       num_devices=len(self.devices),
       platform=self.platform,
-      pending_ops=self._queue.qsize(),
+      pending_ops=len(self._queue),
       stored_values=len(self.store),
       time=time.time(),
       incarnation=self.incarnation,
@@ -103,22 +104,26 @@ class Worker(pb_grpc.WorkerServicer):
     return pb.Empty()
 
   def Enqueue(self, request, context):
+    queued, aliases = [], {}  # aliases: a local copy's handle -> its source's (ordered.py)
     for op in request.ops:
       kind = op.WhichOneof("kind")
       if kind == "execute":
         outs = [self.store.create(o.handle, o.uses) for o in op.execute.outputs]
-        self._queue.put((op, outs))
+        queued.append((op, outs))
       elif kind == "save":
         with self._saves_lock:
           if op.save.ticket in self._saves:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"save {op.save.ticket!r} exists")
           self._saves[op.save.ticket] = concurrent.futures.Future()
-        self._queue.put((op, None))
+        queued.append((op, None))
       else:
         out = self.store.create(op.receive.output.handle, op.receive.output.uses)
         self._receives.submit(op, out)
-    if request.release:
-      self._queue.put((None, list(request.release)))
+        if not op.receive.source:
+          aliases[op.receive.output.handle] = op.receive.handle
+    self._queue.put(queued, request.priority, aliases)
+    if request.release:  # ordinary, after every queued reader (ordered.py)
+      self._queue.put_release((None, list(request.release)))
     return pb.Empty()
 
   def Put(self, request_iterator, context):
@@ -162,7 +167,7 @@ class Worker(pb_grpc.WorkerServicer):
     return pb.Empty()
 
   def Release(self, request, context):
-    self._queue.put((None, list(request.handles)))
+    self._queue.put_release((None, list(request.handles)))
     return pb.Empty()
 
   def Shutdown(self, request, context):
@@ -182,11 +187,7 @@ class Worker(pb_grpc.WorkerServicer):
 
   def Reset(self, request, context):
     logging.warning("island %s: reset by %s", self.island, context.peer())
-    while True:  # queued ops will never be read: fail their outputs
-      try:
-        op, outs = self._queue.get_nowait()
-      except queue.Empty:
-        break
+    for op, outs in self._queue.drain():  # queued ops will never be read: fail their outputs
       for out in outs if op is not None and outs else ():
         if not out.done():
           out.set_exception(RuntimeError("the worker was reset"))
