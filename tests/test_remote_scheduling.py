@@ -121,3 +121,43 @@ def test_a_priority_program_goes_ahead_of_queued_steps_on_its_worker(controller)
   ran = [e.name for e in sorted(controller.trace.events, key=lambda e: e.launch)]
   assert ran == ["hold", "p1", "s1", "s2", "p2", "s3"], ran
   assert ran.index("p1") - 1 == 0  # queued steps p1 waited for
+
+
+def test_a_priority_reader_of_the_published_state_reads_the_latest_step_run_before_it(controller):
+  """The trainer's case (run last: it turns publishing on): `step` donates the published state
+  and publishes its successor. With step s0 run, `hold` taken and s1, s2 queued, a priority
+  reader of Latest("x") goes ahead of s1 and s2 and reads s0's state, on the worker, before s1
+  donates it (in arrival order it would read s2's); one sent once s2 is done reads s2's."""
+  from pwtrain.backend.program import Latest
+
+  _, whole = _shardings(controller)
+  arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=whole)
+  step = controller.compile(
+    "step", lambda x: x + 1, "island0", (arg,), out_shardings=whole, donate_argnums=(0,)
+  )
+  read = _program(controller, "read", lambda x: x * 10, whole, whole).nodes[0].executable
+  controller.start_publishing()
+
+  def one_step(tag, state):
+    return controller.run(
+      Program((Node(tag, step, ("x",)),), {"x": (tag, 0)}, ("x",)), {"x": state}
+    )
+
+  reader = Program((Node("r", read, ("w",)),), {"y": ("r", 0)})
+  state = one_step("s0", np.ones(8, np.float32))["x"]  # 2
+  state.result()
+  gate, handle = _gate(controller, whole)
+  controller.run(_one(read, "hold"), {"x": gate})
+  worker = controller.cluster["island0"].worker
+  deadline = time.monotonic() + 60
+  while worker.health().pending_ops:  # until the worker has taken `hold` and waits in it
+    assert time.monotonic() < deadline, "the worker never took its work"
+    time.sleep(0.01)
+  state = one_step("s1", state)["x"]  # 3
+  state = one_step("s2", state)["x"]  # 4
+  early = controller.run(reader, {"w": Latest("x")}, priority=True)["y"]
+  worker.put_async(handle, [np.zeros(8, np.float32)], [whole], 1).result()
+  np.testing.assert_array_equal(np.asarray(state.result()), np.full(8, 4.0))
+  late = controller.run(reader, {"w": Latest("x")}, priority=True)["y"]
+  np.testing.assert_array_equal(np.asarray(early.result()), np.full(8, 20.0))
+  np.testing.assert_array_equal(np.asarray(late.result()), np.full(8, 40.0))

@@ -222,6 +222,7 @@ class RemoteDispatcher:
       return 0 if key in outputs_refs else (reads[key] or -1)
 
     ops: dict = collections.defaultdict(list)
+    publish = self.publishing and not priority  # a priority client's carried outputs are its own
     calls = []
     values: dict = {}  # (node name, index) or (input name, island) -> _Ref
 
@@ -269,7 +270,10 @@ class RemoteDispatcher:
           outs.append(pb.Output(handle=handle, uses=uses((node.name, i))))
           values[(node.name, i)] = Ref(worker, handle, treedef, avals, islands)
         op = pb.Execute(executable=exe.name, args=args, outputs=outs)
-        ops[worker].append(pb.Op(name=node.name, execute=op, trace_id=trace_id))
+        publishes = self._published.publishes(program, node) if publish else ()
+        ops[worker].append(
+          pb.Op(name=node.name, execute=op, trace_id=trace_id, publishes=publishes)
+        )
         continue
       assert isinstance(node, Transfer)
       key = (node.name, 0)
@@ -320,7 +324,7 @@ class RemoteDispatcher:
         if ref not in wrapped:
           wrapped[ref] = RemoteValue(values[ref])
         out[name] = wrapped[ref]
-    if self.publishing and not priority:  # a priority client's carried outputs are its own
+    if publish:
       self._published.sent(program, out)
     return out
 

@@ -11,9 +11,12 @@ Every item has a place in the order, `(request, kind, arrival)`:
              right after the latest of: the request the worker has taken an item of (begun),
              the previous priority operations (which so keep their order), and the queued
              item that makes a value they read (a reader placed ahead of its value's maker
-             would wait for it forever). They go ahead of every queued item of a later request,
-             never ahead of an item already taken. The releases a priority Enqueue carries are
-             ordinary: a value released is dropped only after every queued reader of it.
+             would wait for it forever). They go ahead of every queued item of a later
+             request, never ahead of an item already taken. A published value they read
+             (`@name=`, program.Latest) is the newest one published by the work run before
+             them, as on an embedded island; only while nothing is published under the name
+             do they wait for the value the controller named. The releases a priority Enqueue
+             carries are ordinary: a value released is dropped after every queued reader.
 
 The controller sends a program as priority only when it touches one worker (remote/dispatch.py):
 a program over several would need every worker it touches to place it after the same request,
@@ -21,15 +24,27 @@ which each worker alone cannot know; those join the end of every queue, in dispa
 ordinary programs do, so two workers never run two programs in opposite orders.
 """
 
+import re
 import threading
 
-PICK = "#"  # an Execute argument `<handle>#i,j`: leaves of a value (server.py)
+# An Execute argument (protocol.proto): `@<name>=` (the newest published as `name`, else what
+# follows), a handle, `#i,j,...` (leaves of it).
+_ARG = re.compile(r"(?:@(?P<name>[^=]*)=)?(?P<handle>.+?)(?:#(?P<leaves>\d+(?:,\d+)*))?")
+
+
+def parse_arg(arg: str) -> tuple:
+  """An Execute argument's (published name or None, handle, leaf indices or None)."""
+  m = _ARG.fullmatch(arg)
+  leaves = None if m["leaves"] is None else [int(i) for i in m["leaves"].split(",")]
+  return m["name"], m["handle"], leaves
 
 
 class OpQueue:
   """Items `(op, outs)` (server.py's; `op` None: a release) in the order the module doc gives."""
 
-  def __init__(self):
+  def __init__(self, published: dict):
+    """`published`: the worker's {name: handle} (what `@name=` arguments read)."""
+    self._published = published
     self._cond = threading.Condition()
     self._items: list = []  # [(order, item)], sorted by order
     self._makers: dict[str, tuple] = {}  # handle -> the order of the queued item making it
@@ -105,8 +120,10 @@ class OpQueue:
     """The orders of the queued items that make a value `items` read."""
     found = []
     for op, _ in items:
-      for handle in _reads(op):
-        handle = handle.split(PICK)[0]
+      for arg in _reads(op):
+        name, handle, _ = parse_arg(arg)
+        if name in self._published:
+          continue  # reads the newest published when it runs: made by work taken before it
         handle = aliases.get(handle, handle)
         if handle in self._makers:
           found.append(self._makers[handle])

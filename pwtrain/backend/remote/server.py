@@ -26,7 +26,6 @@ with checked headers, and no message is ever unpickled.
 
 import concurrent.futures
 import logging
-import re
 import threading
 import time
 import uuid
@@ -40,7 +39,7 @@ from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
-from pwtrain.backend.remote.ordered import OpQueue
+from pwtrain.backend.remote.ordered import OpQueue, parse_arg
 from pwtrain.backend.remote.receives import Receives, describe
 from pwtrain.backend.remote.store import Store
 from pwtrain.checkpoint import integrity
@@ -54,9 +53,6 @@ class _Executable:
     self.out_leaves = out_leaves
 
 
-_PICKED = re.compile(r"(?P<base>.+)#(?P<leaves>\d+(?:,\d+)*)")  # Worker._leaves
-
-
 class Worker(pb_grpc.WorkerServicer):
   def __init__(self, island: str, devices=None):
     self.island = island
@@ -65,7 +61,8 @@ class Worker(pb_grpc.WorkerServicer):
     self.store = Store()
     self._executables: dict[str, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-    self._queue = OpQueue()
+    self.published: dict[str, str] = {}  # name -> the handle of the newest value published
+    self._queue = OpQueue(self.published)
     self._receives = Receives(self)
     self.incarnation = uuid.uuid4().hex
     self._running_since = 0.0  # time.monotonic() the current op started running; 0: none
@@ -192,6 +189,7 @@ class Worker(pb_grpc.WorkerServicer):
         if not out.done():
           out.set_exception(RuntimeError("the worker was reset"))
     self.store.reset()  # also ends an op blocked on an input of the old session
+    self.published.clear()
     self._executables.clear()
     return pb.Empty()
 
@@ -233,6 +231,8 @@ class Worker(pb_grpc.WorkerServicer):
         try:
           start = self._execute(op.execute, outs, block=bool(op.trace_id))
           self.record(op, start)
+          for publish in op.publishes:  # before the next op is taken: ordered.py
+            self.published[publish.name] = op.execute.outputs[publish.output].handle
         except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
           error = RuntimeError(f"{self.island}: {op.name} failed: {describe(e)}")
           logging.error("%s", error)
@@ -246,15 +246,14 @@ class Worker(pb_grpc.WorkerServicer):
         self._running_since = 0.0  # idle, or waiting for the next op's inputs
         self._done_ops += 1
 
-  def _leaves(self, handle: str) -> list:
-    """The arrays of an Execute argument, once there: a handle, or `<handle>#i,j,...`, leaves
-    i, j, ... of it (a published train state's params and step, read in place: the controller's
-    program.Latest, remote/dispatch.py)."""
-    picked = _PICKED.fullmatch(handle)
-    if picked is None:
-      return self.store.lookup(handle).result()
-    leaves = self.store.lookup(picked["base"]).result()
-    return [leaves[int(i)] for i in picked["leaves"].split(",")]
+  def _leaves(self, arg: str) -> list:
+    """The arrays of an Execute argument, once there: a handle, `<handle>#i,j,...` (leaves i,
+    j, ... of it), `@<name>=<handle>` (the newest value published as `name` here, or `handle`
+    if none is yet) or both (a published train state's params and step, read in place: the
+    controller's program.Latest, remote/published.py)."""
+    name, handle, picked = parse_arg(arg)
+    leaves = self.store.lookup(self.published.get(name, handle)).result()
+    return leaves if picked is None else [leaves[i] for i in picked]
 
   def _execute(self, op, outs, block: bool = False) -> float:
     """Runs an Execute; returns when its inputs were all there (when it could start)."""
