@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pwtrain.backend import Cluster, Controller, Node, Program, Trace
+from pwtrain.backend import Cluster, Controller, Node, Program, Trace, Transfer
 from pwtrain.backend.remote import launcher
 from pwtrain.backend.remote.values import Ref, RemoteValue
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-  with launcher.launch([2], log_dir=str(tmp_path_factory.mktemp("workers"))) as w:
+  with launcher.launch([2, 1], log_dir=str(tmp_path_factory.mktemp("workers"))) as w:
     yield w
 
 
@@ -35,6 +35,16 @@ def controller(workers):
   cluster.close()
 
 
+@pytest.fixture()
+def pair(controller):
+  """The controller, and each island's sharding of a whole array over its devices."""
+  shardings = {}
+  for island, n in (("island0", 2), ("island1", 1)):
+    mesh = controller.cluster[island].mesh({"d": n})
+    shardings[island] = NamedSharding(mesh, PartitionSpec())
+  return controller, shardings
+
+
 def _health(controller):
   return controller.cluster["island0"].worker.health()
 
@@ -44,10 +54,10 @@ def _shardings(controller):
   return NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
 
 
-def _program(controller, name, fn, takes, gives):
-  """A one-node program on island0: x (in `takes`) -> y (in `gives`)."""
+def _program(controller, name, fn, takes, gives, island="island0"):
+  """A one-node program on `island`: x (in `takes`) -> y (in `gives`)."""
   arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=takes)
-  exe = controller.compile(name, fn, "island0", (arg,), out_shardings=gives)
+  exe = controller.compile(name, fn, island, (arg,), out_shardings=gives)
   return Program((Node(name, exe, ("x",)),), {"y": (name, 0)})
 
 
@@ -83,14 +93,23 @@ def _one(executable, tag):
   return Program((Node(tag, executable, ("x",)),), {"y": (tag, 0)})
 
 
-def _gate(controller, whole):
-  """A value the worker does not have yet: a program reading it holds the worker's queue until
-  `controller`'s test puts it (under the returned handle)."""
-  worker = controller.cluster["island0"].worker
+def _gate(controller, whole, island="island0"):
+  """A value `island`'s worker does not have yet: a program reading it holds the worker's queue
+  until the test puts it (under the returned handle)."""
+  worker = controller.cluster[island].worker
   handle = f"gate-{time.monotonic_ns()}"
   aval = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=whole)
-  ref = Ref(worker, handle, jax.tree.structure(0), (aval,), frozenset({"island0"}))
+  ref = Ref(worker, handle, jax.tree.structure(0), (aval,), frozenset({island}))
   return RemoteValue(ref), handle
+
+
+def _wait_taken(controller, *islands):
+  """Until each island's worker has taken all the work queued on it (and waits in it)."""
+  workers = [controller.cluster[island].worker for island in islands]
+  deadline = time.monotonic() + 60
+  while any(worker.health().pending_ops for worker in workers):
+    assert time.monotonic() < deadline, "a worker never took its work"
+    time.sleep(0.01)
 
 
 def test_a_priority_program_goes_ahead_of_queued_steps_on_its_worker(controller):
@@ -105,10 +124,7 @@ def test_a_priority_program_goes_ahead_of_queued_steps_on_its_worker(controller)
   gate, handle = _gate(controller, whole)
   outs = {"hold": controller.run(_one(add, "hold"), {"x": gate})["y"]}
   worker = controller.cluster["island0"].worker
-  deadline = time.monotonic() + 60
-  while worker.health().pending_ops:  # until the worker has taken `hold` and waits in it
-    assert time.monotonic() < deadline, "the worker never took its work"
-    time.sleep(0.01)
+  _wait_taken(controller, "island0")  # it has taken `hold` and waits in it
   for tag in ("s1", "s2", "s3"):
     outs[tag] = controller.run(_one(add, tag), {"x": x})["y"]
   outs["p1"] = controller.run(_one(add, "p1"), {"x": x}, priority=True)["y"]
@@ -149,10 +165,7 @@ def test_a_priority_reader_of_the_published_state_reads_the_latest_step_run_befo
   gate, handle = _gate(controller, whole)
   controller.run(_one(read, "hold"), {"x": gate})
   worker = controller.cluster["island0"].worker
-  deadline = time.monotonic() + 60
-  while worker.health().pending_ops:  # until the worker has taken `hold` and waits in it
-    assert time.monotonic() < deadline, "the worker never took its work"
-    time.sleep(0.01)
+  _wait_taken(controller, "island0")  # it has taken `hold` and waits in it
   state = one_step("s1", state)["x"]  # 3
   state = one_step("s2", state)["x"]  # 4
   early = controller.run(reader, {"w": Latest("x")}, priority=True)["y"]
@@ -161,3 +174,40 @@ def test_a_priority_reader_of_the_published_state_reads_the_latest_step_run_befo
   late = controller.run(reader, {"w": Latest("x")}, priority=True)["y"]
   np.testing.assert_array_equal(np.asarray(early.result()), np.full(8, 20.0))
   np.testing.assert_array_equal(np.asarray(late.result()), np.full(8, 40.0))
+
+
+def test_a_priority_program_takes_one_place_on_every_worker_it_touches(pair):
+  """Worker 0 holds program p0 while worker 1 has begun p2 (its node waits for p2's transfer
+  from worker 0, queued behind p0): a priority program over both workers (a node on each, a
+  transfer between) goes after p2 on both, ahead of the queued p3, so both workers run every
+  program they share in one order. Placed by each worker alone it would go before p2 on worker
+  0 and after it on worker 1; sent as ordinary, after p3 on both."""
+  controller, shardings = pair
+  add = {i: _program(controller, f"add{i}", lambda x: x + 1, s, s, i).nodes[0].executable
+         for i, s in shardings.items()}  # fmt: skip
+
+  def across(tag):
+    nodes = (
+      Node(f"{tag}a", add["island0"], ("x",)),
+      Transfer(f"{tag}t", (f"{tag}a", 0), "island1", shardings["island1"]),
+      Node(f"{tag}b", add["island1"], ((f"{tag}t", 0),)),
+    )
+    return Program(nodes, {"y": (f"{tag}b", 0)})
+
+  controller.trace.events.clear()
+  gate, handle = _gate(controller, shardings["island0"])
+  x = np.zeros(8, np.float32)
+  outs = [controller.run(_one(add["island0"], "p0"), {"x": gate})["y"]]
+  outs.append(controller.run(across("p2"), {"x": x})["y"])
+  _wait_taken(controller, "island1")  # p2b taken; p2a queued behind p0 on island0
+  outs.append(controller.run(across("p3"), {"x": x})["y"])
+  outs.append(controller.run(across("u"), {"x": x}, priority=True)["y"])
+  controller.cluster["island0"].worker.put_async(handle, [x], [shardings["island0"]], 1).result()
+  np.testing.assert_array_equal(np.asarray(outs[-1].result()), np.full(8, 2.0))
+  for out in outs:
+    out.result()
+  controller._dispatcher.collect_trace()
+  for island, want in (("island0", ["p0", "p2a", "ua", "p3a"]), ("island1", ["p2b", "ub", "p3b"])):
+    events = [e for e in controller.trace.events if e.island == island and e.launch is not None]
+    ran = [e.name for e in sorted(events, key=lambda e: e.launch) if not e.name.endswith("t")]
+    assert ran == want, (island, ran)

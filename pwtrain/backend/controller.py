@@ -12,8 +12,8 @@ Several clients (threads, each with its own programs) may share one controller a
 `run` is thread-safe, every program is enqueued atomically (so each island sees the programs in
 one global order), and the run-ahead bound counts all clients' programs together. A priority
 client (`run(priority=True)`: serving) has its programs placed ahead of queued ordinary work
-within a share of each island's time (backend/policy.py; remote workers place a one-worker
-priority program ahead of their queued work, without a share: remote/ordered.py); they are not
+within a share of each island's time (backend/policy.py; remote workers place them ahead of
+their queued work, without a share: remote/sending.py); they are not
 counted in the bound (their client waits for each). While the controller publishes
 (`start_publishing`), the carried outputs of every ordinary program (a train state) are
 published on their islands as their nodes launch (remote: as they run on the worker), and a
@@ -214,10 +214,9 @@ class Controller:
     `priority`: placed ahead of queued ordinary work by the islands' policy, or held back until
     its share allows it (backend/policy.py: its inputs may be program.Latest values and the
     client's own earlier outputs only; its futures resolve once it is placed and launched), and
-    neither bounded nor waited for by `wait` (its client waits for it). Remote: a priority
-    program on one worker goes ahead of the work queued there that the worker has not begun,
-    without a share; one over several workers waits behind the work already sent (at most
-    `max_inflight` programs of other clients) (remote/ordered.py). Not in distributed mode.
+    neither bounded nor waited for by `wait` (its client waits for it). Remote: placed ahead
+    of the work queued on its workers that none of them has begun, at one place on all of
+    them, without a share (remote/sending.py). Not in distributed mode.
     """
     missing = program.inputs - set(inputs)
     assert not missing, f"program inputs not given: {sorted(missing)}"

@@ -27,7 +27,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend.futures import resolved
 from pwtrain.backend.outline import KEPT, without_kept
 from pwtrain.backend.program import Executable, Latest, Node, Transfer
-from pwtrain.backend.remote import arrays, launcher, timeline
+from pwtrain.backend.remote import arrays, launcher, sending, timeline
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient
 from pwtrain.backend.remote.published import Published
@@ -187,9 +187,9 @@ class RemoteDispatcher:
 
   def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
     """Sends every island's operations of `program` at once; a RemoteValue per output. A
-    worker runs its ops in arrival order, but for a `priority` program's (Controller.run) on one
-    worker, placed ahead of the queued work it has not begun (the worker's ordered.py); their
-    carried outputs (a server's caches) are not published."""
+    worker runs its ops in arrival order, but for a `priority` program's (Controller.run),
+    placed ahead of the queued work not begun, at one place on every worker it touches
+    (sending.py); their carried outputs (a server's caches) are not published."""
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
       if self.cluster[island].worker.lost:
@@ -303,18 +303,7 @@ class RemoteDispatcher:
       )
       values[key] = Ref(worker, handle, src.treedef, avals, islands)
 
-    # A priority program goes ahead of queued work on its worker if it touches one worker only
-    # and copies nothing from another (the worker's ordered.py); else it joins the end.
-    ahead = priority and len(ops) == 1 and all(not op.receive.source for op in [*ops.values()][0])
-    for worker, worker_ops in ops.items():
-      calls.append((worker, worker.enqueue_async(worker_ops, ahead)))
-    for worker, call in calls:  # one round trip for the whole program, all islands at once
-      try:
-        call.result()
-      except grpc.FutureCancelledError:  # the worker was declared lost meanwhile
-        raise worker.lost_error() from None
-      except grpc.RpcError as e:
-        raise rpc_error(worker, e, islands) from None
+    sending.send(ops, calls, step, priority, islands, self.cluster)  # where they go: sending.py
     wrapped: dict = {}
     out = {}
     for name, ref in program.outputs.items():

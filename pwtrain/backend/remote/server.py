@@ -101,7 +101,27 @@ class Worker(pb_grpc.WorkerServicer):
     return pb.Empty()
 
   def Enqueue(self, request, context):
-    queued, aliases = [], {}  # aliases: a local copy's handle -> its source's (ordered.py)
+    queued, aliases = self._accept(request, context)
+    self._queue.put(queued, request.program, request.priority, aliases)
+    if request.release:  # ordinary, after every queued reader (ordered.py)
+      self._queue.put_release((None, list(request.release)))
+    return pb.Empty()
+
+  def Offer(self, request, context):
+    queued, aliases = self._accept(request, context)
+    after = self._queue.offer(queued, aliases, list(request.pulled))
+    if request.release:
+      self._queue.put_release((None, list(request.release)))
+    return pb.OfferReply(after=after)
+
+  def Place(self, request, context):
+    self._queue.place(request.after)
+    return pb.Empty()
+
+  def _accept(self, request, context):
+    """An Enqueue's or Offer's ops: receives started, the rest as queue items, and {a local
+    copy's handle: its source's} (ordered.py)."""
+    queued, aliases = [], {}
     for op in request.ops:
       kind = op.WhichOneof("kind")
       if kind == "execute":
@@ -118,10 +138,7 @@ class Worker(pb_grpc.WorkerServicer):
         self._receives.submit(op, out)
         if not op.receive.source:
           aliases[op.receive.output.handle] = op.receive.handle
-    self._queue.put(queued, request.priority, aliases)
-    if request.release:  # ordinary, after every queued reader (ordered.py)
-      self._queue.put_release((None, list(request.release)))
-    return pb.Empty()
+    return queued, aliases
 
   def Put(self, request_iterator, context):
     try:
