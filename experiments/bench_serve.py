@@ -17,9 +17,8 @@ training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains o
             block's step time without clients).
 remote      the training section in remote mode: palm_tiny's island on one worker process of 8
             devices (pwtrain/backend/remote/), the server attached to the run's controller. The
-            workers run serving programs in the order they are sent (no priority, no share: the
-            share column is not measurable there), so TTFT includes the training steps already
-            sent (backend.max_inflight).
+            workers place serving programs ahead of their queued training steps, without a
+            share (the share column is not measurable there: the busy time is the workers').
 standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
             process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
             output tokens/s against the same block's 1 client.

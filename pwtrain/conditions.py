@@ -242,7 +242,7 @@ RULES = (
     ("fault.keep_global_batch", "fault.min_pods", "fault.host_lost_pods", "fault.inject"),
     _is("fault.elastic", True),
   ),
-  # Remote islands run serving programs in the order they are sent: no share to keep.
+  # Remote workers place serving programs ahead of queued steps without a share: none to keep.
   _rule(("serve.share",), _all(_is("serve.enabled", True), _is("backend.mode", "embedded"))),
   _rule(
     ("metrics.wandb_entity",),

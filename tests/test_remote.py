@@ -306,7 +306,7 @@ def test_remote_eval_matches_embedded(workers):
 def test_remote_trace_has_the_workers_run_times(workers):
   """backend.trace in remote mode: each node's launch (inputs ready) and done come from its
   worker, on the controller's clock; an island runs its executes one after another, each after
-  the controller dispatched it."""
+  the controller dispatched it. No step copied an input into another sharding (server.py)."""
   config = remote(tiny_test_config(**{"parallel.stages": 2, "parallel.islands": 2}), workers)
   trace = Trace()
   with Harness.build(config, jax.devices()[:2], trace=trace) as harness:
@@ -329,6 +329,9 @@ def test_remote_trace_has_the_workers_run_times(workers):
       assert done <= launch + slack
   spans = [e for e in trace.to_chrome()["traceEvents"] if e["ph"] == "X"]
   assert len(spans) >= len(events)
+  md = auth.call_metadata(workers.token)
+  for address in workers.addresses:  # the promise of no copy: no input in another sharding
+    assert stub(address).Health(pb.Empty(), metadata=md, timeout=10).copied_inputs == 0
 
 
 # -- training: checkpoints, resume, lost workers ----------------------------------------------

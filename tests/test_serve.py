@@ -520,6 +520,10 @@ def test_serving_attached_to_a_remote_run_changes_nothing(trained, tmp_path, mon
   assert responses[: len(ok)] == ok and len(responses) - len(ok) <= 1, responses[-2:]
   steps = [weights_step(r) for r in ok]
   assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] > steps[0], steps
+  logs = sorted((tmp_path / "workers").glob("island*.log"))
+  assert logs
+  for log in logs:  # no step or serving program copied an input into another sharding
+    assert "copied" not in log.read_text(), log
 
 
 def _gate_batches(monkeypatch, gates: dict) -> None:

@@ -12,11 +12,12 @@ Several clients (threads, each with its own programs) may share one controller a
 `run` is thread-safe, every program is enqueued atomically (so each island sees the programs in
 one global order), and the run-ahead bound counts all clients' programs together. A priority
 client (`run(priority=True)`: serving) has its programs placed ahead of queued ordinary work
-within a share of each island's time (backend/policy.py; remote workers run every program in
-arrival order); they are not counted in the bound (their client waits for each). While the
-controller publishes (`start_publishing`), the carried outputs of every ordinary program (a
-train state) are published on their islands as their nodes launch (remote: as the program is
-sent), and a node can read the newest of them in place (`program.Latest`).
+within a share of each island's time (backend/policy.py; remote workers place them ahead of
+their queued work, without a share: remote/sending.py); they are not
+counted in the bound (their client waits for each). While the controller publishes
+(`start_publishing`), the carried outputs of every ordinary program (a train state) are
+published on their islands as their nodes launch (remote: as they run on the worker), and a
+node can read the newest of them in place (`program.Latest`).
 """
 
 import collections
@@ -76,7 +77,8 @@ class Controller:
     experiments/bench_distributed.py's comparison of the two, nothing else. `launch_window`:
     where execution is not serialized, how many computations each island may have launched and
     not finished (0: no bound); the rest wait in its queue, where priority work can go ahead of
-    them (backend/scheduler.py). Remote workers run each operation in turn."""
+    them (backend/scheduler.py). Remote workers run each operation in turn, in their queue's order
+    (remote/ordered.py)."""
     if max_inflight < 0:
       raise ConfigError(f"backend.max_inflight_steps={max_inflight} must be >= 0")
     if launch_window < 0:
@@ -212,9 +214,9 @@ class Controller:
     `priority`: placed ahead of queued ordinary work by the islands' policy, or held back until
     its share allows it (backend/policy.py: its inputs may be program.Latest values and the
     client's own earlier outputs only; its futures resolve once it is placed and launched), and
-    neither bounded nor waited for by `wait` (its client waits for it). Remote islands run
-    every program in the order it was sent, priority ones too: those wait behind the work
-    already sent (at most `max_inflight` programs of other clients). Not in distributed mode.
+    neither bounded nor waited for by `wait` (its client waits for it). Remote: placed ahead
+    of the work queued on its workers that none of them has begun, at one place on all of
+    them, without a share (remote/sending.py). Not in distributed mode.
     """
     missing = program.inputs - set(inputs)
     assert not missing, f"program inputs not given: {sorted(missing)}"

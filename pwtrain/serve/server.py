@@ -200,8 +200,8 @@ def attached(config, controller, current, state: dict, workdir: str, sock, token
   """Serves the training run's live parameters (weights.LiveWeights) while the block runs:
   `current()` the harness that runs the steps, `state` the state the run starts from, `sock`
   from `listening`, `tokenizer` the run's (None: inference.run_tokenizer's). Serving programs
-  share the islands within serve.share of their time (remote islands run them in the order they
-  are sent: config.validate_serve)."""
+  share the islands within serve.share of their time (remote workers place them ahead of their
+  queued steps, without a share: config.validate_serve)."""
   if not controller.cluster.remote:
     controller.set_priority_share(config.serve.share)
   source = LiveWeights(config, controller, current)

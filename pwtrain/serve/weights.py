@@ -3,10 +3,10 @@ island, its weights published there under a name), and the two sources of one.
 
   attached     `LiveWeights`: the training run's own parameters, read in place. The run's
                controller publishes each train state as the node that produces it launches
-               (Controller.start_publishing; remote: as its program is sent, since a worker
-               runs its ops in arrival order), so a serving node placed on the island's queue
-               reads the state of the latest step launched before it, and the next step, which
-               donates that state, launches after it (backend/scheduler.py). The served pod is
+               (Controller.start_publishing; remote: as it runs on the worker), so a serving
+               node placed on the island's queue reads the state of the latest step launched
+               before it, and the next step, which donates that state, launches after it
+               (backend/scheduler.py; remote/ordered.py). The served pod is
                the last whose islands are all live: its cells, in layer order (one cell on one
                island; a pipeline's stages, or the interleaved schedule's chunks, over theirs).
                Nothing is copied.

@@ -111,14 +111,24 @@ class WorkerClient:
     self.stub.Compile(request, metadata=self._metadata, timeout=self.timeout_s)
     self._compiled.append(request)
 
-  def enqueue_async(self, ops: list) -> grpc.Future:
-    """A future of the Enqueue (cancelled if the worker is lost: FutureCancelledError)."""
+  def enqueue_async(self, ops: list, priority=False, program=0, pulled=None) -> grpc.Future:
+    """A future of the Enqueue of `ops` of controller program `program` (cancelled if the worker
+    is lost: FutureCancelledError); `priority`: placed ahead of the queued work the worker has
+    not begun; `pulled` (a list): an Offer instead, answering the latest program they may
+    follow (the worker's ordered.py)."""
     with self._lock:
       release, self._releases = self._releases, []
+    request = pb.EnqueueRequest(
+      ops=ops, release=release, priority=priority, program=program, pulled=pulled or ()
+    )
+    call = self.stub.Enqueue if pulled is None else self.stub.Offer
+    return self._watched(call.future(request, metadata=self._metadata, timeout=self.timeout_s))
+
+  def place_async(self, after: int) -> grpc.Future:
+    """A future of the Place of the offered operations after program `after`."""
+    request = pb.PlaceRequest(after=after)
     return self._watched(
-      self.stub.Enqueue.future(
-        pb.EnqueueRequest(ops=ops, release=release), metadata=self._metadata, timeout=self.timeout_s
-      )
+      self.stub.Place.future(request, metadata=self._metadata, timeout=self.timeout_s)
     )
 
   def put_async(self, handle: str, leaves: list, shardings=None, uses: int = 0) -> grpc.Future:

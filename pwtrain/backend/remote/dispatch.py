@@ -27,7 +27,7 @@ from pwtrain import sharding as sharding_lib
 from pwtrain.backend.futures import resolved
 from pwtrain.backend.outline import KEPT, without_kept
 from pwtrain.backend.program import Executable, Latest, Node, Transfer
-from pwtrain.backend.remote import arrays, launcher, timeline
+from pwtrain.backend.remote import arrays, launcher, sending, timeline
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient
 from pwtrain.backend.remote.published import Published
@@ -187,8 +187,9 @@ class RemoteDispatcher:
 
   def dispatch(self, program, inputs: dict, step: int, priority: bool = False) -> dict:
     """Sends every island's operations of `program` at once; a RemoteValue per output. A
-    worker runs its ops in arrival order: `priority` programs too (Controller.run), whose
-    carried outputs (a server's caches) are not published."""
+    worker runs its ops in arrival order, but for a `priority` program's (Controller.run),
+    placed ahead of the queued work not begun, at one place on every worker it touches
+    (sending.py); their carried outputs (a server's caches) are not published."""
     islands = frozenset(node.island for node in program.nodes)
     for island in sorted(islands):
       if self.cluster[island].worker.lost:
@@ -221,6 +222,7 @@ class RemoteDispatcher:
       return 0 if key in outputs_refs else (reads[key] or -1)
 
     ops: dict = collections.defaultdict(list)
+    publish = self.publishing and not priority  # a priority client's carried outputs are its own
     calls = []
     values: dict = {}  # (node name, index) or (input name, island) -> _Ref
 
@@ -268,7 +270,10 @@ class RemoteDispatcher:
           outs.append(pb.Output(handle=handle, uses=uses((node.name, i))))
           values[(node.name, i)] = Ref(worker, handle, treedef, avals, islands)
         op = pb.Execute(executable=exe.name, args=args, outputs=outs)
-        ops[worker].append(pb.Op(name=node.name, execute=op, trace_id=trace_id))
+        publishes = self._published.publishes(program, node) if publish else ()
+        ops[worker].append(
+          pb.Op(name=node.name, execute=op, trace_id=trace_id, publishes=publishes)
+        )
         continue
       assert isinstance(node, Transfer)
       key = (node.name, 0)
@@ -298,15 +303,7 @@ class RemoteDispatcher:
       )
       values[key] = Ref(worker, handle, src.treedef, avals, islands)
 
-    for worker, worker_ops in ops.items():
-      calls.append((worker, worker.enqueue_async(worker_ops)))
-    for worker, call in calls:  # one round trip for the whole program, all islands at once
-      try:
-        call.result()
-      except grpc.FutureCancelledError:  # the worker was declared lost meanwhile
-        raise worker.lost_error() from None
-      except grpc.RpcError as e:
-        raise rpc_error(worker, e, islands) from None
+    sending.send(ops, calls, step, priority, islands, self.cluster)  # where they go: sending.py
     wrapped: dict = {}
     out = {}
     for name, ref in program.outputs.items():
@@ -316,7 +313,7 @@ class RemoteDispatcher:
         if ref not in wrapped:
           wrapped[ref] = RemoteValue(values[ref])
         out[name] = wrapped[ref]
-    if self.publishing and not priority:  # a priority client's carried outputs are its own
+    if publish:
       self._published.sent(program, out)
     return out
 

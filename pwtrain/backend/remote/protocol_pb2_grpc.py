@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.SerializeToString,
                 response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Offer = channel.unary_unary(
+                '/pwtrain.remote.Worker/Offer',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.OfferReply.FromString,
+                _registered_method=True)
+        self.Place = channel.unary_unary(
+                '/pwtrain.remote.Worker/Place',
+                request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/pwtrain.remote.Worker/Put',
                 request_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Chunk.SerializeToString,
@@ -111,6 +121,22 @@ class WorkerServicer:
         """Appends operations to the island's single execution queue (gang scheduling) and returns at
         once; each runs when its inputs have arrived.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Offer(self, request, context):
+        """A priority program over several workers, in two phases (the worker's ordered.py): Offer
+        sends this worker's operations and holds its queue (it takes no work of a later program),
+        answering the latest program they may follow here; Place, once every worker has answered,
+        queues them after the latest of those answers and lets the queue go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Place(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -188,6 +214,16 @@ def add_WorkerServicer_to_server(servicer, server):
             'Enqueue': grpc.unary_unary_rpc_method_handler(
                     servicer.Enqueue,
                     request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
+            ),
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.FromString,
+                    response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.OfferReply.SerializeToString,
+            ),
+            'Place': grpc.unary_unary_rpc_method_handler(
+                    servicer.Place,
+                    request_deserializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.PlaceRequest.FromString,
                     response_serializer=pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
@@ -311,6 +347,60 @@ class Worker:
             target,
             '/pwtrain.remote.Worker/Enqueue',
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/Offer',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.EnqueueRequest.SerializeToString,
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.OfferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Place(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pwtrain.remote.Worker/Place',
+            pwtrain_dot_backend_dot_remote_dot_protocol__pb2.PlaceRequest.SerializeToString,
             pwtrain_dot_backend_dot_remote_dot_protocol__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -2,15 +2,23 @@
 
 State: an object store of futures keyed by handle (store.py; values are flat lists of arrays), an
 executable cache, and one execution queue drained by one thread, so the island runs every
-program's computations in the order the controller enqueued them (gang scheduling). Transfers
-run beside the queue (receives.py): a Receive pulls its value straight from the worker that
-holds it, and takes no place in the queue, so a node waiting for its inputs never holds up a
-transfer.
+program's computations in one order (gang scheduling): the order the controller enqueued them,
+but for a priority client's, placed ahead of queued work the worker has not begun (ordered.py).
+Transfers run beside the queue (receives.py): a Receive pulls its value straight from the worker
+that holds it, and takes no place in the queue, so a node waiting for its inputs never holds up
+a transfer.
 
 Health says how the queue is doing: how many ops it has finished, and how long its current op
 has run since its inputs and executable were there (`running_s`: grows on a wedged worker, whose
 server still answers; the controller's monitor declares it lost past `fault.progress_timeout_s`).
 Its `incarnation`, random per process, tells a worker started again from the one it replaced.
+
+No silent copies. An Execute's device array that arrives in a sharding other than the one its
+program takes (and not an equivalent one) is copied into that one: a transfer on the device the
+controller did not ask for. Each such copy is counted (Health's `copied_inputs` and
+`copied_bytes`) and logged, once per (program, input), with its bytes and both shardings. A
+training or serving run makes none (tests/test_remote_scheduling.py); host arrays uploaded
+without a sharding (a batch) are placed where the program takes them, which is their upload.
 
 A worker trusts nothing it is sent beyond the token: programs are StableHLO, arrays are bytes
 with checked headers, and no message is ever unpickled.
@@ -18,8 +26,6 @@ with checked headers, and no message is ever unpickled.
 
 import concurrent.futures
 import logging
-import queue
-import re
 import threading
 import time
 import uuid
@@ -33,6 +39,7 @@ from pwtrain.backend.remote import arrays, auth
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
+from pwtrain.backend.remote.ordered import OpQueue, parse_arg
 from pwtrain.backend.remote.receives import Receives, describe
 from pwtrain.backend.remote.store import Store
 from pwtrain.checkpoint import integrity
@@ -46,9 +53,6 @@ class _Executable:
     self.out_leaves = out_leaves
 
 
-_PICKED = re.compile(r"(?P<base>.+)#(?P<leaves>\d+(?:,\d+)*)")  # Worker._leaves
-
-
 class Worker(pb_grpc.WorkerServicer):
   def __init__(self, island: str, devices=None):
     self.island = island
@@ -57,11 +61,14 @@ class Worker(pb_grpc.WorkerServicer):
     self.store = Store()
     self._executables: dict[str, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-    self._queue: queue.Queue = queue.Queue()
+    self.published: dict[str, str] = {}  # name -> the handle of the newest value published
+    self._queue = OpQueue(self.published)
     self._receives = Receives(self)
     self.incarnation = uuid.uuid4().hex
     self._running_since = 0.0  # time.monotonic() the current op started running; 0: none
     self._done_ops = 0
+    self.copied = {"inputs": 0, "bytes": 0}  # inputs copied to another sharding (module doc)
+    self._copied_logged: set = set()  # (executable, input index) logged once
     self._saves: dict[str, concurrent.futures.Future] = {}  # ticket -> SaveReply
     self._saves_lock = threading.Lock()
     self._spans: list = []  # traced ops' (trace_id, start, end), until Timeline takes them
@@ -77,12 +84,14 @@ class Worker(pb_grpc.WorkerServicer):
       island=self.island,
       num_devices=len(self.devices),
       platform=self.platform,
-      pending_ops=self._queue.qsize(),
+      pending_ops=len(self._queue),
       stored_values=len(self.store),
       time=time.time(),
       incarnation=self.incarnation,
       running_s=time.monotonic() - since if (since := self._running_since) else 0.0,
       done_ops=self._done_ops,
+      copied_inputs=self.copied["inputs"],
+      copied_bytes=self.copied["bytes"],
     )
 
   def Compile(self, request, context):
@@ -92,23 +101,44 @@ class Worker(pb_grpc.WorkerServicer):
     return pb.Empty()
 
   def Enqueue(self, request, context):
+    queued, aliases = self._accept(request, context)
+    self._queue.put(queued, request.program, request.priority, aliases)
+    if request.release:  # ordinary, after every queued reader (ordered.py)
+      self._queue.put_release((None, list(request.release)))
+    return pb.Empty()
+
+  def Offer(self, request, context):
+    queued, aliases = self._accept(request, context)
+    after = self._queue.offer(queued, aliases, list(request.pulled))
+    if request.release:
+      self._queue.put_release((None, list(request.release)))
+    return pb.OfferReply(after=after)
+
+  def Place(self, request, context):
+    self._queue.place(request.after)
+    return pb.Empty()
+
+  def _accept(self, request, context):
+    """An Enqueue's or Offer's ops: receives started, the rest as queue items, and {a local
+    copy's handle: its source's} (ordered.py)."""
+    queued, aliases = [], {}
     for op in request.ops:
       kind = op.WhichOneof("kind")
       if kind == "execute":
         outs = [self.store.create(o.handle, o.uses) for o in op.execute.outputs]
-        self._queue.put((op, outs))
+        queued.append((op, outs))
       elif kind == "save":
         with self._saves_lock:
           if op.save.ticket in self._saves:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"save {op.save.ticket!r} exists")
           self._saves[op.save.ticket] = concurrent.futures.Future()
-        self._queue.put((op, None))
+        queued.append((op, None))
       else:
         out = self.store.create(op.receive.output.handle, op.receive.output.uses)
         self._receives.submit(op, out)
-    if request.release:
-      self._queue.put((None, list(request.release)))
-    return pb.Empty()
+        if not op.receive.source:
+          aliases[op.receive.output.handle] = op.receive.handle
+    return queued, aliases
 
   def Put(self, request_iterator, context):
     try:
@@ -151,7 +181,7 @@ class Worker(pb_grpc.WorkerServicer):
     return pb.Empty()
 
   def Release(self, request, context):
-    self._queue.put((None, list(request.handles)))
+    self._queue.put_release((None, list(request.handles)))
     return pb.Empty()
 
   def Shutdown(self, request, context):
@@ -171,15 +201,12 @@ class Worker(pb_grpc.WorkerServicer):
 
   def Reset(self, request, context):
     logging.warning("island %s: reset by %s", self.island, context.peer())
-    while True:  # queued ops will never be read: fail their outputs
-      try:
-        op, outs = self._queue.get_nowait()
-      except queue.Empty:
-        break
+    for op, outs in self._queue.drain():  # queued ops will never be read: fail their outputs
       for out in outs if op is not None and outs else ():
         if not out.done():
           out.set_exception(RuntimeError("the worker was reset"))
     self.store.reset()  # also ends an op blocked on an input of the old session
+    self.published.clear()
     self._executables.clear()
     return pb.Empty()
 
@@ -221,6 +248,8 @@ class Worker(pb_grpc.WorkerServicer):
         try:
           start = self._execute(op.execute, outs, block=bool(op.trace_id))
           self.record(op, start)
+          for publish in op.publishes:  # before the next op is taken: ordered.py
+            self.published[publish.name] = op.execute.outputs[publish.output].handle
         except BaseException as e:  # noqa: BLE001 - forwarded to whoever reads the outputs
           error = RuntimeError(f"{self.island}: {op.name} failed: {describe(e)}")
           logging.error("%s", error)
@@ -234,15 +263,14 @@ class Worker(pb_grpc.WorkerServicer):
         self._running_since = 0.0  # idle, or waiting for the next op's inputs
         self._done_ops += 1
 
-  def _leaves(self, handle: str) -> list:
-    """The arrays of an Execute argument, once there: a handle, or `<handle>#i,j,...`, leaves
-    i, j, ... of it (a published train state's params and step, read in place: the controller's
-    program.Latest, remote/dispatch.py)."""
-    picked = _PICKED.fullmatch(handle)
-    if picked is None:
-      return self.store.lookup(handle).result()
-    leaves = self.store.lookup(picked["base"]).result()
-    return [leaves[int(i)] for i in picked["leaves"].split(",")]
+  def _leaves(self, arg: str) -> list:
+    """The arrays of an Execute argument, once there: a handle, `<handle>#i,j,...` (leaves i,
+    j, ... of it), `@<name>=<handle>` (the newest value published as `name` here, or `handle`
+    if none is yet) or both (a published train state's params and step, read in place: the
+    controller's program.Latest, remote/published.py)."""
+    name, handle, picked = parse_arg(arg)
+    leaves = self.store.lookup(self.published.get(name, handle)).result()
+    return leaves if picked is None else [leaves[i] for i in picked]
 
   def _execute(self, op, outs, block: bool = False) -> float:
     """Runs an Execute; returns when its inputs were all there (when it could start)."""
@@ -255,8 +283,8 @@ class Worker(pb_grpc.WorkerServicer):
     if len(leaves) != len(exe.in_shardings):
       raise ValueError(f"{len(leaves)} input arrays; {op.executable} takes {len(exe.in_shardings)}")
     leaves = [
-      x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
-      for x, s in zip(leaves, exe.in_shardings, strict=True)
+      self._placed(op.executable, i, x, s)
+      for i, (x, s) in enumerate(zip(leaves, exe.in_shardings, strict=True))
     ]
     result = exe.compiled(*leaves)
     if self.platform == "cpu" or block:  # block: a traced op ends when its outputs are ready
@@ -268,6 +296,25 @@ class Worker(pb_grpc.WorkerServicer):
       out.set_result(list(result[first : first + n]))
       first += n
     return start
+
+  def _placed(self, executable: str, index: int, x, sharding):
+    """Input `index` of `executable` in the sharding it takes: a host array placed there (its
+    upload), a device array as it is if its sharding is that one or an equivalent, else copied
+    into it, counted and logged (the module doc)."""
+    if not isinstance(x, jax.Array):
+      return jax.device_put(x, sharding)
+    if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    self.copied["inputs"] += 1
+    self.copied["bytes"] += x.nbytes
+    if (executable, index) not in self._copied_logged:
+      self._copied_logged.add((executable, index))
+      logging.warning(
+        "island %s: %s's input %d (%s, %d bytes) arrived as %s; the program takes %s: copied "
+        "(further copies of it are counted in Health's copied_inputs, not logged)",
+        self.island, executable, index, x.shape, x.nbytes, _spec(x.sharding), _spec(sharding),
+      )  # fmt: skip
+    return jax.device_put(x, sharding)
 
   def _save(self, op) -> None:
     """Phase one of a checkpoint on this island: reads the values now (in queue order, so before
@@ -307,6 +354,10 @@ class Worker(pb_grpc.WorkerServicer):
         saver.close()
 
     threading.Thread(target=finish, name=f"save-{op.ticket}", daemon=True).start()
+
+
+def _spec(sharding) -> str:
+  return str(getattr(sharding, "spec", sharding))
 
 
 def serve(
