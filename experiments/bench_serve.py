@@ -143,6 +143,16 @@ class Trainer:
     jax.device_get(pending[1].result())
     self.done.append((time.monotonic(), pending[0]))
 
+  def started(self, steps: int = 2, timeout_s: float = 600.0) -> "Trainer":
+    """Waits until `steps` steps have finished (the programs compiled and running: remote
+    workers compile on the first step), so that no block counts the start."""
+    deadline = time.monotonic() + timeout_s
+    while len(self.done) < steps:
+      if time.monotonic() > deadline or not self._thread.is_alive():
+        raise RuntimeError(f"the trainer finished {len(self.done)} steps in {timeout_s} s")
+      time.sleep(0.05)
+    return self
+
   def finished_at(self, t: float) -> int:
     """The steps finished (their metrics on the host) by time `t`."""
     return max((step for when, step in self.done if when <= t), default=0)
@@ -312,7 +322,7 @@ def _training(args, config, tokens_per_step, workdir, remote) -> dict:
   with _build(config, args) as harness, serve.listening(config) as sock:
     state = harness.init()
     with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
-      trainer = Trainer(harness, state).start()
+      trainer = Trainer(harness, state).start().started()
       time.sleep(args.warmup_s)
       island = harness.plan.islands[0].name
       blocks = {load: [] for load in LOADS}
@@ -414,7 +424,7 @@ def flood(args) -> dict:
                  for n in p.nodes}  # fmt: skip
       island = harness.plan.islands[0].name
       offset = time.monotonic() - trace.now()  # trace clock + offset = time.monotonic
-      trainer = Trainer(harness, state).start()
+      trainer = Trainer(harness, state).start().started()
       time.sleep(args.warmup_s)
       rows = []
       for block in range(args.blocks):
