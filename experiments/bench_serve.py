@@ -3,6 +3,12 @@ how fresh its weights are and what memory it adds, against the usual separate se
 
   python experiments/bench_serve.py                                  # every section
   python experiments/bench_serve.py --sections=training --blocks=5 --block_s=10
+  python experiments/bench_serve.py --sections=training --path=unserialized --tokens=8
+  python experiments/bench_serve.py --sections=flood --path=unserialized
+
+--path: serialized (the CPU default: each computation runs to completion, one at a time) or
+unserialized (islands of one device with serialization off: the path GPUs and TPUs take, where
+the launch window keeps work in the island's queue; remote workers on CPU have only the first).
 
 training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains on random batches
             on a thread, as pwtrain.train drives it, with the server attached (serve.enabled's
@@ -13,13 +19,26 @@ training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains o
             blocks: training tokens/s against the same block's 0 clients, time to first token
             (TTFT) and time per output token (TPOT, the gaps between a completion's tokens) at
             p50 and p99, output tokens/s, and serving's share of the island's busy time
-            (backend/policy.py's clock). TTFT is also given in training step times (the same
-            block's step time without clients).
+            (backend/policy.py's clock). TTFT is also given in training step times (the step
+            time without clients). Each block runs the loads in a rotated order; each load's
+            row pools the completions of all its blocks (p50 and p99 over them, with their
+            count) and its training steps over all its blocks' time; every block is printed
+            too, with the machine's load average.
 remote      the training section in remote mode: palm_tiny's island on one worker process of 8
             devices (pwtrain/backend/remote/), the server attached to the run's controller. The
             workers run serving programs in the order they are sent (no priority, no share: the
             share column is not measurable there), so TTFT includes the training steps already
             sent (backend.max_inflight).
+flood       serving's share of the island under a flood: --flood_clients clients of
+            --flood_tokens-token completions (far more than serve.share=--share asks), in blocks
+            of three kinds, rotated: no clients, the flood at the share, and the flood at share
+            1.0 (what it would take unbounded). The share by three clocks: the policy's own
+            (IslandClock, which enforces it), the trace's launch and completion stamps (the
+            completion watcher's where execution is not serialized; a node runs from its launch
+            or its predecessor's end to its completion), and training's loss of steps/s against
+            the blocks without clients (timed by the trainer, from its first to its last step
+            finished in the block; it equals the share only where training alone keeps the
+            island busy: the "island busy" column, by the trace).
 standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
             process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
             output tokens/s against the same block's 1 client.
@@ -160,6 +179,12 @@ class Trainer:
   def steps_between(self, start: float, end: float) -> int:
     return sum(start <= t < end for t, _ in self.done)
 
+  def step_time(self, start: float, end: float) -> tuple[int, float]:
+    """(n, seconds): n steps finished in [start, end) after the first one that finished there,
+    in `seconds` from that one to the last (no quantization by the block's edges)."""
+    times = [t for t, _ in self.done if start <= t < end]
+    return (len(times) - 1, times[-1] - times[0]) if len(times) > 1 else (0, 0.0)
+
   def stop(self):
     self._stop.set()
     self._thread.join()
@@ -254,16 +279,18 @@ def _latency(records: list[dict], start: float, end: float) -> dict:
   return _pooled([_samples(records, start, end)])
 
 
-def _load_block(url, clients: int, args, during=None, tokens=None) -> tuple:
+def _load_block(url, clients: int, args, during=None, tokens=None, at_start=None) -> tuple:
   """`clients` closed-loop clients (completions of `tokens`, default --tokens) for warmup + block
-  seconds: their latency figures over the block, `during(start, end)`'s result (time.monotonic's
-  clock), and the block's _samples."""
+  seconds: their latency figures over the block, `during(start, end, begun)`'s result
+  (time.monotonic's clock; `begun`: what `at_start()` gave as the block began), and the block's
+  _samples."""
   running = Clients(url, clients, tokens or args.tokens) if clients else None
   time.sleep(args.warmup_s)
   start = time.monotonic()
+  begun = at_start() if at_start else None
   time.sleep(args.block_s)
   end = time.monotonic()
-  extra = during(start, end) if during else None
+  extra = during(start, end, begun) if during else None
   records = running.stop() if running else []
   samples = _samples(records, start, end)
   return (_pooled([samples]) if clients else {}), extra, samples
@@ -331,14 +358,13 @@ def _training(args, config, tokens_per_step, workdir, remote) -> dict:
         # Each block rotates the loads' order, so that a drift of the machine's speed falls on
         # every load alike.
         for load in LOADS[block % len(LOADS) :] + LOADS[: block % len(LOADS)]:
-          before = clock()
 
-          def during(start, end, before=before):
+          def during(start, end, before):
             after = clock()
             busy = {k: after[k] - before[k] for k in after} if after else {}
             return {"steps": trainer.steps_between(start, end), "busy": busy}
 
-          _, extra, samples = _load_block(srv.url, load, args, during)
+          _, extra, samples = _load_block(srv.url, load, args, during, at_start=clock)
           blocks[load].append({**extra, "block": block, "samples": samples})
           print(
             f"block {block} clients {load}: {extra['steps']} steps, busy {extra['busy']}, "
@@ -430,18 +456,25 @@ def flood(args) -> dict:
       for block in range(args.blocks):
         for kind in FLOOD_KINDS[block % 3 :] + FLOOD_KINDS[: block % 3]:
           controller.set_priority_share(1.0 if kind == "unbounded" else args.share)
-          before = controller.island_time()[island]
 
-          def during(start, end, before=before):
+          def during(start, end, before):
             after = controller.island_time()[island]
             return {
               "steps": trainer.steps_between(start, end),
+              "step_s": trainer.step_time(start, end),
               "policy": {k: after[k] - before[k] for k in after},
               "trace": _trace_busy(trace, island, serving, start - offset, end - offset),
             }
 
           clients = args.flood_clients if kind != "none" else 0
-          _, extra, samples = _load_block(srv.url, clients, args, during, args.flood_tokens)
+          _, extra, samples = _load_block(
+            srv.url,
+            clients,
+            args,
+            during,
+            args.flood_tokens,
+            lambda: controller.island_time()[island],
+          )
           rows.append({**extra, "block": block, "kind": kind, "samples": samples})
       controller.set_priority_share(args.share)
       trainer.stop()
@@ -473,8 +506,8 @@ def _flood_table(args, rows: list[dict], tokens_per_step: int) -> dict:
 
   def figures(group: list[dict], clean: list[dict]) -> dict:
     seconds = sum(r["samples"]["seconds"] for r in group)
-    rate = sum(r["steps"] for r in group) / seconds
-    clean_rate = sum(r["steps"] for r in clean) / sum(r["samples"]["seconds"] for r in clean)
+    rate = sum(r["step_s"][0] for r in group) / sum(r["step_s"][1] for r in group)
+    clean_rate = sum(r["step_s"][0] for r in clean) / sum(r["step_s"][1] for r in clean)
     share = lambda busy: busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)  # noqa: E731
     total = lambda key: {
       k: sum(r[key].get(k, 0.0) for r in group) for k in ("priority", "ordinary", "idle")
