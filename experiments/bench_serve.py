@@ -476,9 +476,17 @@ def flood(args) -> dict:
             lambda: controller.island_time()[island],
           )
           rows.append({**extra, "block": block, "kind": kind, "samples": samples})
+          print(f"block {block} {kind}: {extra}, load {samples['load']:.2f}", flush=True)
       controller.set_priority_share(args.share)
       trainer.stop()
   return _flood_table(args, rows, tokens_per_step)
+
+
+def _step_rate(rows: list[dict]) -> float:
+  """Training steps per second over `rows`' blocks (Trainer.step_time); 0 with under 2 steps
+  finished in every block (serving took the island)."""
+  seconds = sum(r["step_s"][1] for r in rows)
+  return sum(r["step_s"][0] for r in rows) / seconds if seconds else 0.0
 
 
 def _trace_busy(trace, island: str, serving: set, start: float, end: float) -> dict:
@@ -506,8 +514,7 @@ def _flood_table(args, rows: list[dict], tokens_per_step: int) -> dict:
 
   def figures(group: list[dict], clean: list[dict]) -> dict:
     seconds = sum(r["samples"]["seconds"] for r in group)
-    rate = sum(r["step_s"][0] for r in group) / sum(r["step_s"][1] for r in group)
-    clean_rate = sum(r["step_s"][0] for r in clean) / sum(r["step_s"][1] for r in clean)
+    rate, clean_rate = _step_rate(group), _step_rate(clean)
     share = lambda busy: busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)  # noqa: E731
     total = lambda key: {
       k: sum(r[key].get(k, 0.0) for r in group) for k in ("priority", "ordinary", "idle")
@@ -517,7 +524,7 @@ def _flood_table(args, rows: list[dict], tokens_per_step: int) -> dict:
       "train_tokens_per_s": rate * tokens_per_step,
       "share_policy": share(total("policy")),
       "share_trace": share(traced),
-      "share_training_loss": 1 - rate / clean_rate,
+      "share_training_loss": 1 - rate / clean_rate if clean_rate else float("nan"),
       "busy_fraction": 1 - traced["idle"] / seconds,
       "output_tokens_per_s": sum(r["samples"]["tokens"] for r in group) / seconds,
       "completions": sum(len(r["samples"]["ttft"]) for r in group),
