@@ -3,6 +3,12 @@ how fresh its weights are and what memory it adds, against the usual separate se
 
   python experiments/bench_serve.py                                  # every section
   python experiments/bench_serve.py --sections=training --blocks=5 --block_s=10
+  python experiments/bench_serve.py --sections=training --path=unserialized --tokens=8
+  python experiments/bench_serve.py --sections=flood --path=unserialized
+
+--path: serialized (the CPU default: each computation runs to completion, one at a time) or
+unserialized (islands of one device with serialization off: the path GPUs and TPUs take, where
+the launch window keeps work in the island's queue; remote workers on CPU have only the first).
 
 training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains on random batches
             on a thread, as pwtrain.train drives it, with the server attached (serve.enabled's
@@ -13,12 +19,25 @@ training    palm_tiny (one island of 8 devices, 16 x 128 tokens a step) trains o
             blocks: training tokens/s against the same block's 0 clients, time to first token
             (TTFT) and time per output token (TPOT, the gaps between a completion's tokens) at
             p50 and p99, output tokens/s, and serving's share of the island's busy time
-            (backend/policy.py's clock). TTFT is also given in training step times (the same
-            block's step time without clients).
+            (backend/policy.py's clock). TTFT is also given in training step times (the step
+            time without clients). Each block runs the loads in a rotated order; each load's
+            row pools the completions of all its blocks (p50 and p99 over them, with their
+            count) and its training steps over all its blocks' time; every block is printed
+            too, with the machine's load average.
 remote      the training section in remote mode: palm_tiny's island on one worker process of 8
             devices (pwtrain/backend/remote/), the server attached to the run's controller. The
             workers place serving programs ahead of their queued training steps, without a
             share (the share column is not measurable there: the busy time is the workers').
+flood       serving's share of the island under a flood: --flood_clients clients of
+            --flood_tokens-token completions (far more than serve.share=--share asks), in blocks
+            of three kinds, rotated: no clients, the flood at the share, and the flood at share
+            1.0 (what it would take unbounded). The share by three clocks: the policy's own
+            (IslandClock, which enforces it), the trace's launch and completion stamps (the
+            completion watcher's where execution is not serialized; a node runs from its launch
+            or its predecessor's end to its completion), and training's loss of steps/s against
+            the blocks without clients (timed by the trainer, from its first to its last step
+            finished in the block; it equals the share only where training alone keeps the
+            island busy: the "island busy" column, by the trace).
 standalone  the same model served from a checkpoint by `pwtrain.serve`'s server (in this
             process, on one device, nothing training): 1, 4 and 8 clients in blocks, medians;
             output tokens/s against the same block's 1 client.
@@ -64,6 +83,16 @@ def main():
   parser.add_argument("--tokens", type=int, default=64, help="tokens per completion")
   parser.add_argument("--checkpoint_every", type=int, default=10)
   parser.add_argument("--freshness_s", type=float, default=40.0)
+  parser.add_argument(
+    "--path",
+    choices=("serialized", "unserialized"),
+    default="serialized",
+    help="serialized: the CPU default; unserialized: one-device islands with serialization off "
+    "(the path accelerators take)",
+  )
+  parser.add_argument("--share", type=float, default=0.2, help="flood: serve.share")
+  parser.add_argument("--flood_clients", type=int, default=16)
+  parser.add_argument("--flood_tokens", type=int, default=64)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   force_host_devices(8)
@@ -73,6 +102,8 @@ def main():
     results["training"] = training(args)
   if "remote" in sections:
     results["remote"] = training(args, remote=True)
+  if "flood" in sections:
+    results["flood"] = flood(args)
   if "standalone" in sections:
     results["standalone"] = standalone(args)
   if "freshness" in sections:
@@ -86,7 +117,12 @@ def main():
 # -- the pieces every section uses -------------------------------------------------------------
 
 
-def _config(name="palm_tiny", **overrides):
+def _config(name="palm_tiny", path="serialized", **overrides):
+  """`name` with a free port and no end; on the unserialized path, islands of one device (the
+  path accelerators take; on CPU several multi-device computations at once may deadlock XLA's
+  collectives)."""
+  if path == "unserialized":
+    overrides = {"parallel.devices_per_island": 1, **overrides}
   return load_config(name, {"serve.port": 0, "train.num_steps": 10**6, **overrides})
 
 
@@ -125,12 +161,28 @@ class Trainer:
     jax.device_get(pending[1].result())
     self.done.append((time.monotonic(), pending[0]))
 
+  def started(self, steps: int = 2, timeout_s: float = 600.0) -> "Trainer":
+    """Waits until `steps` steps have finished (the programs compiled and running: remote
+    workers compile on the first step), so that no block counts the start."""
+    deadline = time.monotonic() + timeout_s
+    while len(self.done) < steps:
+      if time.monotonic() > deadline or not self._thread.is_alive():
+        raise RuntimeError(f"the trainer finished {len(self.done)} steps in {timeout_s} s")
+      time.sleep(0.05)
+    return self
+
   def finished_at(self, t: float) -> int:
     """The steps finished (their metrics on the host) by time `t`."""
     return max((step for when, step in self.done if when <= t), default=0)
 
   def steps_between(self, start: float, end: float) -> int:
     return sum(start <= t < end for t, _ in self.done)
+
+  def step_time(self, start: float, end: float) -> tuple[int, float]:
+    """(n, seconds): n steps finished in [start, end) after the first one that finished there,
+    in `seconds` from that one to the last (no quantization by the block's edges)."""
+    times = [t for t, _ in self.done if start <= t < end]
+    return (len(times) - 1, times[-1] - times[0]) if len(times) > 1 else (0, 0.0)
 
   def stop(self):
     self._stop.set()
@@ -192,33 +244,55 @@ def _client(url, tokens, stop, records) -> None:
         records.append({"start": start, "times": times, "step": step})
 
 
-def _latency(records: list[dict], start: float, end: float) -> dict:
-  """TTFT, TPOT (p50, p99) of the completions that started in [start, end), and the output
-  tokens/s of every token that came in it."""
+def _samples(records: list[dict], start: float, end: float) -> dict:
+  """The TTFTs and token gaps of the completions that started in [start, end), and the number of
+  output tokens that came in it."""
+  begun = [r for r in records if start <= r["start"] < end]
+  return {
+    "ttft": [r["times"][0] - r["start"] for r in begun],
+    "gaps": [b - a for r in begun for a, b in zip(r["times"], r["times"][1:], strict=False)],
+    "tokens": sum(start <= t < end for r in records for t in r["times"]),
+    "seconds": end - start,
+    "load": os.getloadavg()[0],  # the machine's 1-minute load average at the block's end
+  }
+
+
+def _pooled(samples: list[dict]) -> dict:
+  """TTFT, TPOT (p50, p99) over the completions of every block in `samples` together, and output
+  tokens/s over their time: one row's columns from the same blocks."""
   import numpy as np
 
-  begun = [r for r in records if start <= r["start"] < end]
-  ttft = [r["times"][0] - r["start"] for r in begun]
-  gaps = [b - a for r in begun for a, b in zip(r["times"], r["times"][1:], strict=False)]
-  tokens = sum(start <= t < end for r in records for t in r["times"])
+  ttft = [x for s in samples for x in s["ttft"]]
+  gaps = [x for s in samples for x in s["gaps"]]
+  seconds = sum(s["seconds"] for s in samples)
   pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
   return {
     "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(gaps, 50),
-    "tpot_p99": pct(gaps, 99), "tokens_per_s": tokens / (end - start), "completions": len(ttft),
+    "tpot_p99": pct(gaps, 99), "tokens_per_s": sum(s["tokens"] for s in samples) / seconds,
+    "completions": len(ttft),
   }  # fmt: skip
 
 
-def _load_block(url, clients: int, args, during=None) -> tuple:
-  """`clients` closed-loop clients for warmup + block seconds: their latency figures over the
-  block, and `during(start, end)`'s result (time.monotonic's clock)."""
-  running = Clients(url, clients, args.tokens) if clients else None
+def _latency(records: list[dict], start: float, end: float) -> dict:
+  """_pooled of one block: the completions that started in [start, end)."""
+  return _pooled([_samples(records, start, end)])
+
+
+def _load_block(url, clients: int, args, during=None, tokens=None, at_start=None) -> tuple:
+  """`clients` closed-loop clients (completions of `tokens`, default --tokens) for warmup + block
+  seconds: their latency figures over the block, `during(start, end, begun)`'s result
+  (time.monotonic's clock; `begun`: what `at_start()` gave as the block began), and the block's
+  _samples."""
+  running = Clients(url, clients, tokens or args.tokens) if clients else None
   time.sleep(args.warmup_s)
   start = time.monotonic()
+  begun = at_start() if at_start else None
   time.sleep(args.block_s)
   end = time.monotonic()
-  extra = during(start, end) if during else None
+  extra = during(start, end, begun) if during else None
   records = running.stop() if running else []
-  return (_latency(records, start, end) if clients else {}), extra
+  samples = _samples(records, start, end)
+  return (_pooled([samples]) if clients else {}), extra, samples
 
 
 def _medians(blocks: list[dict]) -> dict:
@@ -237,11 +311,16 @@ def _print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 
 def training(args, remote: bool = False) -> dict:
-  config = _config()
+  config = _config(path=args.path)
   tokens_per_step = config.train.global_batch * config.data.seq_len
   workdir = tempfile.mkdtemp(prefix="bench_serve_")
   if not remote:
     return _training(args, config, tokens_per_step, workdir, remote)
+  if args.path == "unserialized":
+    raise SystemExit(
+      "--path=unserialized: remote workers on CPU run each operation to completion "
+      "(backend/remote/server.py), so remote mode has only the serialized path here"
+    )
   from pwtrain.backend.remote import auth, launcher  # the [remote] extra
 
   with launcher.launch([8]) as workers:  # one worker process of 8 devices serves the island
@@ -253,56 +332,225 @@ def training(args, remote: bool = False) -> dict:
       del os.environ[auth.TOKEN_ENV]
 
 
-def _training(args, config, tokens_per_step, workdir, remote) -> dict:
-  from pwtrain import serve
+def _build(config, args, trace=None):
+  """The harness of `config` on --path (unserialized: execution serialization off)."""
   from pwtrain.harness import Harness
 
-  with Harness.build(config) as harness, serve.listening(config) as sock:
+  serialize = False if args.path == "unserialized" else None
+  if config.backend.mode == "remote":
+    return Harness.build(config)
+  return Harness.build(config, serialize_execution=serialize, trace=trace)
+
+
+def _training(args, config, tokens_per_step, workdir, remote) -> dict:
+  from pwtrain import serve
+
+  with _build(config, args) as harness, serve.listening(config) as sock:
     state = harness.init()
     with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
-      trainer = Trainer(harness, state).start()
+      trainer = Trainer(harness, state).start().started()
       time.sleep(args.warmup_s)
       island = harness.plan.islands[0].name
       blocks = {load: [] for load in LOADS}
       clock = (lambda: None) if remote else (lambda: harness.controller.island_time()[island])
       for block in range(args.blocks):
-        for load in LOADS:
-          before = clock()
+        # Each block rotates the loads' order, so that a drift of the machine's speed falls on
+        # every load alike.
+        for load in LOADS[block % len(LOADS) :] + LOADS[: block % len(LOADS)]:
 
-          def during(start, end, before=before):
+          def during(start, end, before):
             after = clock()
-            steps = trainer.steps_between(start, end)
-            share = float("nan")  # remote: the workers' time, not measurable from here
-            if after is not None:
-              busy = {k: after[k] - before[k] for k in after}
-              share = busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)
-            return {
-              "train_tokens_per_s": steps * tokens_per_step / (end - start),
-              "step_s": (end - start) / max(steps, 1),
-              "share": share,
-            }
+            busy = {k: after[k] - before[k] for k in after} if after else {}
+            return {"steps": trainer.steps_between(start, end), "busy": busy}
 
-          latency, extra = _load_block(srv.url, load, args, during)
-          clean = blocks[0][block] if load else extra  # this block's without clients: the base
-          extra["train_ratio"] = extra["train_tokens_per_s"] / clean["train_tokens_per_s"]
-          extra["ttft_p50_steps"] = latency.get("ttft_p50", float("nan")) / clean["step_s"]
-          blocks[load].append({**extra, **latency})
+          _, extra, samples = _load_block(srv.url, load, args, during, at_start=clock)
+          blocks[load].append({**extra, "block": block, "samples": samples})
+          print(
+            f"block {block} clients {load}: {extra['steps']} steps, busy {extra['busy']}, "
+            f"{len(samples['ttft'])} completions, load {samples['load']:.2f}",
+            flush=True,
+          )
       trainer.stop()
-  medians = {load: _medians(rows) for load, rows in blocks.items()}
-  clean_step = medians[0]["step_s"]
-  rows = []
-  for load, m in medians.items():
-    rows.append([load, m["train_tokens_per_s"], m["train_ratio"], m["share"],
-                 m.get("ttft_p50", float("nan")), m.get("ttft_p99", float("nan")),
-                 m["ttft_p50_steps"], m.get("tpot_p50", float("nan")),
-                 m.get("tpot_p99", float("nan")), m.get("tokens_per_s", 0.0)])  # fmt: skip
+  return _training_table(args, blocks, tokens_per_step, remote)
+
+
+def _training_table(args, blocks: dict, tokens_per_step: int, remote: bool) -> dict:
+  """Each load's row over all its blocks together (module doc), and every block's figures."""
+  rows, per_block, out = [], [], {}
+  seconds = lambda bs: sum(b["samples"]["seconds"] for b in bs)  # noqa: E731
+  clean_step = seconds(blocks[0]) / max(sum(b["steps"] for b in blocks[0]), 1)
+  for load, bs in blocks.items():
+    steps = sum(b["steps"] for b in bs)
+    busy = {k: sum(b["busy"].get(k, 0.0) for b in bs) for k in ("priority", "ordinary")}
+    share = None if remote else busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)
+    row = {
+      "train_tokens_per_s": steps * tokens_per_step / seconds(bs),
+      "ratio": steps / seconds(bs) / (1 / clean_step),
+      "share": share,
+      "step_s": seconds(bs) / max(steps, 1),
+      **(_pooled([b["samples"] for b in bs]) if load else {}),
+    }
+    row["ttft_p50_steps"] = row.get("ttft_p50", float("nan")) / clean_step
+    out[load] = row
+    nan = float("nan")
+    rows.append([load, row["train_tokens_per_s"], row["ratio"], nan if remote else share,
+                 row.get("completions", 0), row.get("ttft_p50", nan), row.get("ttft_p99", nan),
+                 row["ttft_p50_steps"], row.get("tpot_p50", nan), row.get("tpot_p99", nan),
+                 row.get("tokens_per_s", 0.0)])  # fmt: skip
+    for b in bs:
+      clean = next(c for c in blocks[0] if c["block"] == b["block"])
+      clean_s = clean["samples"]["seconds"] / max(clean["steps"], 1)
+      one, step_s = _pooled([b["samples"]]), b["samples"]["seconds"] / max(b["steps"], 1)
+      per_block.append([load, b["block"], b["steps"], step_s, len(b["samples"]["ttft"]),
+                        one["ttft_p50"], one["ttft_p50"] / clean_s,
+                        b["samples"]["load"]])  # fmt: skip
+  mode = f"{'remote' if remote else 'embedded'}, {args.path} path"
   _print_table(
-    f"training{' in remote mode' if remote else ''} with the server attached (medians of blocks)",
-    ["clients", "train tokens/s", "ratio", "serving share", "TTFT p50 s", "TTFT p99 s",
-     "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s"],
+    f"training with the server attached ({mode}; each row: all {args.blocks} blocks together)",
+    ["clients", "train tokens/s", "ratio", "serving share", "completions", "TTFT p50 s",
+     "TTFT p99 s", "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s"],
     rows,
   )  # fmt: skip
-  return {"clean_step_s": clean_step, "by_clients": medians}
+  _print_table(
+    f"every block ({mode})",
+    [
+      "clients",
+      "block",
+      "steps",
+      "step s",
+      "completions",
+      "TTFT p50 s",
+      "TTFT p50 / its step",
+      "load avg",
+    ],
+    per_block,
+  )
+  return {"mode": mode, "clean_step_s": clean_step, "by_clients": out, "blocks": per_block}
+
+
+FLOOD_KINDS = ("none", "flood", "unbounded")
+
+
+def flood(args) -> dict:
+  """Serving's share of the island under a flood (module doc), by three clocks."""
+  from pwtrain import serve
+  from pwtrain.backend import Trace
+
+  config = _config(path=args.path, **{"serve.share": args.share})
+  tokens_per_step = config.train.global_batch * config.data.seq_len
+  workdir = tempfile.mkdtemp(prefix="bench_serve_flood_")
+  trace = Trace(record_completion=True)
+  with _build(config, args, trace) as harness, serve.listening(config) as sock:
+    state = harness.init()
+    controller = harness.controller
+    with serve.attached(config, controller, lambda: harness, state, workdir, sock) as srv:
+      pieces = srv.engine._pieces
+      serving = {n.name for p in (pieces.init, pieces.prefill, pieces.decode, pieces.probe)
+                 for n in p.nodes}  # fmt: skip
+      island = harness.plan.islands[0].name
+      offset = time.monotonic() - trace.now()  # trace clock + offset = time.monotonic
+      trainer = Trainer(harness, state).start().started()
+      time.sleep(args.warmup_s)
+      rows = []
+      for block in range(args.blocks):
+        for kind in FLOOD_KINDS[block % 3 :] + FLOOD_KINDS[: block % 3]:
+          controller.set_priority_share(1.0 if kind == "unbounded" else args.share)
+
+          def during(start, end, before):
+            after = controller.island_time()[island]
+            return {
+              "steps": trainer.steps_between(start, end),
+              "step_s": trainer.step_time(start, end),
+              "policy": {k: after[k] - before[k] for k in after},
+              "trace": _trace_busy(trace, island, serving, start - offset, end - offset),
+            }
+
+          clients = args.flood_clients if kind != "none" else 0
+          _, extra, samples = _load_block(
+            srv.url,
+            clients,
+            args,
+            during,
+            args.flood_tokens,
+            lambda: controller.island_time()[island],
+          )
+          rows.append({**extra, "block": block, "kind": kind, "samples": samples})
+          print(f"block {block} {kind}: {extra}, load {samples['load']:.2f}", flush=True)
+      controller.set_priority_share(args.share)
+      trainer.stop()
+  return _flood_table(args, rows, tokens_per_step)
+
+
+def _step_rate(rows: list[dict]) -> float:
+  """Training steps per second over `rows`' blocks (Trainer.step_time); 0 with under 2 steps
+  finished in every block (serving took the island)."""
+  seconds = sum(r["step_s"][1] for r in rows)
+  return sum(r["step_s"][0] for r in rows) / seconds if seconds else 0.0
+
+
+def _trace_busy(trace, island: str, serving: set, start: float, end: float) -> dict:
+  """{"priority", "ordinary", "idle"}: the seconds of [start, end) (the trace's clock) that
+  `island` spent on serving's nodes, on the others and on nothing, from the trace's launch and
+  completion stamps (the completion watcher's where execution is not serialized): a node runs
+  from its launch or its predecessor's end, whichever is later, to its completion."""
+  events = sorted(
+    (e for e in list(trace.events) if e.island == island and e.launch is not None and e.done),
+    key=lambda e: e.launch,
+  )
+  busy, prev = {"priority": 0.0, "ordinary": 0.0}, 0.0
+  for e in events:
+    begin = max(e.launch, prev)
+    prev = max(prev, e.done)
+    seconds = max(min(e.done, end) - max(begin, start), 0.0)
+    busy["priority" if e.name in serving else "ordinary"] += seconds
+  busy["idle"] = max(end - start - busy["priority"] - busy["ordinary"], 0.0)
+  return busy
+
+
+def _flood_table(args, rows: list[dict], tokens_per_step: int) -> dict:
+  """Per kind over all blocks together, and per block: serving's share by the policy's clock,
+  by the trace's intervals, and by training's loss of steps/s against the clean blocks."""
+
+  def figures(group: list[dict], clean: list[dict]) -> dict:
+    seconds = sum(r["samples"]["seconds"] for r in group)
+    rate, clean_rate = _step_rate(group), _step_rate(clean)
+    share = lambda busy: busy["priority"] / max(busy["priority"] + busy["ordinary"], 1e-9)  # noqa: E731
+    total = lambda key: {
+      k: sum(r[key].get(k, 0.0) for r in group) for k in ("priority", "ordinary", "idle")
+    }  # noqa: E501, E731
+    traced = total("trace")
+    return {
+      "train_tokens_per_s": rate * tokens_per_step,
+      "share_policy": share(total("policy")),
+      "share_trace": share(traced),
+      "share_training_loss": 1 - rate / clean_rate if clean_rate else float("nan"),
+      "busy_fraction": 1 - traced["idle"] / seconds,
+      "output_tokens_per_s": sum(r["samples"]["tokens"] for r in group) / seconds,
+      "completions": sum(len(r["samples"]["ttft"]) for r in group),
+    }
+
+  clean = [r for r in rows if r["kind"] == "none"]
+  by_kind = {k: figures([r for r in rows if r["kind"] == k], clean) for k in FLOOD_KINDS}
+  per_block = []
+  for r in rows:
+    f = figures([r], [c for c in clean if c["block"] == r["block"]])
+    per_block.append([r["block"], r["kind"], f["train_tokens_per_s"], f["share_policy"],
+                      f["share_trace"], f["share_training_loss"], f["busy_fraction"],
+                      f["output_tokens_per_s"], r["samples"]["load"]])  # fmt: skip
+  header = ["policy clock", "trace intervals", "1 - training ratio", "island busy",
+            "output tokens/s"]  # fmt: skip
+  title = (f"serving's share under a flood ({args.flood_clients} clients, {args.flood_tokens}-"
+           f"token completions; serve.share={args.share}, unbounded: share 1.0; {args.path} "
+           f"path; each row: all {args.blocks} blocks together)")  # fmt: skip
+  _print_table(
+    title,
+    ["kind", "train tokens/s", *header, "completions"],
+    [[k, f["train_tokens_per_s"], f["share_policy"], f["share_trace"], f["share_training_loss"],
+      f["busy_fraction"], f["output_tokens_per_s"], f["completions"]]
+     for k, f in by_kind.items()],
+  )  # fmt: skip
+  _print_table("every block", ["block", "kind", "train tokens/s", *header, "load avg"], per_block)
+  return {"by_kind": by_kind, "blocks": per_block}
 
 
 def _checkpointed(config, workdir: str, steps: int = 2) -> None:

@@ -30,6 +30,10 @@ of milliseconds on a recent GPU), or each dimension by its own flag.
 
   python experiments/bench_window.py --size=cpu
   python experiments/bench_window.py --size=gpu --json=/tmp/window.json
+  python experiments/bench_window.py --size=cpu --max_inflight=4 --no_waits --repeats=30
+
+The summary gives, per window, the median and quartiles of the repeats' ratios to unbounded and
+the pooled ratio (all its blocks' steps over all their time, against unbounded's).
 """
 
 import argparse
@@ -182,6 +186,10 @@ class Bench:
     self.steps(2)
     seconds = self.steps(args.steps)
     step_s = seconds / args.steps
+    if args.no_waits:  # throughput blocks only
+      return {"window": window, "steps_per_s": args.steps / seconds, "step_ms": 1e3 * step_s,
+              "steps_per_s_serving": float("nan"), "probe_ms": 1e3 * self.probe_s, "probes": 0,
+              "wait_p50_steps": float("nan"), "wait_p90_steps": float("nan")}  # fmt: skip
     waits, stop = [], threading.Event()
 
     def client():
@@ -225,6 +233,9 @@ def main(argv=None) -> None:
   parser.add_argument("--max_inflight", type=int, default=1, help="backend.max_inflight_steps")
   parser.add_argument("--probe_tokens", type=int, default=64)
   parser.add_argument("--probe_every", type=float, default=2.5, help="in step times")
+  parser.add_argument(
+    "--no_waits", action="store_true", help="throughput blocks only (no priority client)"
+  )
   parser.add_argument("--json", default="", help="also write the rows here")
   args = parser.parse_args(argv)
   if args.size == "cpu":
@@ -257,19 +268,31 @@ def main(argv=None) -> None:
             f"{row['probe_ms']:9.2f} {row['probes']:7d} {row['wait_p50_steps']:9.2f} "
             f"{row['wait_p90_steps']:9.2f}",
             flush=True)  # fmt: skip
-  print("# medians over repeats")
+  print(
+    f"# over {args.repeats} repeats: throughput vs unbounded, median [25%, 75%] of the "
+    "repeats' ratios, and pooled (all blocks' steps / all their time, against unbounded's)"
+  )
+  pooled_base = _pooled_rate([r for r in rows if r["window"] == 0], args.steps)
   for w in windows:
     mine = [r for r in rows if r["window"] == w]
-    med = {
-      k: statistics.median(r[k] for r in mine)
-      for k in ("vs_unbounded", "wait_p50_steps", "wait_p90_steps")
-    }
-    print(f"window {w}: throughput vs unbounded {med['vs_unbounded']:.3f}, priority wait p50 "
-          f"{med['wait_p50_steps']:.2f} p90 {med['wait_p90_steps']:.2f} steps")  # fmt: skip
+    ratios = [r["vs_unbounded"] for r in mine]
+    q1, q2, q3 = (
+      statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    )
+    pooled = _pooled_rate(mine, args.steps) / pooled_base if pooled_base else float("nan")
+    med = {k: statistics.median(r[k] for r in mine) for k in ("wait_p50_steps", "wait_p90_steps")}
+    print(f"window {w}: throughput vs unbounded {q2:.3f} [{q1:.3f}, {q3:.3f}], pooled "
+          f"{pooled:.3f}; priority wait p50 {med['wait_p50_steps']:.2f} p90 "
+          f"{med['wait_p90_steps']:.2f} steps")  # fmt: skip
   bench.close()
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"argv": sys.argv, "size": size, "rows": rows}, f, indent=1)
+
+
+def _pooled_rate(rows: list[dict], steps: int) -> float:
+  """Steps per second over all of `rows`' blocks together."""
+  return len(rows) * steps / sum(steps / r["steps_per_s"] for r in rows) if rows else 0.0
 
 
 if __name__ == "__main__":
