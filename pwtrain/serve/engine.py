@@ -229,10 +229,9 @@ class Engine:
           self.controller, each, max_batch=self.max_batch, max_len=self.max_len,
           chunk=self.chunk, num_tokens=self.tokenizer.vocab_size,
         )  # fmt: skip
-        log.info(
-          "serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
-          ",".join(each.islands), time.perf_counter() - start, pieces.cache_bytes / 2**20,
-        )  # fmt: skip
+        took, mib = time.perf_counter() - start, pieces.cache_bytes / 2**20
+        log.info("serving pieces for islands %s compiled in %.2f s (KV caches: %.2f MiB)",
+                 ",".join(each.islands), took, mib)  # fmt: skip
     pieces = self._built[layout.key]
     try:
       probe = self.controller.run(pieces.probe, pieces.probe_inputs(), priority=True)
@@ -389,10 +388,10 @@ class Engine:
 
 
 def _moved(error: BaseException) -> bool:
-  """Whether `error` says the weights moved (the module doc's Faults)."""
+  """Whether `error` says the weights moved (the module doc's Faults). A deleted array is
+  Python's RuntimeError or, deleted after that check, the runtime's ValueError."""
   if isinstance(error, IslandLost | NotPublished | NoLivePod):
     return True
-  # Python's check (RuntimeError) or, deleted after it, the runtime's (ValueError).
   return isinstance(error, RuntimeError | ValueError) and "has been deleted" in str(error)
 
 
