@@ -288,6 +288,7 @@ class LocalDispatcher:
   def set_launch_window(self, window: int) -> None:
     for scheduler in self._schedulers.values():
       scheduler.queue.set_window(window)
+      scheduler.clock.window = window if scheduler.serial is None else 0  # as at the start
 
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""

@@ -25,9 +25,11 @@ orders (gang scheduling).
              the balance less what is in flight is positive. Under saturating load the priority
              client so gets `share` of each island's time and the others the rest: a flood of
              priority work slows them by that fraction and never starves them. The balance is
-             held within one ordinary item's earning (the longest of the last few), a debt
-             within that or one priority item's cost (so that every item is charged in full),
-             so neither an idle spell nor a burst carries over. Before any ordinary work has run
+             held within the earning of one ordinary item (the longest of the last few) per
+             item of the island's launch window (a priority program placed waits behind up to
+             that many launched items, whose earning would otherwise be lost), a debt within
+             that or one priority item's cost (so that every item is charged in full), so
+             neither an idle spell nor a burst carries over. Before any ordinary work has run
              on an island, priority work goes ahead there; so it does on an empty island, one
              program at a time (a client that leaves the island empty now and then so gains
              one program per gap, charged in full), and on a lost one, where it fails at once.
@@ -48,8 +50,10 @@ class IslandClock:
   """An island's busy time: totals since the start, the priority client's apart from everyone
   else's, and the priority client's balance of time it may still take ahead (module doc)."""
 
-  def __init__(self, share: float = 0.2):
+  def __init__(self, share: float = 0.2, window: int = 1):
+    """`window`: the island's launch window (0: none, taken as 1), which bounds the credit."""
     self.share = share
+    self.window = window
     self._lock = threading.Lock()
     self._total = {False: 0.0, True: 0.0}
     self._balance = 0.0  # seconds of priority work that may still go ahead
@@ -86,9 +90,9 @@ class IslandClock:
       else:
         self._recent.append(seconds)
         self._balance += seconds * self._rate()
-      # Credit up to one ordinary item's earning; debt up to that or one priority item's cost,
-      # whichever is more, so that every priority item is charged in full.
-      bound = max(self._recent, default=0.0) * self._rate()
+      # Credit up to one ordinary item's earning per item of the launch window; debt up to that
+      # or one priority item's cost, whichever is more, so that each is charged in full.
+      bound = max(self._recent, default=0.0) * self._rate() * max(self.window, 1)
       debt = max(bound, max(self._recent_priority, default=0.0))
       self._balance = min(max(self._balance, -debt), bound)
 

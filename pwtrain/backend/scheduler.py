@@ -159,7 +159,7 @@ class IslandScheduler:
     # Set while the island is lost (backend/faults.py): every work fails with it, unlaunched.
     self.lost: IslandLost | None = None
     self.published: dict[str, Any] = {}  # name -> the newest value published here
-    self.clock = IslandClock()  # its busy time, the priority client's apart (policy.py)
+    self.clock = IslandClock(window=self.queue.window)  # its busy time, priority's apart
     self.progress = progress
     self._lost_devices = {} if lost_devices is None else lost_devices
     self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
