@@ -57,7 +57,7 @@ import time
 import jax
 import numpy as np
 
-from pwtrain import console, processes
+from pwtrain import console, liveness, processes
 from pwtrain.backend import distributed
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.scheduler import here_only
@@ -145,6 +145,8 @@ class Agreement:
         raise RuntimeError("process 0 (the coordination service) was lost: the run restarts")
       left = "was started again" if i in told else "left the run (no heartbeat)"
       cause = f"process {i} {left}" + (f"; a step failed with: {seen}" if seen else "")
+      if i not in told:  # should it run again (SIGCONT), it ends (pwtrain/liveness.py)
+        liveness.declare_lost(i, cause)
       for island in self._islands[p]:
         self.controller.lose(island.name, cause)
     first = self._islands[pods[0]][0].name
