@@ -160,7 +160,10 @@ class _Beat:
     if self.path:
       remove(self.path)
     if self.client is not None:
-      self.client.key_value_delete(_key(self.me))
+      try:
+        self.client.key_value_delete(_key(self.me))
+      except RuntimeError:  # the service is gone: nobody asks any more
+        pass
 
 
 _BEAT: list[_Beat] = []
