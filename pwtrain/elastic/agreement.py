@@ -137,6 +137,10 @@ class Agreement:
 
   def _lost(self, pods: list[int], told: dict, failed: dict) -> IslandLost:
     seen = next(iter(failed.values()), "")
+    # Should one that left run again (SIGCONT), it ends (pwtrain/liveness.py); told before the
+    # launcher may start another in its place (leave_out), whose beat clears the verdict.
+    for i in {self.process_of[p] for p in pods} - set(told) - {0}:
+      liveness.declare_lost(i, f"process {i} left the run (no heartbeat)")
     # From now on the run's barriers wait for the survivors only.
     processes.leave_out(self.process_of[p] for p in pods if self.process_of[p] != 0)
     for p in pods:
@@ -145,8 +149,6 @@ class Agreement:
         raise RuntimeError("process 0 (the coordination service) was lost: the run restarts")
       left = "was started again" if i in told else "left the run (no heartbeat)"
       cause = f"process {i} {left}" + (f"; a step failed with: {seen}" if seen else "")
-      if i not in told:  # should it run again (SIGCONT), it ends (pwtrain/liveness.py)
-        liveness.declare_lost(i, cause)
       for island in self._islands[p]:
         self.controller.lose(island.name, cause)
     first = self._islands[pods[0]][0].name
