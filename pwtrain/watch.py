@@ -144,4 +144,9 @@ def gone(fatal: str) -> str:
       "process 0 of the run is gone: JAX's coordination service, which it runs, stopped answering"
     )
   status = fatal.split("absl::Status:", 1)[-1].strip().splitlines()
+  if status and status[0].startswith("DEADLINE_EXCEEDED"):  # its calls to the service timed out
+    return (
+      "process 0 of the run is gone or silent (stopped?): JAX's coordination service, which it "
+      f"runs, did not answer in time ({status[0]})"
+    )
   return f"a process of the run is gone: {status[0] if status else 'JAX ended this process'}"

@@ -347,6 +347,12 @@ def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
     "already-in-error task: 1 with existing error: UNAVAILABLE: Task 1 heartbeat timeout."
   )
   assert watch.gone(woke).startswith("process 1 (this process) was taken for dead by JAX's")
+  # Process 0 stopped (SIGSTOP): the calls to its service time out.
+  silent = (
+    "F1129 04:36:00.1 1 client.cc:87] Terminating process because the JAX distributed service "
+    "detected fatal errors. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded"
+  )
+  assert watch.gone(silent).startswith("process 0 of the run is gone or silent (stopped?)")
 
 
 @pytest.mark.slow
