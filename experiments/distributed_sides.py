@@ -162,6 +162,7 @@ def worker(job: dict) -> None:
 
   from pwtrain.backend import Controller
   from pwtrain.backend.outline import Outline
+  from pwtrain.backend.pulls import PullDeadlines
   from pwtrain.harness import Harness
   from pwtrain.parallel import plan as plan_lib
 
@@ -172,7 +173,7 @@ def worker(job: dict) -> None:
     cluster,
     max_inflight=config.backend.max_inflight_steps,
     trace=trace,
-    pull_timeout_s=config.backend.pull_timeout_s,
+    pulls=PullDeadlines(config.backend.pull_timeout_s),
     compile_everywhere=job["compile_everywhere"],
   )
   compiles = []

@@ -29,17 +29,10 @@ import jaxlib
 import numpy as np
 import optax
 
-from pwtrain import objectives, optim, processes
+from pwtrain import liveness, objectives, optim, processes
 from pwtrain import step as step_lib
-from pwtrain.backend import (
-  Cluster,
-  Controller,
-  Node,
-  Program,
-  ResourceManager,
-  Trace,
-  Transfer,
-)
+from pwtrain.backend import Cluster, Controller, Node, Program, ResourceManager, Trace, Transfer
+from pwtrain.backend.pulls import PullDeadlines
 from pwtrain.backend.saved import NotSaved, SavedExecutables, digest
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
@@ -121,7 +114,10 @@ class Harness:
           launch_window=config.backend.launch_window,
           trace=trace,
           serialize_execution=serialize_execution,
-          pull_timeout_s=config.backend.pull_timeout_s,
+          # Distributed mode: a pull ends once its peer is late or lost (pwtrain/liveness.py).
+          pulls=PullDeadlines(
+            config.backend.pull_timeout_s, liveness.peer_lost, config.fault.elastic
+          ),
           # Elastic pods in distributed mode run a step again from the state it started from,
           # wherever it finished (elastic/agreement.py).
           donate=not (config.fault.elastic and config.backend.mode == "distributed"),

@@ -1,5 +1,7 @@
-"""Liveness as progress for the processes `pwtrain.launch` starts: each one shows that it runs by
-touching a heartbeat file, and the launcher kills one whose file has gone stale.
+"""Liveness as progress in distributed mode: each process of a run shows that it runs by a beat
+from a thread of its own, every `fault.heartbeat_s`; a process whose beat is older than
+`bound_s` is taken for stopped or wedged, by the launcher (which kills it) and by its peers
+(whose pulls from it fail as from a dead process).
 
 A process that exits is seen at once (its pipe closes). One that is stopped (SIGSTOP, a
 debugger, a swapped-out machine) or wedged keeps its sockets open and answers nothing: the
@@ -20,8 +22,22 @@ the CPU on a loaded machine; a process that is merely starved is given the wider
 process that has not touched its file yet (starting, importing, joining) is not checked:
 `backend.connect_timeout_s` bounds its start. A process leaving a finished run removes its file
 first (`stop`): its last barriers may wait for slower peers without a beat.
+
+Peers, with or without the launcher: each process also beats in JAX's coordination service's
+key-value store (a count under pwtrain/liveness/<i>, set every period), and a pull from another
+process (backend/pulls.py) asks `peer_lost` about that process while it waits: a count that has
+not changed for `bound_s`, as this process's own clock measures it, means the peer makes no
+progress (nothing compares clocks of two hosts). Its pulls then fail as a dead peer's would
+(elastic pods drop its pod, fault.elastic) or the waiting process stops with one line naming
+it (the run restarts, fault.max_restarts). A peer taken for lost is told so
+(`declare_lost`): if it runs again (SIGCONT) its beat thread reads that, says so in one line
+and ends the process, as the launcher would have killed it; it never goes on silently beside
+the pod set that dropped it. A peer that has not beaten yet, or has left (`stop` deletes its
+count), gets no verdict. Where process 0 (the service's) is the one stopped, JAX's own
+heartbeat ends the others (pwtrain/watch.py names it).
 """
 
+import logging
 import os
 import threading
 import time
@@ -74,47 +90,139 @@ def remove(path: str) -> None:
     pass
 
 
-class _Beat:
-  """The thread that touches this process's heartbeat file."""
+def _client():
+  """JAX's distributed client, or None outside a distributed run."""
+  from jax._src import distributed
 
-  def __init__(self, path: str, period_s: float):
-    self.path, self.period_s = path, period_s
+  return distributed.global_state.client
+
+
+def _key(process: int) -> str:
+  return f"pwtrain/liveness/{process}"
+
+
+def _lost_key(process: int) -> str:
+  return f"pwtrain/liveness/lost/{process}"
+
+
+class _Beat:
+  """The thread that beats for this process: touches its heartbeat file (under the launcher)
+  and sets its count in the key-value store (distributed mode), every `period_s`."""
+
+  def __init__(self, path: str | None, client, me: int, period_s: float):
+    self.path, self.client, self.me, self.period_s = path, client, me, period_s
+    self.count = 0
     self.done = threading.Event()
+    if client is not None:  # a predecessor's verdict is not this process's (a rejoin)
+      client.key_value_delete(_lost_key(me))
     self.touch()
     self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
     self.thread.start()
 
   def touch(self) -> None:
-    with open(self.path, "a"):
-      pass
-    os.utime(self.path)
+    if self.path:
+      with open(self.path, "a"):
+        pass
+      os.utime(self.path)
+    if self.client is not None:
+      self.count += 1
+      self.client.key_value_set(_key(self.me), str(self.count), allow_overwrite=True)
 
   def _loop(self) -> None:
     while not self.done.wait(self.period_s):
       try:
         self.touch()
-      except OSError:  # the launcher's log dir is gone: nobody checks any more
+      except OSError:  # the launcher's log dir is gone: nobody checks the file any more
+        self.path = None
+      except RuntimeError:  # the service is gone: JAX ends this process (pwtrain/watch.py)
         return
+      self._check_dropped()
+
+  def _check_dropped(self) -> None:
+    """Ends this process, in one line, if its peers took it for lost (`declare_lost`)."""
+    if self.client is None:
+      return
+    try:
+      said = self.client.key_value_try_get(_lost_key(self.me))
+    except RuntimeError:  # not there (NOT_FOUND): still one of the run
+      return
+    logging.getLogger(__name__).error(
+      "process %d was taken for lost by the others (%s) and dropped from the run; it ends",
+      self.me,
+      said,
+    )
+    logging.shutdown()
+    os._exit(1)
 
   def stop(self) -> None:
     self.done.set()
     self.thread.join()
-    remove(self.path)
+    if self.path:
+      remove(self.path)
+    if self.client is not None:
+      try:
+        self.client.key_value_delete(_key(self.me))
+      except RuntimeError:  # the service is gone: nobody asks any more
+        pass
 
 
 _BEAT: list[_Beat] = []
 
 
 def start(period_s: float) -> None:
-  """Touches $PWTRAIN_HEARTBEAT_FILE every `period_s` from a thread, from now until `stop`
-  (nothing outside pwtrain.launch, which sets it)."""
-  path = os.environ.get(HEARTBEAT_ENV)
-  if path and not _BEAT:
-    _BEAT.append(_Beat(path, period_s))
+  """Beats every `period_s` from a thread, from now until `stop`: touches
+  $PWTRAIN_HEARTBEAT_FILE (set by pwtrain.launch) and, in a distributed run, sets this process's
+  count in the key-value store; nothing where neither applies."""
+  path, client = os.environ.get(HEARTBEAT_ENV), _client()
+  if (path or client is not None) and not _BEAT:
+    import jax
+
+    _PERIOD[0] = period_s
+    _BEAT.append(_Beat(path, client, jax.process_index(), period_s))
 
 
 def stop() -> None:
-  """Stops the heartbeat and removes its file: this process leaves the run (the launcher no
-  longer checks it)."""
+  """Stops the heartbeat, removes its file and deletes its count: this process leaves the run
+  (neither the launcher nor its peers check it any more)."""
   while _BEAT:
     _BEAT.pop().stop()
+
+
+_PERIOD = [0.0]  # the beat's period, once `start` has run
+_SEEN: dict[int, tuple[str, float]] = {}  # peer -> (its count, when this process saw it change)
+
+
+def peer_lost(process: int) -> str | None:
+  """Why peer `process` is taken for stopped or wedged: its count in the key-value store has
+  not changed for `bound_s` of this process's clock (measured from the first time it was
+  asked here); None while it beats, before it first beats, once it has left, and where this
+  process does not beat (not a distributed run)."""
+  client = _client()
+  if client is None or not _BEAT:
+    return None
+  try:
+    count = client.key_value_try_get(_key(process))
+  except RuntimeError:  # NOT_FOUND: not started beating, or left
+    _SEEN.pop(process, None)
+    return None
+  now = time.monotonic()
+  seen = _SEEN.get(process)
+  if seen is None or seen[0] != count:
+    _SEEN[process] = (count, now)
+    return None
+  silent, bound = now - seen[1], bound_s(_PERIOD[0])
+  if silent <= bound:
+    return None
+  return (
+    f"process {process} has not beaten for {silent:.1f} s (pwtrain/liveness.py: bound "
+    f"{bound:.0f} s, max(5 x fault.heartbeat_s, {MIN_BOUND_S:.0f} s)): stopped or wedged"
+  )
+
+
+def declare_lost(process: int, why: str) -> None:
+  """Tells peer `process` that the others took it for lost (`why`): should it run again, its
+  beat thread ends it in one line."""
+  client = _client()
+  if client is not None:
+    client.key_value_set(_lost_key(process), why, allow_overwrite=True)
+    _SEEN.pop(process, None)

@@ -11,7 +11,9 @@ catch: the client's error callback cannot be given one (its argument does not re
 service's own process. So the process that trains is a child, and this parent, which JAX does
 not touch, keeps its console: it passes every line of the child's stderr on (its stdout is the
 console's own), except JAX's lines about the failure, reads which process died from them, and
-says so in one line, `error: process 1 of the run is gone (...)`, then exits with status 1.
+says so in one line, `error: process 1 of the run is gone (...)`, then exits with status 1
+(or, where the child itself was stopped past the heartbeat timeout and runs again, that the
+service took it for dead).
 
 A child whose step fails with an error that a peer's death may cause (an error of JAX's runtime,
 such as a transfer from it: "Error dispatching computation") waits for the service's verdict
@@ -41,6 +43,7 @@ _RUNTIME_ERROR = re.compile(
 )
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 _UNHEALTHY = re.compile(r"unhealthy \(stopped sending heartbeats\):(.*?)The tasks have", re.S)
+_TAKEN = re.compile(r"heartbeat request from an already-in-error task: (\d+)")
 _TO_SERVICE = ("Failed to send RPC to coordination service", "leader task")
 _HELD_S = 2.0  # how long JAX's lines about a failure are held back, waiting for its verdict
 
@@ -130,9 +133,20 @@ def gone(fatal: str) -> str:
       f"process {which} of the run is gone: it stopped sending heartbeats to JAX's "
       "coordination service"
     )
+  taken = _TAKEN.search(fatal)
+  if taken:  # this process, stopped past the heartbeat timeout, then running again
+    return (
+      f"process {taken.group(1)} (this process) was taken for dead by JAX's coordination service "
+      "(no heartbeat for its timeout: stopped or starved) and is no longer part of the run"
+    )
   if any(text in fatal for text in _TO_SERVICE):
     return (
       "process 0 of the run is gone: JAX's coordination service, which it runs, stopped answering"
     )
   status = fatal.split("absl::Status:", 1)[-1].strip().splitlines()
+  if status and status[0].startswith("DEADLINE_EXCEEDED"):  # its calls to the service timed out
+    return (
+      "process 0 of the run is gone or silent (stopped?): JAX's coordination service, which it "
+      f"runs, did not answer in time ({status[0]})"
+    )
   return f"a process of the run is gone: {status[0] if status else 'JAX ended this process'}"

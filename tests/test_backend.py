@@ -338,6 +338,52 @@ def test_a_pull_that_never_arrives_names_its_peer_in_bounded_time(monkeypatch):
   ]
 
 
+def test_a_pull_from_a_lost_peer_fails_at_once(monkeypatch):
+  """A pull waiting on a peer that its liveness names lost (`peer_lost`, pwtrain/liveness.py)
+  ends within the watchdog's half-second tick, not at backend.pull_timeout_s: `recoverable`
+  (elastic pods), it fails as a dead peer's pull does and the next pull connects anew; else
+  `on_timeout` is told why, naming the peer."""
+  import time
+
+  from pwtrain import processes
+  from pwtrain.backend.pulls import Puller
+
+  store, lost, told = {}, [], []
+  monkeypatch.setattr(
+    processes, "share", lambda key, value, replace=False: store.__setitem__(key, value)
+  )
+  monkeypatch.setattr(processes, "ask", lambda key, timeout_s=600.0: store[key])
+  device = jax.devices()[0]
+  spec = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+  x = jax.device_put(np.arange(2, dtype=np.float32), device)
+
+  def peer_lost(process):
+    return f"process {process} has not beaten for 12.0 s" if lost else None
+
+  for recoverable in (True, False):
+    lost.clear()
+    puller = Puller("lost", 600.0, told.append, peer_lost, recoverable)
+    waiting = puller.pull(0, 3, spec)  # never offered: its peer is silent
+    time.sleep(1.5)
+    assert not waiting.is_ready() and not told  # a live peer's pull waits
+    lost.append(True)
+    start = time.monotonic()
+    if recoverable:
+      while not waiting.is_ready() and time.monotonic() - start < 10:
+        time.sleep(0.05)
+      assert time.monotonic() - start < 5
+      with pytest.raises(jax.errors.JaxRuntimeError):
+        np.asarray(waiting)
+      lost.clear()
+      puller.offer(4, x)
+      np.testing.assert_array_equal(np.asarray(puller.pull(0, 4, spec)), np.asarray(x))
+    else:
+      while not told and time.monotonic() - start < 10:
+        time.sleep(0.05)
+      assert told == ["process 0 has not beaten for 12.0 s"]
+  assert told == ["process 0 has not beaten for 12.0 s"]  # the recoverable puller told nothing
+
+
 def test_an_unknown_sharding_of_an_outline_is_never_transferred():
   """backend/outline.py: an outlined node's KEPT output (sharding unknown on this process) may
   be read by nodes of its own island only; a transfer or a program output reading it is one

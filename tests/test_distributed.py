@@ -324,7 +324,8 @@ def test_a_process_started_again_after_the_run_finished_is_no_failure():
 
 def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
   """pwtrain/watch.py reads which process died from JAX's fatal error, as this JAX writes it:
-  the coordination service's tasks that stopped sending heartbeats, or its own process gone."""
+  the coordination service's tasks that stopped sending heartbeats, or its own process gone; or
+  this process itself, refused once it runs again after the others took it for dead."""
   from pwtrain import watch
 
   peer = (
@@ -339,6 +340,19 @@ def test_the_watch_names_the_dead_process_from_jaxs_fatal_error():
     "service. Either the leader task was preempted/died/restarted unexpectedly"
   )
   assert watch.gone(service).startswith("process 0 of the run is gone: JAX's coordination")
+  # This process, stopped past the heartbeat timeout and running again (SIGCONT).
+  woke = (
+    "F1129 03:55:47.1 1 client.cc:87] Terminating process because the JAX distributed service "
+    "detected fatal errors. absl::Status: ABORTED: Unexpected heartbeat request from an "
+    "already-in-error task: 1 with existing error: UNAVAILABLE: Task 1 heartbeat timeout."
+  )
+  assert watch.gone(woke).startswith("process 1 (this process) was taken for dead by JAX's")
+  # Process 0 stopped (SIGSTOP): the calls to its service time out.
+  silent = (
+    "F1129 04:36:00.1 1 client.cc:87] Terminating process because the JAX distributed service "
+    "detected fatal errors. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded"
+  )
+  assert watch.gone(silent).startswith("process 0 of the run is gone or silent (stopped?)")
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from pwtrain.backend.completion import here_only
 from pwtrain.backend.dispatch import LocalDispatcher
 from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.backend.program import Executable, Latest, Program
+from pwtrain.backend.pulls import PullDeadlines
 from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW
 from pwtrain.backend.trace import Trace
 from pwtrain.errors import ConfigError
@@ -62,7 +63,7 @@ class Controller:
     max_inflight: int = 1,
     trace: Trace | None = None,
     serialize_execution: bool | None = None,
-    pull_timeout_s: float = 600.0,
+    pulls: PullDeadlines | None = None,
     compile_everywhere: bool = False,
     donate: bool = True,
     launch_window: int = DEFAULT_LAUNCH_WINDOW,
@@ -70,8 +71,9 @@ class Controller:
     """`donate=False`: compile every piece without donating its inputs, so that a program's
     inputs outlive it (elastic pods in distributed mode: a step may finish on some processes
     and fail on others, and all of them run it again from the state it started from), at the
-    cost of holding both. `pull_timeout_s`: distributed mode, how long a transfer pulled from
-    another process may take to arrive before that process is taken for dead (backend/pulls.py).
+    cost of holding both. `pulls`: distributed mode, when a transfer pulled from another process
+    is given up, its peer taken for dead (backend/pulls.py: after a timeout, or once the peer's
+    liveness says it is lost).
     `compile_everywhere`: distributed mode, compile other processes' islands' pieces too, as
     every process did before it traced them to outlines (`compile`); for
     experiments/bench_distributed.py's comparison of the two, nothing else. `launch_window`:
@@ -93,7 +95,12 @@ class Controller:
       self._dispatcher = RemoteDispatcher(cluster, trace)
     else:
       self._dispatcher = LocalDispatcher(
-        cluster, trace, serialize_execution, pull_timeout_s, compile_everywhere, launch_window
+        cluster,
+        trace,
+        serialize_execution,
+        pulls or PullDeadlines(),
+        compile_everywhere,
+        launch_window,
       )
     self._dispatch_lock = threading.Lock()
     # Guards `_inflight`, which clients on several threads append to and pop from; never held

@@ -48,7 +48,7 @@ class LocalDispatcher:
     cluster: Cluster,
     trace: Trace | None,
     serialize_execution: bool | None,
-    pull_timeout_s: float = 600.0,
+    pulls: pulls_lib.PullDeadlines,
     compile_everywhere: bool = False,
     launch_window: int = DEFAULT_LAUNCH_WINDOW,
   ):
@@ -88,7 +88,7 @@ class LocalDispatcher:
     self._id = next(_DISPATCHERS)
     self._distributed = jax.process_count() > 1
     self._puller: pulls_lib.Puller | None = None
-    self._pull_timeout_s = pull_timeout_s
+    self._pull_deadlines = pulls
     # Traced: a pull's event runs from the pull to the data's arrival (on "<island>:pulls").
     traced = trace is not None and trace.record_completion and self._distributed
     self._pull_watcher = CompletionWatcher("pulls") if traced else None
@@ -287,8 +287,7 @@ class LocalDispatcher:
 
   def set_launch_window(self, window: int) -> None:
     for scheduler in self._schedulers.values():
-      scheduler.queue.set_window(window)
-      scheduler.clock.window = window if scheduler.serial is None else 0  # as at the start
+      scheduler.set_window(window)
 
   def island_time(self) -> dict[str, dict[str, float]]:
     """{island: {"priority", "ordinary"}}: each island's busy seconds so far (policy.py)."""
@@ -312,7 +311,8 @@ class LocalDispatcher:
   def serve_pulls(self) -> pulls_lib.Puller:
     """This process's transfer server, started on first use."""
     if self._puller is None:
-      self._puller = pulls_lib.Puller(f"transfer_servers/{self._id}", self._pull_timeout_s)
+      d, name = self._pull_deadlines, f"transfer_servers/{self._id}"
+      self._puller = pulls_lib.Puller(name, d.timeout_s, None, d.peer_lost, d.recoverable)
     return self._puller
 
   def hand_over(self, value, source: int, destination: int, spec, step: int):

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -93,16 +94,39 @@ def _same_layout(a, b) -> bool:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class PullDeadlines:
+  """When a pull from another process is given up (`Puller`): after `timeout_s`, or once
+  `peer_lost(process)` names a reason its peer is lost (its liveness: pwtrain/liveness.py);
+  `recoverable`: a lost peer's pulls fail, for the caller to recover (elastic pods), rather
+  than end this process."""
+
+  timeout_s: float = 600.0
+  peer_lost: Callable[[int], str | None] | None = None
+  recoverable: bool = False
+
+
 class Puller:
   """This process's transfer server, and its connections to the other processes' (made on first
   use). `name` names the controller's servers alike on every process: their addresses are
   shared through the coordination service's key-value store."""
 
-  def __init__(self, name: str, timeout_s: float = 600.0, on_timeout=None):
+  def __init__(
+    self,
+    name: str,
+    timeout_s: float = 600.0,
+    on_timeout=None,
+    peer_lost: Callable[[int], str | None] | None = None,
+    recoverable: bool = False,
+  ):
     """`timeout_s`: how long a pulled value may take to arrive before its peer is taken for
     dead or silent; then `on_timeout(message)` (default: log the message and end this process,
-    so that the run's supervisor restarts it: a pull cannot be cancelled, and everything after
-    it would wait forever)."""
+    so that the run's supervisor restarts it: everything after the pull would wait forever).
+    `peer_lost(process)`: why a peer is taken for lost (its liveness, pwtrain/liveness.py), or
+    None; asked about each process a pull waits on, every half second. A lost peer's pulls
+    fail at once, as a dead peer's do when its sockets close, where the caller recovers from
+    that (`recoverable`: elastic pods drop its pod); else `on_timeout(why)` ends this process
+    as a late pull does."""
     from jax.experimental import transfer
 
     host = _host()
@@ -113,7 +137,9 @@ class Puller:
     self._lock = threading.Lock()  # islands of one process pull from their own threads
     # A process started in a dead one's place replaces its predecessor's address.
     processes.share(f"{name}/{jax.process_index()}", self._server.address(), replace=True)
-    self._watchdog = _Watchdog(timeout_s, on_timeout or _stop_process)
+    on_timeout = on_timeout or _stop_process
+    on_lost = self._fail if recoverable else (lambda process, why: on_timeout(why))
+    self._watchdog = _Watchdog(timeout_s, on_timeout, peer_lost, on_lost)
 
   def offer(self, uuid: int, value) -> None:
     """Offers `value` (computed or not) to the process that will pull `uuid`; returns at once."""
@@ -133,6 +159,15 @@ class Puller:
     with self._lock:
       self._connections.pop(process, None)
 
+  def _fail(self, process: int, why: str) -> None:
+    """Fails every pull waiting on `process` (lost: `why`) at once, as its death would, and
+    drops the connection: a pull from a process started in its place connects anew."""
+    log.warning("%s: the pulls from it fail", why)
+    with self._lock:
+      connection = self._connections.pop(process, None)
+    if connection is not None:
+      connection._poison_connection()  # its pending pulls fail; the only way to end them
+
   def pull(self, process: int, uuid: int, spec):
     """The value `process` offers as `uuid`, as arrays of `spec` that are ready once it has
     arrived; returns at once."""
@@ -142,24 +177,26 @@ class Puller:
         address = str(processes.ask(f"{self._name}/{process}"))
         connection = self._connections[process] = self._server.connect(address)
     value = connection.pull(uuid, spec)
-    self._watchdog.watch(value, f"a transfer from process {process} (pull {uuid})")
+    self._watchdog.watch(value, process, f"a transfer from process {process} (pull {uuid})")
     return value
 
 
 class _Watchdog:
   """Waits beside the islands for pulled values to arrive; one that has not after `timeout_s`
-  means its peer is dead or silent: `on_timeout` is told, naming the peer."""
+  means its peer is dead or silent: `on_timeout` is told, naming the peer. Every half second it
+  asks `peer_lost` about each process a pull waits on; a lost one is `on_lost(process, why)`."""
 
-  def __init__(self, timeout_s: float, on_timeout):
+  def __init__(self, timeout_s: float, on_timeout, peer_lost=None, on_lost=None):
     self.timeout_s = timeout_s
-    self.on_timeout = on_timeout
-    self._waiting: list = []  # (deadline, arrays, what)
+    self.on_timeout, self.peer_lost, self.on_lost = on_timeout, peer_lost, on_lost
+    self._waiting: list = []  # (deadline, arrays, process, what)
     self._lock = threading.Lock()
     threading.Thread(target=self._loop, name="pull-watchdog", daemon=True).start()
 
-  def watch(self, value, what: str) -> None:
+  def watch(self, value, process: int, what: str) -> None:
     with self._lock:
-      self._waiting.append((time.monotonic() + self.timeout_s, jax.tree.leaves(value), what))
+      deadline = time.monotonic() + self.timeout_s
+      self._waiting.append((deadline, jax.tree.leaves(value), process, what))
 
   def _loop(self) -> None:
     while True:
@@ -169,11 +206,19 @@ class _Watchdog:
         waiting = [w for w in self._waiting if not all(x.is_ready() for x in w[1])]
         late = [w for w in waiting if w[0] <= now]
         self._waiting = [w for w in waiting if w[0] > now]
-      for _, _, what in late:
+      for _, _, _, what in late:
         self.on_timeout(
           f"{what} has not arrived after {self.timeout_s:.0f} s "
           "(backend.pull_timeout_s): that process is dead or silent"
         )
+      if self.peer_lost is None:
+        continue
+      for process in sorted({w[2] for w in waiting}):
+        why = self.peer_lost(process)
+        if why is not None:
+          with self._lock:
+            self._waiting = [w for w in self._waiting if w[2] != process]
+          self.on_lost(process, why)
 
 
 def _stop_process(message: str) -> None:

@@ -171,6 +171,11 @@ class IslandScheduler:
     self.thread = threading.Thread(target=self._loop, name=f"sched-{name}", daemon=True)
     self.thread.start()
 
+  def set_window(self, window: int) -> None:
+    """A new launch window: the queue's, and the clock's credit (serialized: as at the start)."""
+    self.queue.set_window(window)
+    self.clock.window = window if self.serial is None else 0
+
   def _loop(self):
     while True:
       work = self.queue.get()

@@ -57,7 +57,7 @@ import time
 import jax
 import numpy as np
 
-from pwtrain import console, processes
+from pwtrain import console, liveness, processes
 from pwtrain.backend import distributed
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.scheduler import here_only
@@ -137,6 +137,10 @@ class Agreement:
 
   def _lost(self, pods: list[int], told: dict, failed: dict) -> IslandLost:
     seen = next(iter(failed.values()), "")
+    # Should one that left run again (SIGCONT), it ends (pwtrain/liveness.py); told before the
+    # launcher may start another in its place (leave_out), whose beat clears the verdict.
+    for i in {self.process_of[p] for p in pods} - set(told) - {0}:
+      liveness.declare_lost(i, f"process {i} left the run (no heartbeat)")
     # From now on the run's barriers wait for the survivors only.
     processes.leave_out(self.process_of[p] for p in pods if self.process_of[p] != 0)
     for p in pods:
