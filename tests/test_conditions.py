@@ -247,7 +247,11 @@ def _commit_in_flight_after_save(tmp_path, value: bool, part_writer) -> bool:
   ckpt = Checkpointer(str(directory), keep=1, every=1, async_save=value, part_writer=part_writer)
   try:
     ckpt.save(1, {"w": jnp.zeros((64, 64), jnp.float32)}, {"pos": 1})
-    return ckpt._in_flight is not None  # noqa: SLF001 - a save not yet seen finished
+    in_flight = ckpt._in_flight is not None  # noqa: SLF001 - a save not yet seen finished
+    # Finished before the next Checkpointer saves: two Orbax managers saving at once in one
+    # process share its operation ids, and one then waits out Orbax's 300 s for a signal.
+    ckpt.wait()
+    return in_flight
   finally:
     ckpt.close()
 
