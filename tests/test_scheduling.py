@@ -197,6 +197,33 @@ def test_a_priority_program_goes_ahead_of_steps_queued_behind_a_running_one(path
   assert _order(trace, "island0") == [*steps[:taken], 8, *steps[taken:]]
 
 
+def test_while_priority_work_is_about_ordinary_work_keeps_to_a_window_of_one():
+  """Unserialized, window 2, right after a priority program (a serving client that keeps coming
+  back): a long step runs and five short ones are dispatched behind it. The island launches the
+  long one alone, and a priority program dispatched then runs next, after the one running, not
+  after two (the module doc of backend/scheduler.py)."""
+  trace = Trace(record_completion=False)
+  with _controller("unserialized", max_inflight=8, trace=trace, launch_window=2) as controller:
+    long, x = _loop_program(controller, "island0", 2048)
+    short, _ = _loop_program(controller, "island0", 4)
+    for program in (short, long):  # programs 0, 1: compiled, warm; the long one sets the quiet
+      jax.block_until_ready(controller.run(program, {"x": x})["y"].result())
+    jax.block_until_ready(controller.run(short, {"x": x}, priority=True)["y"].result())  # 2
+    trace.events.clear()
+    outs = [controller.run(long, {"x": x})]  # program 3
+    outs += [controller.run(short, {"x": x}) for _ in range(5)]  # programs 4-8
+    queue = controller._dispatcher._schedulers["island0"].queue
+    deadline = time.monotonic() + 60
+    while len(queue) > 5:  # until the island has taken the long one
+      assert time.monotonic() < deadline, "the island never took its work"
+      time.sleep(0.001)
+    time.sleep(0.05)  # room for a second launch, were it allowed
+    outs.append(controller.run(short, {"x": x}, priority=True))  # program 9
+    for out in outs:
+      jax.block_until_ready(out["y"].result())
+  assert _order(trace, "island0") == [3, 9, 4, 5, 6, 7, 8]
+
+
 def _greedy_share(path, share, seconds=3.0, warmup=0.5):
   """Island 0 under an ordinary client that runs ahead as a trainer does and a greedy priority
   client that keeps 4 programs in flight, as the serving engine does, both running the same

@@ -14,7 +14,10 @@ launched and not finished (0: no bound): the rest wait in the queue, where prior
 still go ahead of them. An item finishes when its outputs are ready on the device: a watcher
 thread (`CompletionWatcher`) waits for them in launch order. A window of 2 keeps the device
 busy (the next item is launched while one runs) and lets priority work wait for at most the
-two launched ahead of it.
+two launched ahead of it. While priority work is about (queued, in flight, or finished no longer
+ago than the last ordinary item took: a client such as the serving engine comes back within
+that), ordinary work keeps to a window of 1, so that priority work waits at most for the one
+item running; priority work itself still has the whole window, and launches behind it.
 
 Published values. A node's outputs may be published when it launches (`Work.publishes`), and a
 node may read, as an argument, the newest value published under a name on its island
@@ -85,6 +88,9 @@ class OrderedQueue:
     self.taken: tuple = ()
     self.window = window
     self.in_flight = {False: 0, True: 0}  # computing items handed out, not finished, by priority
+    self._started: dict[int, float] = {}  # id(ordinary item in flight) -> when it was handed out
+    self._ordinary_s = 0.0  # how long the last ordinary item took, from hand-out to its end
+    self._priority_end = -float("inf")  # when the last priority item finished
 
   def put(self, work) -> None:
     with self.lock:
@@ -102,19 +108,36 @@ class OrderedQueue:
     """The next item (None: stop), waiting for one, and for room in the window if it computes."""
     with self.lock:
       while not self._items or not self._room_for(self._items[0]):
-        self.lock.wait()
+        self.lock.wait(self._quiet_in())
       work = self._items.pop(0)
       if work is not None:
         if work.order:
           self.taken = work.order
         if work.computes:
           self.in_flight[work.priority] += 1
+          if not work.priority:
+            self._started[id(work)] = time.monotonic()
       return work
 
   def _room_for(self, work) -> bool:
     if work is None or not work.computes or not self.window:
       return True
-    return sum(self.in_flight.values()) < self.window
+    window = self.window if work.priority or not self._priority_about() else 1
+    return sum(self.in_flight.values()) < window
+
+  def _priority_about(self) -> bool:
+    """Whether priority work is queued, in flight, or finished within the quiet time."""
+    return (
+      self.in_flight[True] > 0
+      or self._quiet_in() is not None
+      or any(w is not None and w.priority for w in self._items)
+    )
+
+  def _quiet_in(self) -> float | None:
+    """Seconds until priority work has been quiet for the last ordinary item's time (None: it
+    has, or no window applies: wait for a notify)."""
+    left = self._priority_end + self._ordinary_s - time.monotonic()
+    return left if self.window > 1 and left > 0 else None
 
   def set_window(self, window: int) -> None:
     with self.lock:
@@ -125,6 +148,11 @@ class OrderedQueue:
     """A computing item handed out has finished (or failed, or was never launched)."""
     with self.lock:
       self.in_flight[work.priority] -= 1
+      now = time.monotonic()
+      if work.priority:
+        self._priority_end = now
+      elif id(work) in self._started:
+        self._ordinary_s = now - self._started.pop(id(work))
       self.lock.notify()
 
   def idle(self) -> bool:
