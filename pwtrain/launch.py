@@ -38,14 +38,13 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from pwtrain import console, liveness, process_logs
-from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit
+from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit, free_port
 
 PREFIX = "[launch]"
 
@@ -102,12 +101,6 @@ def fault(main_args: list[str], key: str):
   if not override:
     return value
   return override.lower() in ("true", "1") if isinstance(value, bool) else type(value)(override)
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def child_env(i: int, n: int, coordinator: str, devices: int) -> dict:

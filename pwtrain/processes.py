@@ -17,7 +17,9 @@ one's place (`rejoining`) must agree with the others on everything they pair by 
 import collections
 import json
 import os
+import random
 import signal
+import socket
 
 import jax
 import numpy as np
@@ -308,3 +310,32 @@ def _status(error: Exception) -> str:
   """The status code a coordination-service call failed with ("NOT_FOUND", "ALREADY_EXISTS",
   ...): the start of JAX's message."""
   return str(error).split(":", 1)[0].strip()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A port free now on `host` for a process of the run to listen on later (the coordinator,
+  JAX's cross-host transfer socket, which binds only at the first transfer between processes).
+  Drawn below the kernel's ephemeral range (ip_local_port_range): a port the kernel hands out
+  (port 0) may be given to any outgoing connection on a busy host before the process binds it
+  ("bind: Address already in use"); one below that range is taken only by another explicit bind."""
+  low = _ephemeral_low()
+  draw = random.Random()  # seeded from the OS: processes and launchers do not draw alike
+  for _ in range(64):
+    port = draw.randrange(max(1024, low - 16384), low)
+    with socket.socket() as s:
+      try:
+        s.bind((host, port))
+      except OSError:
+        continue
+      return port
+  with socket.socket() as s:  # a host whose low ports are all taken: the kernel's choice
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 32768  # Linux's default; other systems' ranges start higher

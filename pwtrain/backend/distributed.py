@@ -31,6 +31,7 @@ import time
 
 import jax
 
+from pwtrain import processes
 from pwtrain.errors import ConfigError
 
 ENV = {
@@ -183,9 +184,7 @@ def _reachable(address: str, timeout_s: float) -> bool:
 
 
 def _free_address() -> str:
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return f"{socket.gethostname()}:{s.getsockname()[1]}"
+  return f"{socket.gethostname()}:{processes.free_port('')}"
 
 
 def die_with_parent() -> None:
