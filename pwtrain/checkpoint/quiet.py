@@ -92,7 +92,10 @@ def _from_orbax(record: logging.LogRecord) -> bool:
   "exception was never retrieved" of a write Orbax abandoned)."""
   if f"{os.sep}orbax{os.sep}" in record.pathname:
     return True
-  tb = record.exc_info[1].__traceback__ if record.exc_info and record.exc_info[1] else None
+  error = record.exc_info[1] if record.exc_info else None
+  if record.name == "asyncio" and "in OCDBT database" in str(error):
+    return True  # a TensorStore write of Orbax's checkpoint format, failed in TensorStore's code
+  tb = error.__traceback__ if error is not None else None
   while tb is not None:
     if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
       return True
