@@ -139,6 +139,29 @@ def test_a_priority_program_goes_ahead_of_queued_steps_on_its_worker(controller)
   assert ran.index("p1") - 1 == 0  # queued steps p1 waited for
 
 
+def test_a_flood_of_priority_programs_never_stops_the_queued_steps(controller):
+  """Three steps queued behind `hold` and six priority programs: AHEAD (4) of them go ahead,
+  then a step runs before the rest (remote/ordered.py): serving slows training, never stops it."""
+  from pwtrain.backend.remote.ordered import AHEAD
+
+  _, whole = _shardings(controller)
+  add = _program(controller, "add", lambda x: x + 1, whole, whole).nodes[0].executable
+  x = np.zeros(8, np.float32)
+  controller.trace.events.clear()
+  gate, handle = _gate(controller, whole)
+  outs = [controller.run(_one(add, "hold"), {"x": gate})["y"]]
+  worker = controller.cluster["island0"].worker
+  _wait_taken(controller, "island0")
+  outs += [controller.run(_one(add, f"s{i}"), {"x": x})["y"] for i in (1, 2, 3)]
+  outs += [controller.run(_one(add, f"p{i}"), {"x": x}, priority=True)["y"] for i in range(1, 7)]
+  worker.put_async(handle, [np.zeros(8, np.float32)], [whole], 1).result()
+  for out in outs:
+    out.result()
+  controller._dispatcher.collect_trace()
+  ran = [e.name for e in sorted(controller.trace.events, key=lambda e: e.launch)]
+  assert AHEAD == 4 and ran == ["hold", "p1", "p2", "p3", "p4", "s1", "p5", "p6", "s2", "s3"], ran
+
+
 def test_a_priority_reader_of_the_published_state_reads_the_latest_step_run_before_it(controller):
   """The trainer's case (run last: it turns publishing on): `step` donates the published state
   and publishes its successor. With step s0 run, `hold` taken and s1, s2 queued, a priority

@@ -19,6 +19,10 @@ number of the program (Controller.run numbers every program it sends):
              them, as on an embedded island; only while nothing is published under the name
              do they wait for the value the controller named. The releases a priority Enqueue
              carries are ordinary: a value released is dropped after every queued reader.
+             At most AHEAD priority executes run in a row while an ordinary program waits:
+             a priority operation that would be the next past that goes after the next queued
+             program instead, so that a flood of serving slows training and never stops it
+             (remote workers keep no share, backend/policy.py's).
 
 A priority program over several workers must go after the same program on all of them, which
 no worker alone knows: it is placed in two phases (remote/sending.py). `offer` holds its items
@@ -29,6 +33,8 @@ it. Two workers so never run two programs in opposite orders.
 
 import re
 import threading
+
+AHEAD = 4  # priority executes in a row while an ordinary program waits (the module doc)
 
 # An Execute argument (protocol.proto): `@<name>=` (the newest published as `name`, else what
 # follows), a handle, `#i,j,...` (leaves of it).
@@ -55,6 +61,7 @@ class OpQueue:
     self._arrivals = 0
     self._taken: tuple = (0, 0, 0)  # the order of the latest item taken
     self._last_priority: tuple = (0, 0, 0)
+    self._ahead = 0  # priority executes taken since the last ordinary program's item
     self._offered: list | None = None  # an offered program's items, until placed
     self._hold: int | None = None  # while offered: no item of a later program is taken
 
@@ -102,6 +109,10 @@ class OpQueue:
       while not self._items or (self._hold is not None and self._items[0][0][0] > self._hold):
         self._cond.wait()
       self._taken, item = self._items.pop(0)
+      if self._taken[1] == 0:
+        self._ahead = 0
+      elif self._taken[1] == 1 and _executes(item):
+        self._ahead += 1
       for handle in [h for h, o in self._makers.items() if o == self._taken]:
         del self._makers[handle]
       return item
@@ -142,7 +153,17 @@ class OpQueue:
   def _bound(self, items, aliases: dict, pulled) -> int:
     """The latest program priority `items` may follow here: the one begun, the previous
     priority work's, and those of the queued makers of what they (or `pulled`) read."""
-    return max([self._taken, self._last_priority, *self._makers_of(items, aliases, pulled)])[0]
+    after = max([self._taken, self._last_priority, *self._makers_of(items, aliases, pulled)])[0]
+    programs = sorted({o[0] for o, _ in self._items if o[1] == 0 and o[0] > after})
+    while programs and self._run_after(after) >= AHEAD:
+      after = programs.pop(0)  # past AHEAD in a row: after the next queued program
+    return after
+
+  def _run_after(self, program: int) -> int:
+    """The priority executes that run in a row up to a place after `program`'s items."""
+    queued = [o for o, item in self._items if o[0] == program and _executes(item)]
+    run = sum(o[1] == 1 for o in queued)
+    return run if any(o[1] == 0 for o in queued) else run + self._ahead
 
   def _place(self, items, after: int) -> None:
     for item in items:
@@ -173,3 +194,8 @@ def _reads(op) -> list:
   if kind == "save":
     return [item.handle for item in op.save.items]
   return []
+
+
+def _executes(item) -> bool:
+  op = item[0]
+  return op is not None and op.WhichOneof("kind") == "execute"
