@@ -200,9 +200,11 @@ class IslandScheduler:
     self.thread.start()
 
   def set_window(self, window: int) -> None:
-    """A new launch window: the queue's, and the clock's credit (serialized: as at the start)."""
+    """A new launch window, for the queue and the clock's credit alike (serialized execution
+    takes none, as at the start)."""
+    window = window if self.serial is None else 0
     self.queue.set_window(window)
-    self.clock.window = window if self.serial is None else 0
+    self.clock.window = window
 
   def _loop(self):
     while True:
