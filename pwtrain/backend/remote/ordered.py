@@ -145,9 +145,8 @@ class OpQueue:
     self._remember(order, item)
 
   def _remember(self, order, item) -> None:
-    op = item[0]
-    if op is not None and op.WhichOneof("kind") == "execute":
-      for out in op.execute.outputs:
+    if _executes(item):
+      for out in item[0].execute.outputs:
         self._makers[out.handle] = order
 
   def _bound(self, items, aliases: dict, pulled) -> int:
