@@ -17,11 +17,13 @@ rl.max_staleness=1: `next()` returns the batch made while the previous step trai
 first step of a start, one made now) and, before the step it returns is dispatched, queues on
 each served island a copy of the weights published there (Controller.publish_copy: the weights
 after the step dispatched last, copied when the island's queue reaches it, before the next
-step donates them); a worker thread makes the next step's batch from that copy (the engine
-reads it under `_behind(name)`). Step N's rollouts thus come from the weights after step N-2
-(weights_step_behind 1 from the second step on), and GRPO's importance ratio corrects for the
-update between. A checkpoint's state holds that batch (get_state: its arrays and metrics), as
-the weights that made it are gone, so a resumed run trains what the uninterrupted one trains.
+step donates them); a worker thread waits for that copy (the engine's programs may go ahead
+of the island's queued work, so one placed before the copy would read the copy before it), then
+makes the next step's batch from it (the engine reads it under `_behind(name)`). Step N's
+rollouts thus come from the weights after step N-2 (weights_step_behind 1 from the second step
+on), and GRPO's importance ratio corrects for the update between. A checkpoint's state holds
+that batch (get_state: its arrays and metrics), as the weights that made it are gone, so a
+resumed run trains what the uninterrupted one trains.
 
 Determinism: completion c of the prompt taken at position i draws token t with
 fold_in(key(seed), t), the seed a function of (config.seed, i, c) (sequences.choice_seed), so
@@ -117,13 +119,20 @@ class RolloutBatches:
     """rl.max_staleness=1: the batch of `step` made on the worker thread from a copy of the
     weights published now (those of the step dispatched last), taken on the islands' queues
     before the next step, which donates them, is dispatched."""
-    for cell in self.source.inner.layout().cells:
+    copies = [
       self.controller.publish_copy(cell.island, _behind(cell.name), cell.name)
+      for cell in self.source.inner.layout().cells
+    ]
     self.pending_from = self.prompts.get_state()  # the worker is idle: nothing pending
-    return self.worker.submit(self._make, step, time.perf_counter())
+    return self.worker.submit(self._make, step, time.perf_counter(), copies)
 
-  def _make(self, step: int, began: float) -> dict:
-    """{"batch", "metrics"} of `step`: its prompts taken, sampled, scored and assembled."""
+  def _make(self, step: int, began: float, copies=()) -> dict:
+    """{"batch", "metrics"} of `step`: its prompts taken, sampled, scored and assembled;
+    `copies` (rl.max_staleness=1): the futures of the weight copies it reads, which it waits
+    for first. The engine's programs go ahead of ordinary work queued on an island (policy.py),
+    so a program placed before its island has taken the copy would read the one before."""
+    for copy in copies:
+      copy.result()
     generating = time.perf_counter()
     taken = self.prompts.take(self.num_prompts)
     groups, first_token = self._generate(taken)
