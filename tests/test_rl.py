@@ -5,6 +5,7 @@ whose log-probs equal the trainer's recomputation; an RL run's one-line errors."
 import json
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from helpers import load_config, metrics_rows
 from pwtrain import harness as harness_lib
 from pwtrain import objectives, rl, train
 from pwtrain import step as step_lib
+from pwtrain.backend import Controller
 from pwtrain.errors import DataError, UserError
 from pwtrain.harness import Harness
 from pwtrain.parallel import plan as plan_lib
@@ -366,9 +368,26 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one_exactly(straight
 
 @pytest.fixture(scope="module")
 def stale(tmp_path_factory):
-  """grpo_toy (small) with rl.max_staleness=1, run 4 steps without a stop."""
+  """grpo_toy (small) with rl.max_staleness=1, run 4 steps without a stop, each island still
+  busy with ordinary work (as with a training step still running) when a weight copy for the
+  rollouts is queued behind it: the engine's programs, which go ahead of queued work, are then
+  placed ahead of the copy, and must not read the copy before it."""
   workdir = tmp_path_factory.mktemp("stale")
-  return workdir, train.run(toy_config(**STALE), str(workdir), show_progress=False)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(Controller, "publish_copy", _busy_before(Controller.publish_copy))
+    return workdir, train.run(toy_config(**STALE), str(workdir), show_progress=False)
+
+
+def _busy_before(publish_copy, busy_s=0.2):
+  """Controller.publish_copy that first queues on the island an ordinary item busy `busy_s`."""
+
+  def busy_then_copy(controller, island, name, source):
+    with controller._dispatch_lock:
+      step, controller._step = controller._step, controller._step + 1
+      controller._dispatcher._enqueue("busy", island, lambda: time.sleep(busy_s), [], step)
+    return publish_copy(controller, island, name, source)
+
+  return busy_then_copy
 
 
 STALE = {"rl.max_staleness": 1}
