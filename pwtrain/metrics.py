@@ -278,12 +278,13 @@ class MetricsLogger:
 
   @contextlib.contextmanager
   def _writing(self, path: str):
-    """A write of `path`: an OSError is `WriteFailed` naming it, and nothing more is written."""
+    """A write of `path`: an OSError is `WriteFailed` naming it (or the file it names), and
+    nothing more is written."""
     try:
       yield
     except OSError as e:
       self.failed = True
-      raise WriteFailed(path, e) from None
+      raise WriteFailed(e.filename or path, e) from None
 
   def _show(self) -> None:
     postfix = {}
@@ -312,7 +313,8 @@ class MetricsLogger:
     self.flush()
     self._jsonl.close()
     self._tb.close()
-    self._jsonl, self._tb, _ = self._open_from(step)  # train.py counts the abandoned steps
+    with self._writing(self.path):  # metrics.jsonl rewritten, the later rows set aside
+      self._jsonl, self._tb, _ = self._open_from(step)  # train.py counts the abandoned steps
     self.rerun_through = min(self.rerun_through, step)
     self._write([{"step": step, **event}])
     self.evals = [row for row in self.evals if row["step"] <= step]
@@ -326,8 +328,8 @@ class MetricsLogger:
   def close(self) -> None:
     self.flush()
     self._bar.close()
-    for file in (self._jsonl, self._tb):  # after a failed write, what it could not write is lost
-      with contextlib.suppress(OSError) if self.failed else contextlib.nullcontext():
+    for file in (self._jsonl, self._tb):  # after a failed write (or rewind: closed), unwritten lost
+      with contextlib.suppress(OSError, ValueError) if self.failed else contextlib.nullcontext():
         file.close()
     if self.wandb is not None:
       self.wandb.finish()

@@ -1,13 +1,19 @@
 """Tiny Hugging Face models built by transformers (CPU torch) with random weights, and a tokenizer
-trained here, saved to directories: what the conversion tests import. Nothing is downloaded.
+trained here, saved to directories (`make_hf`), and the pwtrain runs imported from them
+(`make_imported`): what the conversion tests import. Nothing is downloaded.
 
 Every weight is drawn (norms included, so Gemma's 1 + w is tested). The tokenizer is a
 byte-level BPE whose post-processor adds a BOS, wrapped as transformers' fast tokenizer; the
 models' vocabularies are its size.
 """
 
+import pathlib
+from typing import NamedTuple
+
 import torch
 import transformers
+
+from pwtrain.convert import importer
 
 COMMON = dict(
   hidden_size=64,
@@ -86,3 +92,19 @@ def make_hf(name, directory, *, dtype=None, **more):
   model.save_pretrained(directory)
   tok.save_pretrained(directory)
   return model.eval()
+
+
+class Imported(NamedTuple):
+  """A tiny HF checkpoint and the pwtrain run imported from it."""
+
+  hf: pathlib.Path  # the checkpoint's directory (make_hf's)
+  model: transformers.PreTrainedModel  # the model saved there, in eval mode
+  run: pathlib.Path  # the workdir `importer.from_hf` wrote from it
+
+
+def make_imported(name, root, **more) -> Imported:
+  """`make_hf(name, root / "hf", **more)`, then `importer.from_hf` of it into `root / "run"`."""
+  root = pathlib.Path(root)
+  model = make_hf(name, root / "hf", **more)
+  importer.from_hf(str(root / "hf"), str(root / "run"))
+  return Imported(root / "hf", model, root / "run")

@@ -2,6 +2,8 @@
 another setting is refused, naming both, when it is set while that setting says it is not read;
 and it is accepted where it is read."""
 
+import contextlib
+
 import pytest
 from helpers import load_config, small_config
 
@@ -235,18 +237,19 @@ def test_a_key_a_run_does_not_read_is_refused_where_it_is_set(tmp_path, monkeypa
 # ignores it (train.async_checkpoint did in remote and multi-island distributed runs, whose
 # saves in parts went on asynchronously). So each such key is also set to its two values under
 # each part that acts on it, and what it does must differ there; where it cannot, the key needs
-# a rule. {key: (what it does under a part, given its value: a hashable result; {part: what})}.
-def _commit_in_flight_after_save(tmp_path, value: bool, part_writer) -> bool:
-  """Whether `Checkpointer.save` returns with the save still in flight (not yet seen committed:
-  its commit runs on while the steps go on), under `part_writer` (None: the state whole)."""
-  import jax.numpy as jnp
-
+# a rule. {key: (effect, {part: a context manager giving what `effect` needs under it})}, where
+# `effect(tmp_path, value, given)` is what the key does at `value` (a hashable result).
+def _commit_in_flight_after_save(tmp_path, value: bool, given) -> bool:
+  """Whether `Checkpointer.save` of `given`'s state under its part writer (None: the state
+  whole) returns with the save still in flight (not yet seen committed: its commit runs on while
+  the steps go on)."""
   from pwtrain.checkpoint import Checkpointer
 
+  part_writer, state = given
   directory = tmp_path / f"{value}-{getattr(part_writer, '__name__', 'whole')}"
   ckpt = Checkpointer(str(directory), keep=1, every=1, async_save=value, part_writer=part_writer)
   try:
-    ckpt.save(1, {"w": jnp.zeros((64, 64), jnp.float32)}, {"pos": 1})
+    ckpt.save(1, state, {"pos": 1})
     in_flight = ckpt._in_flight is not None  # noqa: SLF001 - a save not yet seen finished
     # Finished before the next Checkpointer saves: two Orbax managers saving at once in one
     # process share its operation ids, and one then waits out Orbax's 300 s for a signal.
@@ -256,11 +259,43 @@ def _commit_in_flight_after_save(tmp_path, value: bool, part_writer) -> bool:
     ckpt.close()
 
 
+@contextlib.contextmanager
+def _local_state(part_writer):
+  """`part_writer` and a state of this process's arrays."""
+  import jax.numpy as jnp
+
+  yield part_writer, {"w": jnp.zeros((64, 64), jnp.float32)}
+
+
+@contextlib.contextmanager
+def _remote_state():
+  """Remote mode's part writer and a state of references to an array held by an island worker
+  (a real worker process on loopback, which writes its part itself)."""
+  import jax
+  import numpy as np
+
+  from pwtrain.backend.remote import launcher, saves
+  from pwtrain.backend.remote.client import WorkerClient
+
+  x = np.zeros((64, 64), np.float32)
+  with launcher.launch([1]) as workers:
+    client = WorkerClient(workers.addresses[0], workers.token)
+    try:
+      client.put_async("w", [x]).result()
+      aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      yield saves.PendingSave, {"w": saves.LeafRef(client, "w", 0, aval)}
+    finally:
+      client.close()
+
+
 def _part_writers() -> dict:
   from pwtrain.checkpoint import ProcessParts
 
-  # Remote mode's part writer (PendingSave) needs island workers: not exercised here.
-  return {"the state whole (embedded)": None, "in parts, per process (distributed)": ProcessParts}
+  return {
+    "the state whole (embedded)": lambda: _local_state(None),
+    "in parts, per process (distributed)": lambda: _local_state(ProcessParts),
+    "in parts, per island worker (remote)": _remote_state,
+  }
 
 
 EFFECTS = {"train.async_checkpoint": (_commit_in_flight_after_save, _part_writers)}
@@ -275,5 +310,6 @@ def test_a_key_each_mode_acts_on_with_its_own_part_changes_what_it_does_under_ea
   effect, parts = EFFECTS[key]
   section, name = key.split(".")
   default = defaults.get_config()[section][name]
-  outcomes = {effect(tmp_path, value, parts()[part]) for value in (default, _other(default))}
+  with parts()[part]() as given:
+    outcomes = {effect(tmp_path, value, given) for value in (default, _other(default))}
   assert len(outcomes) == 2, f"{key} does the same at either value with {part}: it needs a rule"

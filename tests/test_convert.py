@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import REPO
-from hf_models import MODELS, make_hf, torch, transformers
+from hf_models import MODELS, make_hf, make_imported, torch, transformers
 from safetensors import safe_open
 
 from pwtrain import restore
@@ -32,14 +32,8 @@ from pwtrain.models.sampling import Sampling
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-  """{architecture: (HF dir, its model, the pwtrain run imported from it)}."""
-  out = {}
-  for name in MODELS:
-    root = tmp_path_factory.mktemp(name)
-    model = make_hf(name, root / "hf")
-    importer.from_hf(str(root / "hf"), str(root / "run"))
-    out[name] = (root / "hf", model, root / "run")
-  return out
+  """{architecture: hf_models.Imported (HF dir, its model, the pwtrain run imported from it)}."""
+  return {name: make_imported(name, tmp_path_factory.mktemp(name)) for name in MODELS}
 
 
 def _logits_both(hf_dir, model, run, tokens):
@@ -157,7 +151,7 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(imported, tmp_p
   )
   tokens = torch.tensor([[1, 5, 9, 13]])
   with torch.no_grad():
-    assert torch.equal(loaded(tokens).logits, imported["llama"][1](tokens).logits)
+    assert torch.equal(loaded(tokens).logits, imported["llama"].model(tokens).logits)
 
 
 def test_bf16_round_trip_is_bitwise(tmp_path):
@@ -207,7 +201,7 @@ def test_bad_input_is_one_line_naming_file_and_key_and_writes_nothing(imported, 
   import shutil
 
   source = tmp_path / "hf"
-  shutil.copytree(imported["llama"][0], source)
+  shutil.copytree(imported["llama"].hf, source)
   file, key = _damage(source, how)
   workdir = tmp_path / "run"
   with pytest.raises(UserError) as refused:
@@ -251,7 +245,7 @@ def test_fine_tuning_is_an_ordinary_run_and_exports_what_it_trained(imported, tm
   from pwtrain import train
 
   run = tmp_path / "run"
-  shutil.copytree(imported["llama"][2], run)
+  shutil.copytree(imported["llama"].run, run)
   overrides = {
     "train.num_steps": 2,
     "train.eval_every": 0,
@@ -274,7 +268,7 @@ def test_fine_tuning_is_an_ordinary_run_and_exports_what_it_trained(imported, tm
   with torch.no_grad():
     theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   assert np.max(np.abs(ours - theirs)) <= 1e-4
-  before = _tensors(imported["llama"][0])["lm_head.weight"]
+  before = _tensors(imported["llama"].hf)["lm_head.weight"]
   assert not np.array_equal(_tensors(tmp_path / "out")["lm_head.weight"], before)  # it trained
 
 

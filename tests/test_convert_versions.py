@@ -2,15 +2,16 @@
 and computes pwtrain's logits, at the conversion tests' tolerance (max |d| <= 1e-4 in float32,
 KL <= 1e-6), and reads its dtype.
 
-The models: a Llama 3.1 (llama3 rope scaling, which 4.x reads from `rope_scaling` and would
-otherwise run as the default rope) and a Gemma 2 (soft caps, local and global layers, the query
-scale), tiny and random (tests/hf_models.py), imported, then exported. transformers 5 is the
-venv's, in this process; 4.46 runs tests/hf_read.py in an overlay environment that pip fills
-with transformers 4.46.3 and the tokenizers and huggingface-hub it needs (downloaded once, kept
-under $PWTRAIN_TEST_CACHE, default ~/.cache/pwtrain/tests) and that takes everything else
-(torch, numpy, safetensors) from the venv. That test is marked `network`: it downloads (14 MB,
-once). Measured on 2 loaded cores: the file takes about 20 s of CPU with the environment built,
-30 s when it builds it.
+The models, one of each family pwtrain exports that transformers 4.46 has (Qwen3 came in 4.51): a
+Llama 3.1 (llama3 rope scaling, which 4.x reads from `rope_scaling` and would otherwise run as the
+default rope), a Gemma, a Gemma 2 (soft caps, local and global layers, the query scale), a Mistral
+(a sliding window on every layer) and a Qwen2 (q/k/v biases, tied embeddings), tiny and random
+(tests/hf_models.py), imported, then exported. transformers 5 is the venv's, in this process; 4.46
+runs tests/hf_read.py in an overlay environment that pip fills with transformers 4.46.3 and the
+tokenizers and huggingface-hub it needs (downloaded once, kept under $PWTRAIN_TEST_CACHE, default
+~/.cache/pwtrain/tests) and that takes everything else (torch, numpy, safetensors) from the venv.
+That test is marked `network`: it downloads (14 MB, once). Measured on 2 loaded cores: the file
+takes about 20 s of CPU with the environment built.
 """
 
 import hashlib
@@ -27,18 +28,18 @@ import jax
 import numpy as np
 import pytest
 from helpers import REPO
-from hf_models import make_hf
+from hf_models import make_imported
 from hf_read import read
 
 from pwtrain import restore
 from pwtrain import sample as sample_lib
-from pwtrain.convert import exporter, importer
+from pwtrain.convert import exporter
 
 pytestmark = pytest.mark.slow
 
 # transformers 4.46's last release, and the pins of what it needs that the venv's 5.x outgrew.
 TRANSFORMERS_4 = ("transformers==4.46.3", "tokenizers==0.20.3", "huggingface-hub==0.36.2")
-FAMILIES = ("gemma2", "llama")
+FAMILIES = ("gemma", "gemma2", "llama", "mistral", "qwen2")
 
 
 def overlay_python(pins) -> pathlib.Path:
@@ -88,16 +89,14 @@ def exports(tmp_path_factory):
   out = {}
   for name in FAMILIES:
     root = tmp_path_factory.mktemp(name)
-    model = make_hf(name, root / "hf")
-    importer.from_hf(str(root / "hf"), str(root / "run"))
-    config = sample_lib.load_config(None, str(root / "run"))
-    exporter.to_hf(config, str(root / "run"), str(root / "export"), shard_size=10**9)
+    imported = make_imported(name, root)
+    model, run = imported.model, str(imported.run)
+    config = sample_lib.load_config(None, run)
+    exporter.to_hf(config, run, str(root / "export"), shard_size=10**9)
     if "tokens" not in out:  # one tokenizer, so one vocabulary, for every family
       rng = np.random.default_rng(0)
       out["tokens"] = rng.integers(0, model.config.vocab_size, (2, 40)).astype(np.int32)
-    _, fns, params = sample_lib.restore_params(
-      config, str(root / "run"), restore.reading_mesh(config)
-    )
+    _, fns, params = sample_lib.restore_params(config, run, restore.reading_mesh(config))
     logits = jax.jit(lambda p, t, fns=fns: fns.module(p)(t))(params, out["tokens"])
     out[name] = {"dir": root / "export", "logits": np.asarray(logits, np.float64)}
   return out

@@ -1,7 +1,8 @@
 """Storage faults say one line and lose nothing: a save the disk refuses stops the run at once
 with its committed checkpoints intact, so does a write of metrics.jsonl it refuses, a start the
 disk refuses leaves no workdir behind, and a torn last row of metrics.jsonl is repaired on
-resume.
+resume. The diagnostics (a profile, trace.json) the disk refuses are a warning each, and the run
+goes on.
 
 A full disk is made here by a file size limit (RLIMIT_FSIZE, with SIGXFSZ ignored, as a shell's
 `ulimit -f` gives): every write past it fails in the kernel, in TensorStore's C++ writers as in
@@ -138,6 +139,34 @@ def test_a_metrics_write_the_disk_refuses_stops_the_run_in_one_line_and_the_resu
   assert (workdir / "metrics.torn.jsonl").read_text().count("\n") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.processes
+def test_diagnostics_the_disk_refuses_are_one_warning_each_and_the_run_goes_on(tmp_path):
+  """The profile of steps 3-4 (train.profile_steps: a 6 MB file) meets a file size limit of
+  2 MB (above a whole checkpoint, 1.2 MB) and trace.json (backend.trace) is /dev/full (ENOSPC):
+  one warning line each, naming the file and the OS error, their partial files removed, and the
+  run trains its 6 steps and saves them, rc 0. The profile's failure was a traceback and a dead
+  run; trace.json's, a traceback after the run."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "trace.json").symlink_to("/dev/full")
+  extra = ["--config.train.profile_steps=(2,4)", "--config.backend.trace=True"]
+  out = _main(workdir, "--config.train.num_steps=6", *extra, limited=2 * 1024 * 1024)
+  assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-5000:]
+  warned = [ln.split("] ", 1)[1] for ln in _lines(out) if ln.startswith("W")]
+  assert warned == [
+    f"the profile of steps 3-4 could not be written to {workdir}/profile: File too large "
+    "(EFBIG); the run goes on without it. Free space on that filesystem, or set "
+    "train.profile_steps=() to profile nothing",
+    f"{workdir}/trace.json could not be written: No space left on device (ENOSPC); the run goes "
+    "on without its trace (backend.trace). Free space on that filesystem, or set "
+    "backend.trace=False",
+  ], out.stderr[-5000:]
+  assert [r["step"] for r in metrics_rows(workdir) if "loss" in r] == list(range(1, 7))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "6"]
+  assert not (workdir / "profile").exists() and not os.path.lexists(workdir / "trace.json")
+
+
 _EVENTS_CHILD = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -253,6 +282,27 @@ def test_a_torn_last_row_of_the_metrics_is_set_aside_on_resume(tmp_path, caplog)
   said = [r.getMessage() for r in caplog.records if "torn" in r.getMessage()]
   assert len(said) == 1 and str(path) in said[0], said
   json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_a_rollback_s_rewrite_of_the_metrics_the_disk_refuses_is_one_error(tmp_path):
+  """A rollback (train.rollback_after) rewrites metrics.jsonl, the rows after its step moved to
+  metrics.rolled_back.jsonl; that file is /dev/full (every write: ENOSPC). The rewind raises
+  WriteFailed (train.py's one line and stop, as for any refused log write), not a bare OSError
+  with a traceback, and closing the logger after it is quiet."""
+  from pwtrain.errors import WriteFailed
+
+  logger = _logger(tmp_path, 0)
+  for step in (1, 2, 3, 4):
+    logger.record(step, {"loss": 1.0 / step})
+  logger.flush()
+  (tmp_path / "metrics.rolled_back.jsonl").symlink_to("/dev/full")
+  with pytest.raises(WriteFailed) as refused:
+    logger.rewind(2, rollback_from=4)
+  logger.close()
+  assert str(refused.value) == (
+    f"{tmp_path}/metrics.jsonl could not be written: No space left on device (ENOSPC)"
+  )
+  assert [r["step"] for r in metrics_rows(tmp_path) if "loss" in r] == [1, 2, 3, 4]  # as it was
 
 
 def test_a_synchronous_save_in_parts_is_committed_when_save_returns(tmp_path):

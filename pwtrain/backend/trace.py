@@ -4,12 +4,22 @@ Three moments per node: `dispatch` (the controller enqueued it), `launch` (its i
 scheduler handed it to the runtime) and `done` (its outputs were ready; recorded by a watcher
 thread only while tracing, so normal runs never wait on results). Remote islands report launch
 (inputs ready) and done from the worker, collected when the controller closes.
+
+The trace is diagnostics: a write of it that the OS refuses (a full disk, a quota, a file size
+limit, an I/O error) is one warning line, no partial file is left, and the run goes on.
 """
 
+import contextlib
 import dataclasses
 import json
+import logging
+import os
 import threading
 import time
+
+from pwtrain.errors import WriteFailed
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -84,6 +94,19 @@ class Trace:
         last_done[e.island] = e.done
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
-  def write(self, path: str) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_chrome(), f)
+  def write(self, path: str) -> bool:
+    """Writes the trace to `path` (`to_chrome`'s JSON); whether it was written. A write the OS
+    refuses is one warning line and leaves no file at `path`."""
+    try:
+      with open(path, "w") as f:
+        json.dump(self.to_chrome(), f)
+    except OSError as e:
+      with contextlib.suppress(OSError):
+        os.remove(path)
+      log.warning(
+        "%s; the run goes on without its trace (backend.trace). Free space on that filesystem, "
+        "or set backend.trace=False",
+        WriteFailed(path, e),
+      )
+      return False
+    return True

@@ -4,25 +4,17 @@ A checkpoint's files are written by TensorStore (array data, in C++) and by Orba
 (metadata, in Python). A full disk, a quota, a file size limit or a read-only filesystem fails
 the write either way: as an OSError, or as a TensorStore error whose text carries the OS error
 code (`... Failed to write 1010841 bytes to file 12: File too large [os_error_code='27']`).
-`storage_reason` finds that OS error; any other error of a save (a bug, ours or a library's) is
-not a storage failure and keeps its traceback.
+`storage_reason` (pwtrain/errors.py) finds that OS error; any other error of a save (a bug, ours
+or a library's) is not a storage failure and keeps its traceback.
 """
 
-import errno
 import os
-import re
 import shutil
 import threading
 
 from pwtrain.checkpoint import quiet
 from pwtrain.checkpoint.integrity import one_line
-from pwtrain.errors import UserError
-
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
-# What a full disk, a quota, a file size limit or a read-only filesystem fails a write with; a
-# library that says only the OS's words for it (array_record: "write() failed: File too
-# large") is recognised by them.
-_STORAGE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+from pwtrain.errors import UserError, storage_reason
 
 
 class SaveFailed(UserError):
@@ -32,24 +24,6 @@ class SaveFailed(UserError):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
-
-
-def storage_reason(error: BaseException) -> str | None:
-  """The OS error under a failed write, as "No space left on device (ENOSPC)", or None when
-  `error` (or what it was raised from) is no storage failure."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    code = getattr(error, "errno", None) if isinstance(error, OSError) else None
-    if code is None:
-      match = _OS_ERROR_CODE.search(str(error))
-      code = int(match.group(1)) if match else None
-    if code is None:
-      code = next((c for c in _STORAGE if os.strerror(c) in str(error)), None)
-    if code:
-      return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
-    error = error.__cause__ or error.__context__
-  return None
 
 
 def save_failed(step: int, directory: str, reason: str, latest: int | None) -> SaveFailed:
