@@ -252,12 +252,23 @@ def test_a_save_lost_with_a_worker_is_discarded_once_the_others_parts_are_writte
 # -- the controller in remote mode ------------------------------------------------------------
 
 
+def copied(workers) -> dict:
+  """Each worker's Health counters of inputs copied into another sharding (server.py):
+  {address: (copied_inputs, copied_bytes)}, since the worker started."""
+  md = auth.call_metadata(workers.token)
+  health = {a: stub(a).Health(pb.Empty(), metadata=md, timeout=10) for a in workers.addresses}
+  return {a: (h.copied_inputs, h.copied_bytes) for a, h in health.items()}
+
+
 def assert_same_run(config, workers, num_steps=3):
-  """Embedded and remote runs of `config` give identical losses and parameters."""
+  """Embedded and remote runs of `config` give identical losses and parameters, and the remote
+  run copies no input into another sharding on any worker (server.py's promise for training)."""
   batches = random_batches(config, num_steps)
   n = config.parallel.islands
   _, m_local, state_local = run_program(config, batches, devices=jax.devices()[: 2 * n])
+  before = copied(workers)  # the module's workers ran other tests first
   _, m_remote, state_remote = run_program(remote(config, workers), batches, jax.devices()[:2])
+  assert copied(workers) == before, "the remote run copied inputs (the workers' logs say which)"
   assert [float(m["loss"]) for m in m_remote] == [float(m["loss"]) for m in m_local]
   for a, b in zip(jax.tree.leaves(state_local), jax.tree.leaves(state_remote), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -308,10 +319,7 @@ def test_remote_trace_has_the_workers_run_times(workers):
   worker, on the controller's clock; an island runs its executes one after another, each after
   the controller dispatched it. No step copied an input into another sharding (server.py)."""
   config = remote(tiny_test_config(**{"parallel.stages": 2, "parallel.islands": 2}), workers)
-  md = auth.call_metadata(workers.token)
-  # The module's workers ran other tests first: what they copied before this one.
-  copied = {a: stub(a).Health(pb.Empty(), metadata=md, timeout=10).copied_inputs
-            for a in workers.addresses}  # fmt: skip
+  before = copied(workers)  # the module's workers ran other tests first
   trace = Trace()
   with Harness.build(config, jax.devices()[:2], trace=trace) as harness:
     program, state = harness.step_program, harness.init()
@@ -333,9 +341,7 @@ def test_remote_trace_has_the_workers_run_times(workers):
       assert done <= launch + slack
   spans = [e for e in trace.to_chrome()["traceEvents"] if e["ph"] == "X"]
   assert len(spans) >= len(events)
-  for address in workers.addresses:  # the promise of no copy: no input in another sharding
-    health = stub(address).Health(pb.Empty(), metadata=md, timeout=10)
-    assert health.copied_inputs == copied[address], (address, health)
+  assert copied(workers) == before  # the promise of no copy: no input in another sharding
 
 
 # -- training: checkpoints, resume, lost workers ----------------------------------------------

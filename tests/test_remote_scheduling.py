@@ -88,6 +88,26 @@ def test_an_input_in_another_sharding_is_a_counted_logged_copy(controller, worke
   assert "input 0 ((8,), 32 bytes) arrived as P('d',); the program takes P()" in logged[0]
 
 
+def test_an_input_the_program_does_not_read_keeps_its_sharding(controller, workers):
+  """A program compiled for a split input it does not read (a zero_bubble W's residuals of the
+  input's gradient alone): the worker takes it in the sharding it was compiled for, as it
+  arrives, and copies nothing (jax.export drops the sharding of an unread input: the worker
+  would take it whole and copy it each run, as it did)."""
+  split, whole = _shardings(controller)
+  make = _program(controller, "make_split_too", lambda x: x + 1, whole, split)
+  args = tuple(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=s) for s in (whole, split))
+  exe = controller.compile("ignore_second", lambda x, unread: x * 2, "island0", args,
+                           out_shardings=whole)  # fmt: skip
+  ignore = Program((Node("ignore_second", exe, ("x", "unread")),), {"y": ("ignore_second", 0)})
+  before = _health(controller)
+  made = controller.run(make, {"x": np.arange(8, dtype=np.float32)})["y"]
+  out = controller.run(ignore, {"x": np.arange(8, dtype=np.float32), "unread": made})["y"]
+  np.testing.assert_array_equal(np.asarray(out.result()), np.arange(8) * 2)
+  after = _health(controller)
+  assert (after.copied_inputs, after.copied_bytes) == (before.copied_inputs, before.copied_bytes)
+  assert "ignore_second" not in _log(workers)
+
+
 def _one(executable, tag):
   """A one-node program of `executable`: x -> y, its node named `tag`."""
   return Program((Node(tag, executable, ("x",)),), {"y": (tag, 0)})

@@ -104,8 +104,9 @@ class RemoteDispatcher:
   ) -> Executable:
     """Exports `fn` for `args` and has the island's worker compile it: an Executable whose
     `remote` is the worker's copy and whose `compiled` is a lazily compiled local stand-in
-    (its shardings/out_info the step builders may inspect). Inputs are laid out as `args`'
-    shardings say (`in_shardings` is for local compiles)."""
+    (its shardings/out_info the step builders may inspect). The worker takes every input,
+    read or not, as `args`' shardings say (`in_shardings` is for local compiles): a value made
+    in that sharding reaches it with no copy."""
     del in_shardings
     constraints_mesh = mesh  # the model's activation constraints resolve on it while tracing
 
@@ -145,7 +146,11 @@ class RemoteDispatcher:
 
     starts = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
     donate = tuple(i for k in donate_argnums for i in range(starts[k], starts[k + 1]))
-    jitted = jax.jit(flat_fn, in_shardings=in_shardings, donate_argnums=donate)
+    # keep_unused: the export names the sharding of every input, read or not. An input the
+    # piece does not read (a zero_bubble W's input and residuals of the input's gradient
+    # alone; a first stage's tokens, in its B at stage_remat="none") would lose it: the worker
+    # would take it replicated, and copy it there every run (server.py counts such copies).
+    jitted = jax.jit(flat_fn, in_shardings=in_shardings, donate_argnums=donate, keep_unused=True)
     with activate():
       exported = jax.export.export(jitted, platforms=(worker.platform,))(*flat_args)
     mesh = mesh or _find_mesh((args, out_shardings))

@@ -16,9 +16,11 @@ Its `incarnation`, random per process, tells a worker started again from the one
 No silent copies. An Execute's device array that arrives in a sharding other than the one its
 program takes (and not an equivalent one) is copied into that one: a transfer on the device the
 controller did not ask for. Each such copy is counted (Health's `copied_inputs` and
-`copied_bytes`) and logged, once per (program, input), with its bytes and both shardings. A
-training or serving run makes none (tests/test_remote_scheduling.py); host arrays uploaded
-without a sharding (a batch) are placed where the program takes them, which is their upload.
+`copied_bytes`) and logged, once per (program, input), with its bytes and both shardings
+(tests/test_remote_scheduling.py). A training or serving run makes none (tests/test_remote.py,
+tests/test_serve.py): the controller compiles every input, read or not, in the sharding its
+value is made in (remote/dispatch.py). Host arrays uploaded without a sharding (a batch) are
+placed where the program takes them, which is their upload.
 
 A worker trusts nothing it is sent beyond the token: programs are StableHLO, arrays are bytes
 with checked headers, and no message is ever unpickled.
