@@ -218,10 +218,10 @@ RULES = (
       "backend.token_env",
       "backend.tls_ca",
       "backend.rpc_timeout_s",
-      "fault.progress_timeout_s",
     ),
     _is("backend.mode", "remote"),
   ),
+  _rule(("fault.progress_timeout_s",), _is("backend.mode", "remote", "distributed")),
   _rule(
     (
       "backend.coordinator",

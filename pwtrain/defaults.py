@@ -222,7 +222,8 @@ def get_config():
   c.fault = ml_collections.ConfigDict()  # lost workers (remote) or processes (pwtrain.launch)
   c.fault.max_restarts = 0  # restart workers and resume from the last checkpoint this often
   c.fault.heartbeat_s = 2.0  # health-check period; a worker missing 3 pings in a row is lost
-  # Remote: a worker whose execution queue runs one op longer than this is wedged, and lost
+  # Remote: a worker whose execution queue runs one op longer than this is wedged, and lost;
+  # distributed: a process one of whose computations runs longer than this is wedged, and ends
   # (longer than any one computation or checkpoint copy of an island); 0: never.
   c.fault.progress_timeout_s = 600.0
   c.fault.elastic = False  # True: a lost pod is dropped, the run goes on, it rejoins when back

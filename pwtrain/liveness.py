@@ -35,6 +35,18 @@ and ends the process, as the launcher would have killed it; it never goes on sil
 the pod set that dropped it. A peer that has not beaten yet, or has left (`stop` deletes its
 count), gets no verdict. Where process 0 (the service's) is the one stopped, JAX's own
 heartbeat ends the others (pwtrain/watch.py names it).
+
+A beat is not progress by itself: a process whose beat thread runs while its execution is wedged
+(one computation of its islands never ends, say a hang in C++ that released the GIL) would beat
+forever. So the beat thread also asks, every beat, how long the computation of this process that
+has run longest without ending has been running (main.py gives it backend/progress.py's
+`longest`: from its launch with its inputs there; compiles, waits for a peer's pull, barriers
+and saves are not execution), and once that is longer than `fault.progress_timeout_s` (0:
+never) the process says so in one line (`process 1 is wedged: one program has run for S s ...;
+it ends`) and ends with status WEDGED_EXIT: from there it is a killed process (its sockets
+close, so its peers' pulls and collectives with it fail at once; the launcher starts it again
+or stops the run, as for any process that dies; started by hand, its watcher exits with that
+status). Bound: within one beat of the timeout.
 """
 
 import logging
@@ -49,6 +61,7 @@ HEARTBEAT_ENV = "PWTRAIN_HEARTBEAT_FILE"
 PERIODS = 5
 MIN_BOUND_S = 10.0
 WEDGED = 3  # a process not stopped is killed after this many bounds without a touch
+WEDGED_EXIT = 3  # the status of a process that ended itself because its execution is wedged
 
 
 def bound_s(heartbeat_s: float) -> float:
@@ -107,10 +120,14 @@ def _lost_key(process: int) -> str:
 
 class _Beat:
   """The thread that beats for this process: touches its heartbeat file (under the launcher)
-  and sets its count in the key-value store (distributed mode), every `period_s`."""
+  and sets its count in the key-value store (distributed mode), every `period_s`, while no
+  computation of this process has run longer than `progress_timeout_s` (0: no bound)."""
 
-  def __init__(self, path: str | None, client, me: int, period_s: float):
+  def __init__(
+    self, path: str | None, client, me: int, period_s: float, progress_timeout_s: float, running
+  ):
     self.path, self.client, self.me, self.period_s = path, client, me, period_s
+    self.progress_timeout_s, self.running = progress_timeout_s, running
     self.count = 0
     self.done = threading.Event()
     if client is not None:  # a predecessor's verdict is not this process's (a rejoin)
@@ -130,6 +147,7 @@ class _Beat:
 
   def _loop(self) -> None:
     while not self.done.wait(self.period_s):
+      self._check_progress()
       try:
         self.touch()
       except OSError:  # the launcher's log dir is gone: nobody checks the file any more
@@ -137,6 +155,24 @@ class _Beat:
       except RuntimeError:  # the service is gone: JAX ends this process (pwtrain/watch.py)
         return
       self._check_dropped()
+
+  def _check_progress(self) -> None:
+    """Ends this process, in one line, if one of its computations has run longer than
+    `progress_timeout_s`: its execution is wedged, whatever its beat says."""
+    running = self.running() if self.progress_timeout_s and self.running else None
+    if running is None or running.running_s <= self.progress_timeout_s:
+      return
+    logging.getLogger(__name__).error(
+      "process %d is wedged: one program has run for %.1f s (%s, on %s; "
+      "fault.progress_timeout_s=%g); it ends",
+      self.me,
+      running.running_s,
+      running.name,
+      running.island,
+      self.progress_timeout_s,
+    )
+    logging.shutdown()
+    os._exit(WEDGED_EXIT)
 
   def _check_dropped(self) -> None:
     """Ends this process, in one line, if its peers took it for lost (`declare_lost`)."""
@@ -169,16 +205,20 @@ class _Beat:
 _BEAT: list[_Beat] = []
 
 
-def start(period_s: float) -> None:
+def start(period_s: float, progress_timeout_s: float = 0.0, running=None) -> None:
   """Beats every `period_s` from a thread, from now until `stop`: touches
   $PWTRAIN_HEARTBEAT_FILE (set by pwtrain.launch) and, in a distributed run, sets this process's
-  count in the key-value store; nothing where neither applies."""
+  count in the key-value store; nothing where neither applies. Where it beats, `running()` (the
+  backend's progress.longest: the computation that has run longest without ending, with its
+  `name`, `island` and `running_s`, or None) running longer than `progress_timeout_s` (0:
+  never) ends the process (the module doc)."""
   path, client = os.environ.get(HEARTBEAT_ENV), _client()
   if (path or client is not None) and not _BEAT:
     import jax
 
     _PERIOD[0] = period_s
-    _BEAT.append(_Beat(path, client, jax.process_index(), period_s))
+    me = jax.process_index()
+    _BEAT.append(_Beat(path, client, me, period_s, progress_timeout_s, running))
 
 
 def stop() -> None:

@@ -35,6 +35,7 @@ from pwtrain import (  # noqa: E402
   watch,
 )
 from pwtrain import workdir as workdir_lib  # noqa: E402
+from pwtrain.backend import progress  # noqa: E402
 from pwtrain.backend.faults import may_be_a_peers_death  # noqa: E402
 from pwtrain.dryrun import compile as dryrun_compile  # noqa: E402
 from pwtrain.errors import UserError  # noqa: E402
@@ -110,7 +111,12 @@ def _join_distributed(config) -> None:
     distributed.initialize(config.backend, _heartbeat_timeout_s(config), config.fault.elastic)
   except UserError as e:
     raise SystemExit(f"error: {e}") from None
-  liveness.start(config.fault.heartbeat_s)  # under pwtrain.launch: stopped or wedged is killed
+  # Under pwtrain.launch a stopped process is killed; launcher or not, one whose computation
+  # has run past fault.progress_timeout_s ends itself (wedged).
+  timeout_s = config.fault.progress_timeout_s
+  if timeout_s < 0:
+    raise SystemExit(f"error: fault.progress_timeout_s={timeout_s} must be >= 0 (0: never)")
+  liveness.start(config.fault.heartbeat_s, timeout_s, progress.longest)
 
 
 def _heartbeat_timeout_s(config) -> int:

@@ -77,7 +77,7 @@ class LocalDispatcher:
     self.publishing = False  # see Controller.start_publishing
     # Cross-process transfers, sent and received in program order from one thread (see
     # dispatch: every process issues every one, in the same order).
-    self._cross = IslandScheduler(CROSS, trace, None, self._lost_devices)
+    self._cross = IslandScheduler(CROSS, trace, None, self._lost_devices, executes=False)
     # Distributed mode: which islands have devices of this process. Every process walks every
     # program in the same order but launches only its own islands' nodes; another process's
     # node leaves a stand-in (an array with no data here) that a transfer can read from.

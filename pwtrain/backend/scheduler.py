@@ -19,6 +19,10 @@ ago than the last ordinary item took: a client such as the serving engine comes 
 that), ordinary work keeps to a window of 1, so that priority work waits at most for the one
 item running; priority work itself still has the whole window, and launches behind it.
 
+Running times. Each island notes when each of its computations is launched (with those of its
+inputs not there yet) and ends, so that the process can tell how long the one that runs has run
+(backend/progress.py: a wedged process, distributed mode's `fault.progress_timeout_s`).
+
 Published values. A node's outputs may be published when it launches (`Work.publishes`), and a
 node may read, as an argument, the newest value published under a name on its island
 (`program.Latest`), resolved when it launches. Both happen on the island's thread, in queue
@@ -41,6 +45,7 @@ from pwtrain.backend.completion import here_only as here_only  # backend.schedul
 from pwtrain.backend.faults import IslandLost, is_device_loss, read_of_lost
 from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
+from pwtrain.backend.progress import IslandRuns
 from pwtrain.backend.trace import Event, Trace
 
 # Computations an island may have launched and not finished where execution is not serialized
@@ -175,11 +180,14 @@ class IslandScheduler:
     lost_devices: dict | None = None,
     launch_window: int = 0,
     progress=None,
+    executes: bool = True,
   ):
     """`lost_devices`: {device: IslandLost} of the lost islands (the dispatcher's): a work whose
     input was deleted with one of them fails with its IslandLost. `launch_window`: see the
     module doc (serialized execution needs none: each item runs to completion). `progress`:
-    called with no lock held whenever an item has finished (the policy places held work)."""
+    called with no lock held whenever an item has finished (the policy places held work).
+    `executes`: its computations are the process's execution, whose running times
+    backend/progress.py tells (False: transfers between processes, waits on a peer)."""
     self.name = name
     self.trace = trace
     self.serial = serial
@@ -189,6 +197,7 @@ class IslandScheduler:
     self.published: dict[str, Any] = {}  # name -> the newest value published here
     self.clock = IslandClock(window=self.queue.window)  # its busy time, priority's apart
     self.progress = progress
+    self.runs = IslandRuns(name) if executes else None  # what runs now (backend/progress.py)
     self._lost_devices = {} if lost_devices is None else lost_devices
     self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
     # Unserialized: when each launched computation finishes (its trace event's end, the clock,
@@ -241,6 +250,7 @@ class IslandScheduler:
         launched = time.perf_counter()
         if event is not None:
           event.launch = self.trace.now()
+        self._launched(work, _not_ready(values))
         with jax.profiler.TraceAnnotation(work.name):  # the node's name in a profiler trace
           result = work.launch(*values)
         self.watcher.watch(
@@ -255,6 +265,7 @@ class IslandScheduler:
           launched = time.perf_counter()
           if event is not None:
             event.launch = self.trace.now()
+          self._launched(work)
           with jax.profiler.TraceAnnotation(work.name):
             result = work.launch(*values)
             block_ready(result)
@@ -286,6 +297,8 @@ class IslandScheduler:
     event = work.event if self._record else None
 
     def ready() -> None:
+      if self.runs is not None:
+        self.runs.end(id(work))
       now = time.perf_counter()
       self.clock.add(work.priority, max(now - max(launched, self._last_done), 0.0), work)
       self._last_done = now
@@ -294,8 +307,15 @@ class IslandScheduler:
 
     return ready
 
+  def _launched(self, work: Work, awaits: list = ()) -> None:
+    """`work` is launched, its inputs there but `awaits`: its running time begins."""
+    if self.runs is not None:
+      self.runs.launched(id(work), work.name, awaits)
+
   def _finished_callback(self, work: Work):
     def finished() -> None:
+      if self.runs is not None:
+        self.runs.end(id(work))
       self.queue.finished(work)
       if self.progress is not None:
         self.progress()
@@ -351,6 +371,16 @@ class IslandScheduler:
 
 
 WATCHED = "watched"  # IslandScheduler._run: the watcher finishes the item
+
+
+def _not_ready(values) -> list:
+  """The arrays among `values` (a computation's inputs, at its launch) whose data has not
+  arrived yet: a pulled input, or an earlier computation's output."""
+  return [
+    x
+    for x in here_only(values)
+    if isinstance(x, jax.Array) and not x.is_deleted() and not x.is_ready()
+  ]
 
 
 def _output(result, index: int):
