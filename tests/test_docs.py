@@ -6,7 +6,11 @@
   the module defines, `--config=` names a config file of the repository, and every
   `--config.<key>=` override names a key of that config;
 - the README stays a front page (at most README_LINES lines) that shows the CI's test command,
-  relative links point to files that exist, and nothing mentions `../shared`.
+  relative links point to files that exist, and nothing mentions `../shared`;
+- the measured figures of README's Faults section and of docs/reliability.md's table of faults by
+  mode are docs/benchmarks.md's: each is followed by a link to a benchmarks.md section that gives
+  it, so a figure copied by hand and left stale fails; every cell of that table gives a measured
+  cost or says it is not measured.
 
 Nothing here trains or touches a device: commands are read, not run.
 """
@@ -468,3 +472,126 @@ def test_architecture_layers_match_test_layers():
   assert documented == tuple(tuple(layer) for layer in LAYERS), (
     "docs/architecture.md's layer table differs from tests/test_layers.py's LAYERS"
   )
+
+
+# -- measured figures come from docs/benchmarks.md ---------------------------------------------
+
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+# A figure is a number with a decimal point (counts and settings in these texts are whole).
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?!\d)")
+SOURCE = re.compile(r"\]\([^)\s]*benchmarks\.md#([^)\s]+)\)")
+FAULTS = ("killed", "stopped", "wedged", "disk full", "peer lost mid-transfer")
+MODES = (
+  "embedded",
+  "remote",
+  "distributed, under `pwtrain.launch`",
+  "distributed, started by hand",
+)
+
+
+def _no_code(text: str) -> str:
+  return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def section(text: str, anchor: str) -> str:
+  """The text under the heading whose GitHub anchor is `anchor`, up to the next heading of its
+  level or above (its subsections included); '' if there is none."""
+  lines, found, level, inside = text.splitlines(), None, 0, False
+  for i, line in enumerate(lines):
+    inside = inside != line.startswith("```")
+    heading = None if inside else re.match(r"(#+) (.+)$", line)
+    if heading and found is not None and len(heading.group(1)) <= level:
+      return "\n".join(lines[found:i])
+    if heading and found is None and anchors(line) == {anchor}:
+      found, level = i + 1, len(heading.group(1))
+  return "\n".join(lines[found:]) if found is not None else ""
+
+
+def chunks(text: str) -> list[str]:
+  """Paragraphs of `text`, with each cell of a table row a chunk of its own; code left out."""
+  out = []
+  for paragraph in re.split(r"\n\s*\n", _no_code(text)):
+    if paragraph.lstrip().startswith("|"):
+      out.extend(cell for row in paragraph.splitlines() for cell in _cells(row))
+    else:
+      out.append(paragraph)
+  return out
+
+
+def sourced_figures(text: str) -> list[tuple[str, str | None]]:
+  """(figure, anchor) for every figure of `text`: the anchor of the first link to a section of
+  docs/benchmarks.md that follows it in its paragraph or table cell, or None if none does."""
+  out = []
+  for chunk in chunks(text):
+    links = [(m.start(), m.group(1)) for m in SOURCE.finditer(chunk)]
+    for figure in FIGURE.finditer(chunk):
+      after = [anchor for start, anchor in links if start > figure.start()]
+      out.append((figure.group(), after[0] if after else None))
+  return out
+
+
+def unsourced(text: str, benchmarks: str) -> list[str]:
+  """The figures of `text` that no following link to a benchmarks.md section gives."""
+  wrong = []
+  for figure, anchor in sourced_figures(text):
+    if anchor is None:
+      wrong.append(f"{figure}: no link to the benchmarks.md section that gives it follows it")
+      continue
+    given = section(benchmarks, anchor)
+    if not re.search(rf"(?<![\w.]){re.escape(figure)}(?!\d)", given):
+      wrong.append(f"{figure}: not in benchmarks.md#{anchor}, which its link names")
+  return wrong
+
+
+def _section_of(path, heading: str) -> str:
+  text = section(_text(path), next(iter(anchors(heading))))
+  assert text, f"{_name(path)} has no section {heading!r}"
+  return text
+
+
+@pytest.mark.parametrize(
+  ("path", "heading"),
+  [(README, "## Faults"), (REPO / "docs" / "reliability.md", "## Faults by mode")],
+  ids=lambda x: _name(x) if isinstance(x, pathlib.Path) else x,
+)
+def test_fault_figures_are_those_of_benchmarks_md(path, heading):
+  text = _section_of(path, heading)
+  assert len(sourced_figures(text)) >= 8, f"{_name(path)} {heading!r} gives the measured figures"
+  wrong = unsourced(text, _text(BENCHMARKS))
+  assert not wrong, f"{_name(path)} {heading!r}: " + "; ".join(wrong)
+
+
+def test_the_fault_table_gives_every_fault_by_mode_measured_or_not():
+  text = _section_of(REPO / "docs" / "reliability.md", "## Faults by mode")
+  rows = [_cells(line) for line in text.splitlines() if line.startswith("|")]
+  header, body = rows[0], rows[2:]
+  assert header[0] == "fault" and all(
+    cell.startswith(mode) for cell, mode in zip(header[1:], MODES, strict=True)
+  ), header
+  assert [row[0].split(" (")[0] for row in body] == list(FAULTS), [row[0] for row in body]
+  vague = [
+    f"{row[0]!r} / {mode!r}"
+    for row in body
+    for mode, cell in zip(MODES, row[1:], strict=True)
+    if "benchmarks.md#" not in cell and "not measured" not in cell.lower()
+  ]
+  assert not vague, f"cells with neither a measured cost nor 'not measured': {vague}"
+
+
+def test_a_stale_or_unlinked_figure_is_found():
+  benchmarks = (
+    "# B\n\n## Faults\n\n| a | 0.19 s |\n\n```\n## 7.25 in code\n```\n\n## Other\n\n3.5 s\n"
+  )
+  assert section(benchmarks, "faults").strip().startswith("| a | 0.19 s |")
+  assert "3.5" not in section(benchmarks, "faults")
+  link = "([b](docs/benchmarks.md#faults))"
+  assert unsourced(f"cost 0.19 s {link}", benchmarks) == []
+  assert unsourced(f"| 0.19 s {link} | 0.19 s |", benchmarks) == [
+    "0.19: no link to the benchmarks.md section that gives it follows it"
+  ]
+  assert unsourced(f"cost 0.20 s {link}", benchmarks) == [
+    "0.20: not in benchmarks.md#faults, which its link names"
+  ]
+  assert unsourced(f"cost 3.5 s {link}", benchmarks)  # in another section
+  assert unsourced(f"cost 0.19 s\n\nthe link later {link}", benchmarks)  # another paragraph
+  assert unsourced(f"cost 10.19 s {link}", benchmarks)  # a number is matched whole
