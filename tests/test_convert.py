@@ -280,14 +280,16 @@ def _edit_json(path, **changes):
   path.write_text(json.dumps(data))
 
 
-def _stop_token(model, directory):
-  """A token transformers' greedy continuation of PROMPT reaches at its 6th step or later, not
-  before it, and not the EOS (2): an EOS of a list that stops generation there."""
+def _stop_tokens(model, directory) -> tuple[int, int]:
+  """(reached, unreached): a token transformers' greedy continuation of PROMPT reaches at its
+  6th step or later, not before it, and not the EOS (2), which an EOS list makes a stop there;
+  and an ordinary token it never reaches, which as a stop changes nothing."""
   tok = transformers.AutoTokenizer.from_pretrained(directory)
   with torch.no_grad():
     out = model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=32, do_sample=False)
   new = out[0, -32:].tolist()
-  return next(t for i, t in enumerate(new) if i >= 5 and t != 2 and t not in new[:i])
+  reached = next(t for i, t in enumerate(new) if i >= 5 and t != 2 and t not in new[:i])
+  return reached, next(t for t in range(3, len(tok)) if t not in new)
 
 
 @pytest.fixture(scope="module")
@@ -296,9 +298,10 @@ def variants(tmp_path_factory):
   models: {name: (HF dir, the model transformers loads from it, the run imported from it)}.
 
   gemma2: hidden_activation "gelu" (exact GELU) and no soft-cap keys (transformers: 50 and 30).
-  llama: head_dim 24 (not d_model / heads = 16), no `architectures` (model_type only), and an
-  eos_token_id list [2, t] in config.json and generation_config.json, t a token its greedy
-  continuation reaches."""
+  llama: head_dim 24 (not d_model / heads = 16), no `architectures` (model_type only), and
+  eos_token_id lists that differ: [2, t] in generation_config.json (which transformers' generate
+  reads), t a token its greedy continuation reaches, and [2, u] in config.json, u one it never
+  reaches (so a run that read config.json's list would not stop at t)."""
   out = {}
   for name, more in (("gemma2", dict(hidden_activation="gelu")), ("llama", dict(head_dim=24))):
     root = tmp_path_factory.mktemp(f"{name}_variant")
@@ -307,9 +310,9 @@ def variants(tmp_path_factory):
       _edit_json(root / "hf" / "config.json", attn_logit_softcapping=None,
                  final_logit_softcapping=None)  # fmt: skip
     else:
-      eos = [2, _stop_token(model, root / "hf")]
-      _edit_json(root / "hf" / "config.json", architectures=None, eos_token_id=eos)
-      _edit_json(root / "hf" / "generation_config.json", eos_token_id=eos)
+      reached, unreached = _stop_tokens(model, root / "hf")
+      _edit_json(root / "hf" / "config.json", architectures=None, eos_token_id=[2, unreached])
+      _edit_json(root / "hf" / "generation_config.json", eos_token_id=[2, reached])
     model = transformers.AutoModelForCausalLM.from_pretrained(
       root / "hf", attn_implementation="eager"
     ).eval()
@@ -334,10 +337,11 @@ def test_what_config_json_leaves_out_runs_as_transformers_runs_it(variants, name
 
 def test_generation_stops_at_every_eos_of_the_list(variants):
   """An eos_token_id list (Llama 3's): `pwtrain.sample` stops where transformers' generate stops,
-  at the list's second id, which the import carried as data.stop_tokens."""
+  at generation_config.json's list's second id (config.json's list is another), which the
+  import carried as data.stop_tokens."""
   hf_dir, model, run = variants["llama"]
   config = sample_lib.load_config(None, str(run))
-  stop = json.loads((hf_dir / "config.json").read_text())["eos_token_id"][1]
+  stop = json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"][1]
   tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
   assert list(config.data.stop_tokens) == [tok.convert_ids_to_tokens(stop)]
   (ours,) = sample_lib.sample(
@@ -359,7 +363,8 @@ def _greedy(model, tok) -> tuple:
 
 def test_serving_stops_at_every_eos_of_the_list(variants):
   """Served greedily (pwtrain.serve, on loopback), the Llama variant's completion ends where
-  transformers' generate ends, at the eos_token_id list's second id: finish_reason "stop"."""
+  transformers' generate ends, at generation_config.json's eos_token_id list's second id (not
+  config.json's list's): finish_reason "stop"."""
   import httpx
 
   from pwtrain import serve
@@ -378,6 +383,32 @@ def test_serving_stops_at_every_eos_of_the_list(variants):
   assert len(theirs) < 32, theirs
   assert out["choices"][0]["finish_reason"] == "stop", out
   assert out["usage"]["completion_tokens"] == len(theirs), (out, theirs)
+
+
+@pytest.mark.parametrize("source", ["generation_config.json", "config.json"])
+def test_the_stop_list_is_the_one_transformers_generate_reads(variants, tmp_path, source):
+  """The EOS list in one file only: generation_config.json's with config.json's eos_token_id a
+  single id, or config.json's with no generation_config.json. data.stop_tokens holds the ids of
+  the list transformers' generate reads (the model's generation_config) besides the EOS."""
+  import shutil
+
+  from pwtrain.convert import tokenizer_files
+
+  hf_dir = tmp_path / "hf"
+  shutil.copytree(variants["llama"][0], hf_dir)
+  stop = json.loads((hf_dir / "generation_config.json").read_text())["eos_token_id"][1]
+  if source == "config.json":
+    (hf_dir / "generation_config.json").unlink()
+    _edit_json(hf_dir / "config.json", eos_token_id=[2, stop])
+  else:
+    _edit_json(hf_dir / "config.json", eos_token_id=2)
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+  assert model.generation_config.eos_token_id == [2, stop]
+  config = json.loads((hf_dir / "config.json").read_text())
+  keys = tokenizer_files.check(str(hf_dir), config, config["vocab_size"])
+  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  assert keys["data.eos_token"] == tok.convert_ids_to_tokens(2)
+  assert list(keys["data.stop_tokens"]) == [tok.convert_ids_to_tokens(stop)]
 
 
 def test_an_exact_gelu_export_loads_in_transformers_as_imported(variants, tmp_path):

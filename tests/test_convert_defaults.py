@@ -178,6 +178,18 @@ REFUSED = {
     dict(architectures=["GemmaForCausalLM"], model_type="gemma", tie_word_embeddings=False),
     "tie_word_embeddings=False",
   ),
+  "bidirectional attention": (
+    dict(use_bidirectional_attention=True),
+    "use_bidirectional_attention=True",
+  ),
+  "gemma2 window null": (
+    dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=None),
+    "sliding_window=None",
+  ),
+  "gemma2 window 0": (
+    dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=0),
+    "sliding_window=0",
+  ),
 }
 
 
@@ -188,6 +200,30 @@ def test_an_unsupported_setting_is_refused_in_one_line_naming_the_key(how):
     hf_config.model_keys({**LLAMA, **change}, "/ckpt/config.json")
   message = str(refused.value)
   assert "\n" not in message and "/ckpt/config.json" in message and key in message, message
+
+
+# config.json's bytes that are not a Hugging Face config -> what the one line must say
+NOT_A_CONFIG = {
+  "a JSON list": (b'[{"architectures": ["LlamaForCausalLM"]}]', "is not a JSON object"),
+  "a JSON string": (b'"LlamaForCausalLM"', "is not a JSON object"),
+  "not UTF-8": (
+    '{"architectures": ["LlamaForCausalLM"], "name": "caf\xe9"}'.encode("latin-1"),
+    "UTF-8",
+  ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(NOT_A_CONFIG))
+def test_a_config_json_that_is_not_a_config_object_is_one_line_naming_the_file(tmp_path, how):
+  """Valid JSON that is not an object, and bytes that are not UTF-8, are refused as the import
+  reads them (hf_config.read_json, then model_keys): one line naming the file, no traceback."""
+  content, says = NOT_A_CONFIG[how]
+  path = tmp_path / "config.json"
+  path.write_bytes(content)
+  with pytest.raises(UserError) as refused:
+    hf_config.model_keys(hf_config.read_json(str(path)), str(path))
+  message = str(refused.value)
+  assert "\n" not in message and message.startswith(f"{path} ") and says in message, message
 
 
 def test_model_type_names_the_architecture_without_architectures(tmp_path):

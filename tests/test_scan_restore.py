@@ -1,14 +1,14 @@
 """A checkpoint written unrolled restores into a scanned model (`model.scan_layers=True`), and
-the other way, under every optimizer with a state: checkpoints hold the layers unrolled, and
-the conversion covers what each optimizer keeps per parameter (Adafactor's shared (1,)
-placeholders beside its per-layer statistics; AdamW's moments)."""
+the other way, under every optimizer (optim.OPTIMIZERS): checkpoints hold the layers unrolled,
+and the conversion covers what each optimizer keeps per parameter (Adafactor's shared (1,)
+placeholders beside its per-layer statistics; AdamW's moments; SGD's momentum trace)."""
 
 import jax
 import numpy as np
 import pytest
 from helpers import assert_close, random_batches, tiny_test_config
 
-from pwtrain import restore
+from pwtrain import optim, restore
 from pwtrain.checkpoint import Checkpointer
 from pwtrain.harness import Harness
 
@@ -24,7 +24,7 @@ def _equal(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adafactor", "adamw"])
+@pytest.mark.parametrize("optimizer", optim.OPTIMIZERS)
 def test_a_checkpoint_restores_scanned_or_unrolled_whichever_wrote_it(optimizer, tmp_path):
   """Step 1 unrolled, saved; restored scanned, the same state (bitwise, in the checkpoint's
   layout) and step 2 the unrolled run's; saved scanned, restored unrolled alike for step 3.
