@@ -19,6 +19,12 @@ ago than the last ordinary item took: a client such as the serving engine comes 
 that), ordinary work keeps to a window of 1, so that priority work waits at most for the one
 item running; priority work itself still has the whole window, and launches behind it.
 
+A transfer of a program's input onto the island (a step's batch: `Work.begins=False`) waits on
+no other work: it is launched outside the window, as soon as it reaches the head of the queue,
+and taking it does not begin its program, so priority work may still go ahead of the program's
+computations (were it counted, the batch of the step after the running one would take the
+window's second place and make that step begun, and a priority program would wait for both).
+
 Published values. A node's outputs may be published when it launches (`Work.publishes`), and a
 node may read, as an argument, the newest value published under a name on its island
 (`program.Latest`), resolved when it launches. Both happen on the island's thread, in queue
@@ -59,7 +65,9 @@ class Work:
   (policy.py); `priority`: a priority client's (its time is counted apart: IslandClock), and
   `reserved` the seconds it is expected to take, counted against that client's share until it
   finishes; `publishes`: (name, output index or None for the whole result) to publish when it
-  launches."""
+  launches. `begins=False`: a transfer of one of its program's inputs onto the island (a step's
+  batch), which reads no node of the program: taking it does not begin the program (`taken`),
+  so a priority program may still be placed ahead of the program's other work."""
 
   name: str
   launch: Any
@@ -71,23 +79,26 @@ class Work:
   order: tuple = ()
   priority: bool = False
   publishes: tuple = ()
+  begins: bool = True
   reserved: float = 0.0
 
 
 class OrderedQueue:
   """The island's queue: items sorted by `Work.order`; `put` appends (ordinary work comes in
   order), `insert` places an item at its order. Holding `lock`, a caller may read `taken` (the
-  order of the last item handed to the scheduler) and `idle`, and insert consistently with them.
+  order of the last item handed to the scheduler that begins its program: `Work.begins`) and
+  `idle`, and insert consistently with them.
 
   `window` (0: no bound): computing items are handed out only while fewer than that many are
-  in flight (handed out and not yet `finished`)."""
+  in flight (handed out and not yet `finished`); items that do not begin their program
+  (`Work.begins`) are outside the window."""
 
   def __init__(self, window: int = 0):
     self.lock = threading.Condition()
     self._items: list = []
     self.taken: tuple = ()
     self.window = window
-    self.in_flight = {False: 0, True: 0}  # computing items handed out, not finished, by priority
+    self.in_flight = {False: 0, True: 0}  # windowed items handed out, not finished, by priority
     self._started: dict[int, float] = {}  # id(ordinary item in flight) -> when it was handed out
     self._ordinary_s = 0.0  # how long the last ordinary item took, from hand-out to its end
     self._priority_end = -float("inf")  # when the last priority item finished
@@ -111,16 +122,16 @@ class OrderedQueue:
         self.lock.wait(self._quiet_in())
       work = self._items.pop(0)
       if work is not None:
-        if work.order:
+        if work.order and work.begins:
           self.taken = work.order
-        if work.computes:
+        if _windowed(work):
           self.in_flight[work.priority] += 1
           if not work.priority:
             self._started[id(work)] = time.monotonic()
       return work
 
   def _room_for(self, work) -> bool:
-    if work is None or not work.computes or not self.window:
+    if work is None or not _windowed(work) or not self.window:
       return True
     window = self.window if work.priority or not self._priority_about() else 1
     return sum(self.in_flight.values()) < window
@@ -147,7 +158,8 @@ class OrderedQueue:
   def finished(self, work) -> None:
     """A computing item handed out has finished (or failed, or was never launched)."""
     with self.lock:
-      self.in_flight[work.priority] -= 1
+      if _windowed(work):
+        self.in_flight[work.priority] -= 1
       now = time.monotonic()
       if work.priority:
         self._priority_end = now
@@ -356,6 +368,12 @@ WATCHED = "watched"  # IslandScheduler._run: the watcher finishes the item
 def _output(result, index: int):
   """Output `index` of a node's result (a tuple when it has several)."""
   return result[index] if isinstance(result, tuple) else result
+
+
+def _windowed(work) -> bool:
+  """Whether `work` counts in the launch window: a computation, not a transfer of its program's
+  inputs onto the island (which waits on no work: Work.begins)."""
+  return work.computes and work.begins
 
 
 def _order(work) -> tuple:
