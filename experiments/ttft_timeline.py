@@ -23,7 +23,9 @@ nothing in pwtrain changes for this script.
 
 import argparse
 import collections
+import contextlib
 import itertools
+import os
 import statistics
 import tempfile
 import threading
@@ -165,13 +167,23 @@ class Hooks:
         stamps["step"] = step
         stamps["held"] = self.held.get(step)
     ordered = [self.requests[i] for i in self.order]
-    sent = sorted(records, key=lambda r: r["start"])
-    for stamps in ordered:  # the latest send before it arrived, answered after it arrived
-      before = [r for r in sent if r["start"] <= stamps["arrived"]]
-      if before and before[-1]["times"][0] >= stamps["arrived"]:
-        stamps["sent"] = before[-1]["start"]
-        stamps["received"] = before[-1]["times"][0]
-    return [s for s in ordered if all(k in s for k in STAGES)]
+    for stamps in ordered:  # the client's request: sent before it arrived, answered right after
+      if "given" not in stamps:
+        continue
+      fits = [
+        r
+        for r in records
+        if r["start"] <= stamps["arrived"] and r["times"][0] >= stamps["given"] - 0.001
+      ]
+      if fits:
+        best = min(fits, key=lambda r: r["times"][0] - stamps["given"])
+        stamps["sent"], stamps["received"] = best["start"], best["times"][0]
+    return [s for s in ordered if all(k in s for k in self.stages)]
+
+  @property
+  def stages(self) -> tuple:
+    """The stages measured: remote workers' queues have no `placed` here."""
+    return tuple(k for k in STAGES if k != "placed" or self.placed)
 
 
 def main():
@@ -180,18 +192,37 @@ def main():
   parser.add_argument("--seconds", type=float, default=15.0)
   parser.add_argument("--tokens", type=int, default=8)
   parser.add_argument("--path", choices=("serialized", "unserialized"), default="unserialized")
+  parser.add_argument("--remote", action="store_true", help="one worker process of 8 devices")
   parser.add_argument("--events", action="store_true", help="the island's nodes around each")
   parser.add_argument("--show", type=int, default=12, help="requests printed one by one")
+  parser.add_argument("--skip", type=int, default=0, help="requests left out of the print")
   args = parser.parse_args()
   force_host_devices(8)
-  from pwtrain import serve
   from pwtrain.backend import Trace
 
   config = bench_serve._config(path=args.path)
   trace = Trace(record_completion=True)
   hooks = Hooks(trace)
+  with contextlib.ExitStack() as stack:
+    if args.remote:
+      from pwtrain.backend.remote import auth, launcher
+
+      workers = stack.enter_context(launcher.launch([8]))
+      os.environ[auth.TOKEN_ENV] = workers.token
+      config.backend.mode, config.backend.workers = "remote", tuple(workers.addresses)
+    records, step_s, n = _run(args, config, trace, hooks)
+  _report(args, trace, hooks, records, step_s, n)
+
+
+def _run(args, config, trace, hooks):
+  """The clients' records, the training step time while they ran, and its steps."""
+  from pwtrain import serve
+  from pwtrain.harness import Harness
+
   workdir = tempfile.mkdtemp(prefix="ttft_timeline_")
-  with bench_serve._build(config, args, trace) as harness, serve.listening(config) as sock:
+  serialize = False if args.path == "unserialized" else None
+  build = dict(trace=trace) if args.remote else dict(trace=trace, serialize_execution=serialize)
+  with Harness.build(config, **build) as harness, serve.listening(config) as sock:
     hooks.hook_dispatcher(harness.controller._dispatcher)
     state = harness.init()
     with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
@@ -204,10 +235,14 @@ def main():
       end = time.monotonic()
       n, seconds = trainer.step_time(start, end)
       trainer.stop()
-  step_s = seconds / max(n, 1)
+  return records, seconds / max(n, 1), n
+
+
+def _report(args, trace, hooks, records, step_s, n):
+  stages = hooks.stages
   rows = hooks.timelines(records)
   print(f"{len(rows)} requests timed, training step {step_s:.3f} s ({n} steps)")
-  deltas = {f"{a}->{b}": [r[b] - r[a] for r in rows] for a, b in itertools.pairwise(STAGES)}
+  deltas = {f"{a}->{b}": [r[b] - r[a] for r in rows] for a, b in itertools.pairwise(stages)}
   deltas["ttft (client)"] = [r["received"] - r["sent"] for r in rows]
   for name, xs in deltas.items():
     xs = sorted(xs)
@@ -221,9 +256,9 @@ def main():
     (e for e in list(trace.events) if e.launch is not None and e.step not in hooks.steps),
     key=lambda e: e.launch,
   )
-  for r in rows[: args.show]:
+  for r in rows[args.skip : args.skip + args.show]:
     t0 = r["sent"]
-    parts = " ".join(f"{k[:4]}={(r[k] - t0) * 1e3:6.1f}" for k in STAGES[1:])
+    parts = " ".join(f"{k[:4]}={(r[k] - t0) * 1e3:6.1f}" for k in stages[1:])
     ran = [
       e.name
       for e in train_events
