@@ -236,18 +236,23 @@ def test_a_new_request_s_prefill_takes_the_last_place_in_flight(server):
   held = controller.run(Program((Node("hold", hold, ("x",)),), {"y": ("hold", 0)}), {"x": gate})
   body = {"prompt": "a", "max_tokens": 16, "temperature": 0}
   headers = {"Authorization": f"Bearer {TOKEN}"}
+  requests = lambda: {id(f.serves[0].completion) for f in list(engine._flights)}  # noqa: E731
   with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      first = pool.submit(list, streamed_chunks(http, body))
-      _wait(lambda: len(engine._flights) >= engine_lib.RUN_AHEAD - 1)
-      time.sleep(0.2)  # room for one more decode, were it allowed
-      second = pool.submit(list, streamed_chunks(http, body))
-      _wait(lambda: len({id(f.serves[0].completion) for f in list(engine._flights)}) == 2)
-      kinds = [len(f.serves) for f in engine._flights]
-      gate.set_result(jax.device_put(np.float32(0), sharding))
+      try:
+        first = pool.submit(list, streamed_chunks(http, body))
+        _wait(lambda: len(engine._flights) >= engine_lib.RUN_AHEAD - 1)
+        time.sleep(0.2)  # room for one more decode, were it allowed
+        second = pool.submit(list, streamed_chunks(http, body))
+        deadline = time.monotonic() + 10
+        while len(requests()) < 2 and time.monotonic() < deadline:
+          time.sleep(0.01)
+        in_flight = [len(f.serves) for f in engine._flights], len(requests())
+      finally:
+        gate.set_result(jax.device_put(np.float32(0), sharding))
       assert len(first.result()) == len(second.result()) == 16
   jax.block_until_ready(held["y"].result())
-  assert len(kinds) == engine_lib.RUN_AHEAD, kinds
+  assert in_flight == ([1, 1, 1, 1], 2), "the prefill waited for a decode in flight to run"
 
 
 def test_no_request_fails_because_of_another(server, monkeypatch):
