@@ -224,6 +224,39 @@ def test_while_priority_work_is_about_ordinary_work_keeps_to_a_window_of_one():
   assert _order(trace, "island0") == [3, 9, 4, 5, 6, 7, 8]
 
 
+def test_a_priority_program_goes_ahead_of_a_step_whose_batch_is_on_the_island():
+  """Unserialized, window 1: a long step runs, and a step whose batch is a host value is
+  dispatched behind it. Its batch's transfer is launched at once, outside the window (it waits
+  on no work), and does not begin its program: a priority program dispatched then runs before
+  that step's computation, after the one running (scheduler.Work.begins)."""
+  trace = Trace(record_completion=False)
+  with _controller("unserialized", max_inflight=8, trace=trace, launch_window=1) as controller:
+    long, x = _loop_program(controller, "island0", 2048)
+    short, _ = _loop_program(controller, "island0", 4)
+    (node,) = short.nodes
+    sharding = node.executable.compiled.input_shardings[0][0]
+    batched = Program(
+      (Transfer("batch", "b", "island0", sharding), Node("step", node.executable, (("batch", 0),))),
+      {"y": ("step", 0)},
+    )
+    b = np.eye(256, dtype=np.float32)
+    for program, inputs in ((long, {"x": x}), (batched, {"b": b})):  # compiled, warm
+      jax.block_until_ready(controller.run(program, inputs)["y"].result())
+    trace.events.clear()
+    outs = [controller.run(long, {"x": x}), controller.run(batched, {"b": b})]
+    queue = controller._dispatcher._schedulers["island0"].queue
+    deadline = time.monotonic() + 60
+    while len(queue) > 1:  # until the island has taken the batch's transfer
+      assert time.monotonic() < deadline, "the island never took the batch's transfer"
+      time.sleep(0.001)
+    assert not outs[0]["y"].result().is_ready(), "the batch's transfer waited in the window"
+    outs.append(controller.run(short, {"x": x}, priority=True))
+    for out in outs:
+      jax.block_until_ready(out["y"].result())
+  events = sorted((e for e in trace.events if e.island == "island0"), key=lambda e: e.launch)
+  assert [e.name for e in events] == ["loop2048", "batch", "loop4", "step"]
+
+
 def _greedy_share(path, share, seconds=3.0, warmup=0.5):
   """Island 0 under an ordinary client that runs ahead as a trainer does and a greedy priority
   client that keeps 4 programs in flight, as the serving engine does, both running the same

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -31,11 +32,15 @@ from helpers import (
   streamed_chunks,
   weights_step,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from prometheus_client.parser import text_string_to_metric_families
 
 from pwtrain import sample, serve, train
+from pwtrain.backend import Node, Program
 from pwtrain.data import ByteTokenizer
 from pwtrain.models.sampling import Sampling, next_token, pick
+from pwtrain.serve import engine as engine_lib
 from pwtrain.serve.text import TextStream
 
 TOKEN = "s3cret-token"
@@ -215,6 +220,39 @@ def test_a_full_queue_gets_429_and_a_client_that_leaves_frees_its_slots(server):
   assert re.search(r'^pwtrain_serve_requests_total\{code="429",path="/v1/completions"\} [1-9]',
                    metrics, re.M)  # fmt: skip
   assert re.search(r"^pwtrain_serve_cancelled_total [1-9]", metrics, re.M)
+
+
+def test_a_new_request_s_prefill_takes_the_last_place_in_flight(server):
+  """The island held (an ordinary program there waits for its input), a streamed completion's
+  programs stay in flight: its prefill and decodes, which leave the last place of RUN_AHEAD.
+  A second request's prefill takes that place at once, not after a decode in flight has run
+  (engine.py's loop: on a remote worker, only a few serving programs run between two steps)."""
+  engine, controller = server.engine, server.engine.controller
+  island = engine._pieces.layout.islands[0]
+  sharding = NamedSharding(Mesh(np.array(controller.cluster[island].devices), ("d",)), P())
+  arg = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)
+  hold = controller.compile("hold", lambda x: x + 1, island, (arg,), out_shardings=sharding)
+  gate = concurrent.futures.Future()
+  held = controller.run(Program((Node("hold", hold, ("x",)),), {"y": ("hold", 0)}), {"x": gate})
+  body = {"prompt": "a", "max_tokens": 16, "temperature": 0}
+  headers = {"Authorization": f"Bearer {TOKEN}"}
+  requests = lambda: {id(f.serves[0].completion) for f in list(engine._flights)}  # noqa: E731
+  with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      try:
+        first = pool.submit(list, streamed_chunks(http, body))
+        _wait(lambda: len(engine._flights) >= engine_lib.RUN_AHEAD - 1)
+        time.sleep(0.2)  # room for one more decode, were it allowed
+        second = pool.submit(list, streamed_chunks(http, body))
+        deadline = time.monotonic() + 10
+        while len(requests()) < 2 and time.monotonic() < deadline:
+          time.sleep(0.01)
+        in_flight = [len(f.serves) for f in engine._flights], len(requests())
+      finally:
+        gate.set_result(jax.device_put(np.float32(0), sharding))
+      assert len(first.result()) == len(second.result()) == 16
+  jax.block_until_ready(held["y"].result())
+  assert in_flight == ([1, 1, 1, 1], 2), "the prefill waited for a decode in flight to run"
 
 
 def test_no_request_fails_because_of_another(server, monkeypatch):

@@ -260,8 +260,8 @@ class LocalDispatcher:
         # (measured: 1F1B's sends of a gradient waited a whole backward). No deadlock: the
         # transfers before it in program order never wait on it.
         futures[node.name] = self._enqueue(
-          node.name, node.island, launch, args, step, after=self._last_cross,
-          placed=placed, publishes=publishes.get(node.name, ()),
+          node.name, node.island, launch, args, step, after=self._last_cross, placed=placed,
+          publishes=publishes.get(node.name, ()), begins=isinstance(node, Node) or not host_value,
         )  # fmt: skip
     if placed:
       self.policy.insert(placed, step)
@@ -370,20 +370,20 @@ class LocalDispatcher:
 
   def _enqueue(
     self, name, island, launch, args, step, scheduler=None, after=None, traced=True, computes=True,
-    placed=None, publishes=(),
+    placed=None, publishes=(), begins=True,
   ):  # fmt: skip
     """Queues a launch on `island`'s scheduler (or `scheduler`), to start once the future
     `after` (if any) is done; a future of its result. `computes=False`: an offer, a pull or a
     publication (scheduler.IslandScheduler). With `placed` (a list), the work is added to it for
-    the policy to place (policy.PriorityPolicy.insert). `publishes`: scheduler.Work's."""
+    the policy to place (policy.PriorityPolicy.insert). `publishes`, `begins`: scheduler.Work's."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     event = self.trace.add(name, island, step) if self.trace and traced else None
     scheduler = scheduler or self._schedulers[island]
-    work = Work(name, launch, args, out, event, after, computes, (step, 0), False, publishes)
+    w = Work(name, launch, args, out, event, after, computes, (step, 0), False, publishes, begins)
     if placed is not None:
-      placed.append((scheduler, work))
+      placed.append((scheduler, w))
     else:
-      scheduler.queue.put(work)
+      scheduler.queue.put(w)
     return out
 
   def close(self) -> None:

@@ -8,7 +8,8 @@ orders (gang scheduling).
 
   ordinary   a program joins the end of every island's queue, in dispatch order.
   priority   a program (Controller.run(priority=True); serving's prefill and decode) joins right
-             after the latest program that any of its islands has begun (taken work of), or
+             after the latest program that any of its islands has begun (taken work of, other
+             than a transfer of the program's inputs: scheduler.Work.begins), or
              after the client's previous priority program if that is later: ahead of every
              program queued behind that place on all of its islands, never ahead of work an
              island has already taken. A one-island program thus waits at most for the work

@@ -9,7 +9,8 @@ once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's l
      sequences take the free ones;
   2. while fewer than RUN_AHEAD programs are in flight: one prefill chunk (serve.prefill_chunk
      tokens) of each sequence still prefilling, then one decode step of every decoding
-     sequence (a token each);
+     sequence (a token each), in turn; decodes leave the last place to a prefill, so that a
+     new request's is dispatched as it comes, not after a decode in flight has run;
   3. the oldest program's tokens go to their clients, once it has run.
 
 Every program is one token boundary of the sequences it serves: a sequence joins the batch with
@@ -17,7 +18,7 @@ its prefill and leaves it at its last token (EOS, a stop string, max_tokens, or 
 gone), so a long completion never holds a short one up, and prefill is interleaved with
 decoding. Each slot's newest token stays on the device (pieces.py), so a decode is dispatched
 without waiting for the one before it: up to RUN_AHEAD programs queue on the islands at once,
-and a sequence that ends may have had up to RUN_AHEAD - 1 more tokens computed, then dropped.
+and a sequence that ends may have had up to RUN_AHEAD - 2 more tokens computed, then dropped.
 While training runs, the islands run these programs between training steps (policy.py), so
 run-ahead is what lets more than one token per slot go between two steps. The programs have
 the same shapes every time: nothing recompiles.
@@ -256,12 +257,11 @@ class Engine:
         seq.start()
 
   def _dispatch(self) -> bool:
-    """Dispatches the next program: a prefill chunk of the first sequence still prefilling or
-    a decode step of every decoding one, in turn while there are both; False if there is
-    nothing to run."""
+    """Dispatches the next program: a prefill chunk of the first sequence still prefilling or a
+    decode step of every decoding one (not into the last place in flight), in turn; False: none."""
     active = [s for s in self._slots if s is not None]
     prefilling = [s for s in active if s.prefilling]
-    decoding = [s for s in active if s.decoding]
+    decoding = [s for s in active if s.decoding] if len(self._flights) < RUN_AHEAD - 1 else []
     if prefilling and (self._prefill_next or not decoding):
       serves, dispatch = prefilling[:1], lambda: self._prefill(prefilling[0])
     elif decoding:
