@@ -42,10 +42,12 @@ log = logging.getLogger(__name__)
 SIMULATED_CPU_DEVICES = 8
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # XLA:CPU's reductions (and the elementwise operations fused with them) by XLA's own emitters,
-# not YNNPACK's (module doc). The flag exists from jaxlib 0.10.2 (where this was measured); an
-# XLA that does not know a flag stops the process, so older ones are not given it.
+# not YNNPACK's (module doc). Given only to the jaxlib releases where it was checked (0.10.2 and
+# later 0.10.x): an XLA that does not know a flag stops the process, and an experimental flag
+# may go; a later jaxlib gets it once checked again (tests/test_platforms.py fails until then).
 CPU_NUMERICS_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
 _CPU_NUMERICS_SINCE = (0, 10, 2)
+_CPU_NUMERICS_BEFORE = (0, 11, 0)
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # what JAX's hardware_utils looks for; its device ids name TPUs
 
 
@@ -66,7 +68,8 @@ def prepare(cpu_devices: int | None = None) -> None:
 
 def with_cpu_numerics(flags: str, jaxlib_version: str | None = None) -> str:
   """XLA_FLAGS `flags` with `CPU_NUMERICS_FLAG` added (module doc), unless they name that flag
-  already (the user's choice) or jaxlib (installed, or `jaxlib_version`) predates it."""
+  already (the user's choice) or jaxlib (installed, or `jaxlib_version`) is not one it was
+  checked with."""
   flag, flags = CPU_NUMERICS_FLAG.split("=")[0], " ".join(flags.split())
   if jaxlib_version is None:
     try:
@@ -74,7 +77,7 @@ def with_cpu_numerics(flags: str, jaxlib_version: str | None = None) -> str:
     except importlib.metadata.PackageNotFoundError:
       return flags
   release = tuple(int(x) for x in re.findall(r"\d+", jaxlib_version)[:3])
-  if flag in flags or release < _CPU_NUMERICS_SINCE:
+  if flag in flags or not _CPU_NUMERICS_SINCE <= release < _CPU_NUMERICS_BEFORE:
     return flags
   return f"{flags} {CPU_NUMERICS_FLAG}".strip()
 

@@ -95,13 +95,16 @@ def test_a_device_count_the_user_set_is_kept_and_a_workers_replaces_it(monkeypat
 
 def test_the_cpu_numerics_flag_is_added_unless_named_or_unknown_to_the_installed_xla():
   """XLA:CPU's reductions by XLA's own emitters (platforms.CPU_NUMERICS_FLAG): added to the
-  flags; a user's own setting of that flag kept; not given to a jaxlib older than 0.10.2, whose
-  XLA would stop at a flag it does not know."""
+  flags; a user's own setting of that flag kept; not given to a jaxlib outside 0.10.2-0.10.x, whose
+  XLA might stop at a flag it does not know."""
   flag = platforms.CPU_NUMERICS_FLAG
   assert platforms.with_cpu_numerics(" --a=1 ", "0.10.2") == f"--a=1 {flag}"
-  assert platforms.with_cpu_numerics("", "0.11.0.dev20270101") == flag
+  assert platforms.with_cpu_numerics("", "0.10.9") == flag
+  assert platforms.with_cpu_numerics("--a=1", "0.11.0") == "--a=1"  # not checked there yet
   own = "--xla_cpu_experimental_ynn_fusion_type=+reduce"
   assert platforms.with_cpu_numerics(own, "0.10.2") == own
   assert platforms.with_cpu_numerics("--a=1", "0.10.1") == "--a=1"
   assert platforms.with_cpu_numerics("--a=1", "0.7.0") == "--a=1"
-  assert flag in os.environ["XLA_FLAGS"]  # this process's (tests/conftest.py), as commands run
+  # This process's (tests/conftest.py), as commands run; fails on a jaxlib the flag was not
+  # checked with: measure there (experiments/rl_ops.py) and widen platforms' range.
+  assert flag in os.environ["XLA_FLAGS"], "CPU_NUMERICS_FLAG not checked with this jaxlib"
