@@ -23,10 +23,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def force_host_devices(num: int) -> None:
   """Makes XLA's CPU backend simulate `num` devices (replacing any device count already in
-  XLA_FLAGS) and selects the CPU platform unless JAX_PLATFORMS says otherwise. Must run before
-  JAX is imported."""
+  XLA_FLAGS), adds pwtrain's CPU numerics flag as its commands do (platforms.with_cpu_numerics)
+  and selects the CPU platform unless JAX_PLATFORMS says otherwise. Must run before JAX is
+  imported."""
+  from pwtrain import platforms  # imports no JAX
+
   flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num}".strip()
+  flags = f"{flags} --xla_force_host_platform_device_count={num}"
+  os.environ["XLA_FLAGS"] = platforms.with_cpu_numerics(flags)  # as pwtrain's commands run
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

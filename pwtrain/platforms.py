@@ -7,6 +7,17 @@ island worker) calls `prepare()` first, before JAX starts a backend:
   `--xla_force_host_platform_device_count`, added to XLA_FLAGS unless they set a count), so that
   islands, meshes and pipelines have devices to use on a host without an accelerator. An
   accelerator's backend ignores the flag.
+- XLA:CPU computes each operation one way in every program (`CPU_NUMERICS_FLAG`, added to
+  XLA_FLAGS unless they name that flag): XLA:CPU (jaxlib 0.10.2) hands a reduction to YNNPACK
+  together with the elementwise operations XLA fuses around it, and YNNPACK's rsqrt and
+  exp round differently from XLA's own in about a third of their float32 inputs (by one unit in
+  the last place). Which operations join a reduction's fusion depends on the program: a
+  LayerNorm's rsqrt sits inside the norm's fusion in a forward pass, but outside it in a
+  gradient program, whose backward pass reads it. So the same model gave other float32 logits
+  in a training step than in a forward pass of the same weights (up to 1.3e-5 at logits of 9.8
+  in docs/rl.md's toy policy); with reductions left to XLA's emitters they are bitwise equal
+  (docs/rl.md, "How far the sampler's and the trainer's log-probs are apart"). An accelerator's
+  backend ignores the flag.
 - JAX_PLATFORMS, when set, is the user's choice and is left alone.
 - Otherwise JAX initialises every backend it can, as it always does: a GPU wherever its plugin
   finds one (WSL2, Jetson and every other host included), a TPU, any other PJRT plugin. The one
@@ -21,6 +32,7 @@ device count, with "simulated" where the devices are the CPU's simulated ones.
 """
 
 import glob
+import importlib.metadata
 import logging
 import os
 import re
@@ -29,6 +41,13 @@ log = logging.getLogger(__name__)
 
 SIMULATED_CPU_DEVICES = 8
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+# XLA:CPU's reductions (and the elementwise operations fused with them) by XLA's own emitters,
+# not YNNPACK's (module doc). Given only to the jaxlib releases where it was checked (0.10.2 and
+# later 0.10.x): an XLA that does not know a flag stops the process, and an experimental flag
+# may go; a later jaxlib gets it once checked again (tests/test_platforms.py fails until then).
+CPU_NUMERICS_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+_CPU_NUMERICS_SINCE = (0, 10, 2)
+_CPU_NUMERICS_BEFORE = (0, 11, 0)
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # what JAX's hardware_utils looks for; its device ids name TPUs
 
 
@@ -41,9 +60,26 @@ def prepare(cpu_devices: int | None = None) -> None:
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", flags)
   if _COUNT_FLAG not in flags:
     count = cpu_devices or SIMULATED_CPU_DEVICES
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+    flags = f"{flags} {_COUNT_FLAG}={count}"
+  os.environ["XLA_FLAGS"] = with_cpu_numerics(flags)
   if skip_tpu(os.environ, libtpu_installed(), tpu_chips()):
     _unregister_tpu()
+
+
+def with_cpu_numerics(flags: str, jaxlib_version: str | None = None) -> str:
+  """XLA_FLAGS `flags` with `CPU_NUMERICS_FLAG` added (module doc), unless they name that flag
+  already (the user's choice) or jaxlib (installed, or `jaxlib_version`) is not one it was
+  checked with."""
+  flag, flags = CPU_NUMERICS_FLAG.split("=")[0], " ".join(flags.split())
+  if jaxlib_version is None:
+    try:
+      jaxlib_version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+      return flags
+  release = tuple(int(x) for x in re.findall(r"\d+", jaxlib_version)[:3])
+  if flag in flags or not _CPU_NUMERICS_SINCE <= release < _CPU_NUMERICS_BEFORE:
+    return flags
+  return f"{flags} {CPU_NUMERICS_FLAG}".strip()
 
 
 def skip_tpu(environ, libtpu: bool, chips: int) -> bool:

@@ -3,6 +3,8 @@
 import os
 import tempfile
 
+from pwtrain import platforms  # imports no JAX
+
 # XLA:CPU's LLVM passes at their lowest level (the HLO passes, fusion and layouts included, run
 # as always): the tests' programs are tiny, so compiling is most of their time (~40% less at
 # level 0). Every process the tests start inherits the flag, so the programs compared bitwise
@@ -11,11 +13,13 @@ import tempfile
 # splitting them costs more than it saves (~18% of a pods test), and the suite's two workers
 # (pytest-xdist, pyproject.toml) and the processes tests start share two cores. Every process
 # sums in the same order, so runs stay comparable bitwise across processes.
-os.environ["XLA_FLAGS"] = (
+# XLA:CPU's reductions by XLA's own emitters, as every pwtrain command runs them
+# (platforms.with_cpu_numerics: one float32 result per operation in every program).
+os.environ["XLA_FLAGS"] = platforms.with_cpu_numerics(
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
   + " --xla_cpu_multi_thread_eigen=false"
-).strip()
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU runs a process's matmuls on a thread pool of max($NPROC or the cores, devices) threads,
 # and how Eigen splits a long contraction (a weight gradient over many tokens) between threads

@@ -242,6 +242,24 @@ def test_rollout_log_probs_equal_the_trainer_s_recomputation(rollouts):
     assert np.abs(mine - batch["behavior_logprobs"])[completion].max() <= 1e-5
 
 
+def test_the_training_step_s_log_probs_equal_a_forward_pass_s_bitwise(rollouts):
+  """The log-probs GRPO computes inside the training step's gradient program equal those of a
+  forward pass of the same params compiled alone, bitwise: the step's logprob_mismatch_max is 0
+  against them. Holds because XLA:CPU computes each operation one way in every program
+  (platforms.CPU_NUMERICS_FLAG; without it a LayerNorm's rsqrt is YNNPACK's in the forward pass
+  and XLA's in the gradient program, and logits differ by float rounding)."""
+  config, made, params, objective = rollouts
+  fns = step_lib.model_fns(config.model, config.moe)
+  batch = dict(made[0][0])
+  targets = jnp.asarray(batch["targets"])
+  forward = jax.jit(lambda p, x, t: objective.logprobs(fns.module(p)(x), t))
+  batch["behavior_logprobs"] = np.asarray(forward(params, jnp.asarray(batch["inputs"]), targets))
+  grads = jax.jit(step_lib.loss_and_grads(fns, objective=objective))
+  _, stats = grads(params, {k: jnp.asarray(batch[k]) for k in objective.columns})
+  assert float(stats["tokens"]) > 0
+  assert float(stats["mismatch_max"]) == 0.0
+
+
 def test_the_objective_s_ids_are_part_of_what_a_saved_build_is_keyed_by():
   """The ids the trainer's log-probs keep (objectives.make's num_tokens, from the run's tokenizer,
   not a config key) change the step's program, so a saved build of one is not loaded for
