@@ -158,13 +158,14 @@ def test_pod_0_killed_while_pod_1_rejoins_restarts_the_run_from_the_checkpoint(t
   reader.start()
   try:
     deadline = time.monotonic() + 300
+    pid = None  # process 0's, the first attempt's: found once, the kill waits on nothing else
     while not killed and time.monotonic() < deadline and run.poll() is None:
+      pid = pid or _process(run, 0)()
       steps = {row["step"] for row in metrics_rows(tmp_path, running=True) if "loss" in row}
-      pid = _process(run, 0)()
       if 6 in steps and pid and _compiled_again(tmp_path / "launch" / "process1.log"):
         os.kill(pid, signal.SIGKILL)
         killed.update(pid=pid, rejoined=any("pod 1 rejoined" in line for line in lines))
-      time.sleep(0.05)
+      time.sleep(0.02)
     run.wait(timeout=300)
   finally:
     if run.poll() is None:
