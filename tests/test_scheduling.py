@@ -310,6 +310,28 @@ def test_the_share_holds_under_a_greedy_priority_client(path):
   assert share / 3 < measured < share + 0.1, (measured, counts)
 
 
+def test_held_priority_work_is_placed_once_a_publication_leaves_the_island_idle(cluster):
+  """A priority program held back for its share (island busy, balance spent) is placed once
+  the island is idle: also when the last item to leave it is a publication (ordinary work that
+  computes nothing), as when serving waits for the weights it restarts on."""
+  with Controller(cluster, max_inflight=8) as controller:
+    controller.set_priority_share(0.01)  # ordinary seconds earn a hundredth of themselves
+    add = _compile(controller, cluster, "island0", lambda x: x + 1, "add")
+    x = jax.device_put(np.zeros(4, np.float32), _sharding(cluster, "island0"))
+    jax.block_until_ready(controller.run(_one(add, "ordinary"), {"x": x})["y"].result())
+    jax.block_until_ready(controller.run(_one(add, "p"), {"x": x}, priority=True)["y"].result())
+    assert not controller._dispatcher._schedulers["island0"].clock.may_go_ahead()  # spent
+    gate = concurrent.futures.Future()
+    held = controller.run(_one(add, "held"), {"x": gate})  # taken, waits for gate
+    _wait_taken(controller, "island0")
+    published = controller.publish("island0", "w", x)  # queued behind it
+    urgent = controller.run(_one(add, "p"), {"x": x}, priority=True)  # held: island busy
+    gate.set_result(x)
+    published.result(timeout=30)
+    jax.block_until_ready(held["y"].result(timeout=30))
+    assert urgent["y"].result(timeout=30) is not None, "held behind an idle island"
+
+
 def test_the_balance_counts_priority_work_in_flight_and_charges_each_item_in_full():
   """The island clock at share 0.25 (ordinary seconds earn a third of themselves): a priority
   node placed and not finished counts against the balance at its last run time, so a second

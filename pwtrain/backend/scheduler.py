@@ -116,6 +116,8 @@ class IslandScheduler:
       finally:
         if work.computes and outcome is not WATCHED:  # ran to completion, failed or never ran
           self._finished(work, outcome)
+        elif not work.computes and self.progress is not None:
+          self.progress()  # the island may be idle now: held priority work may be placed
 
   def _run(self, work: Work):
     """Launches `work`: WATCHED (the watcher finishes it), the seconds it ran to completion
