@@ -21,6 +21,7 @@ from signals import Kill, Killer
 
 from pwtrain import harness as harness_lib
 from pwtrain import train
+from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.errors import ConfigError
 from pwtrain.goodput import Goodput
@@ -263,11 +264,14 @@ def test_steps_slower_while_pods_are_lost_are_degraded_badput(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["returns", "refuses"])
 def test_a_drop_found_while_its_step_was_dispatched_stalls_from_the_dispatchs_start(
-  tmp_path, caplog, monkeypatch
+  dispatch, tmp_path, caplog, monkeypatch
 ):
   """Step 3's dispatch waits 1 s (as a remote dispatch waits on a silent worker until it is
-  lost: here a delay before the real Harness.step) and pod 1 is lost while it runs: the drop
+  lost: here a delay before the real Harness.step), and pod 1 is lost: `returns`, while the
+  step runs (the drill `kill:pod1@mid3`); `refuses`, at the end of the wait, and the dispatch
+  fails with IslandLost (as a remote dispatch to a lost worker does). Either way the drop
   line's stall counts from when that dispatch began (the steps before it confirmed first,
   `backend.max_inflight_steps=0`), so it holds the wait, not 0."""
   real, waited = harness_lib.Harness.step, []
@@ -276,12 +280,17 @@ def test_a_drop_found_while_its_step_was_dispatched_stalls_from_the_dispatchs_st
     if step == 2 and not waited:  # its first run only, not its run again after the drop
       waited.append(step)
       time.sleep(1.0)
+      if dispatch == "refuses":
+        island = self.plan.islands[1].name
+        self.controller.lose(island, "silent")
+        raise IslandLost(island, "silent")
     return real(self, state, batch, step, **kwargs)
 
   monkeypatch.setattr(harness_lib.Harness, "step", waits)
+  inject = "kill:pod1@mid3" if dispatch == "returns" else ""
   config = small_config(
     **{**THREE_PODS, "train.num_steps": 4, "backend.max_inflight_steps": 0},
-    **{"fault.elastic": True, "fault.inject": "kill:pod1@mid3"},
+    **{"fault.elastic": True, "fault.inject": inject},
   )
   with caplog.at_level(logging.WARNING, logger="pwtrain"):
     result = train.run(config, str(tmp_path), show_progress=False)
