@@ -19,7 +19,9 @@ import pytest
 from helpers import SGD, assert_close, assert_trees_close, metrics_rows, small_config
 from signals import Kill, Killer
 
+from pwtrain import harness as harness_lib
 from pwtrain import train
+from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.remote import auth, launcher
 from pwtrain.errors import ConfigError
 from pwtrain.goodput import Goodput
@@ -259,6 +261,46 @@ def test_steps_slower_while_pods_are_lost_are_degraded_badput(tmp_path):
   interval(7, [2, 3], now=11.0)  # 1 s a step: nothing more
   assert goodput.badput["degraded"] == 1.0
   logger.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["returns", "refuses"])
+def test_a_drop_found_while_its_step_was_dispatched_stalls_from_the_dispatchs_start(
+  dispatch, tmp_path, caplog, monkeypatch
+):
+  """Step 3's dispatch waits 1 s (as a remote dispatch waits on a silent worker until it is
+  lost: here a delay before the real Harness.step), and pod 1 is lost: `returns`, while the
+  step runs (the drill `kill:pod1@mid3`); `refuses`, at the end of the wait, and the dispatch
+  fails with IslandLost (as a remote dispatch to a lost worker does). Either way the drop
+  line's stall counts from when that dispatch began (the steps before it confirmed first,
+  `backend.max_inflight_steps=0`), so it holds the wait, not 0."""
+  real, waited = harness_lib.Harness.step, []
+
+  def waits(self, state, batch, step, **kwargs):
+    if step == 2 and not waited:  # its first run only, not its run again after the drop
+      waited.append(step)
+      time.sleep(1.0)
+      if dispatch == "refuses":
+        island = self.plan.islands[1].name
+        self.controller.lose(island, "silent")
+        raise IslandLost(island, "silent")
+    return real(self, state, batch, step, **kwargs)
+
+  monkeypatch.setattr(harness_lib.Harness, "step", waits)
+  inject = "kill:pod1@mid3" if dispatch == "returns" else ""
+  config = small_config(
+    **{**THREE_PODS, "train.num_steps": 4, "backend.max_inflight_steps": 0},
+    **{"fault.elastic": True, "fault.inject": inject},
+  )
+  with caplog.at_level(logging.WARNING, logger="pwtrain"):
+    result = train.run(config, str(tmp_path), show_progress=False)
+  assert result.final_step == 4 and waited == [2]
+  (stall,) = [
+    float(m.group(1))
+    for r in caplog.records
+    if (m := re.search(r"stalled ([0-9.]+) s from the last step", r.getMessage()))
+  ]
+  assert stall >= 1.0, stall
 
 
 @pytest.mark.parametrize(

@@ -170,12 +170,13 @@ class ElasticSteps:
     self._confirm(keep=self.config.backend.max_inflight_steps)
     state, metrics = self._current(state), _Metrics(self)
     self._steps = step + 1
+    began = time.perf_counter()  # a dispatch can itself wait on a silent worker until it is lost
     try:
-      pending = self._dispatch(state, batch, step, metrics)
+      pending = self._dispatch(state, batch, step, metrics, began)
       self._drill(step + 1, "mid")
-    except IslandLost as e:  # remote: a lost worker refused the step
+    except IslandLost as e:  # remote: a lost worker refused the step, maybe after a wait
       if not self._pending or self._pending[-1].step != step:
-        self._pending.append(_Pending(step, batch, state, None, metrics))
+        self._pending.append(_Pending(step, batch, state, None, metrics, dispatched_at=began))
       self._drop(e)
       pending = self._pending[-1]
     self._given = pending.out.state
@@ -209,9 +210,9 @@ class ElasticSteps:
       except IslandLost as e:
         self._drop(e, given, during="the evaluation", again="the evaluation runs again")
 
-  def _dispatch(self, state, batch, step, metrics) -> _Pending:
+  def _dispatch(self, state, batch, step, metrics, began: float) -> _Pending:
+    """Dispatches the step; `began`: when its dispatch began (its pending step's date)."""
     host_metrics = self._agreement is None  # distributed: read once the processes agree
-    began = time.perf_counter()  # a dispatch can itself wait on a silent worker until it is lost
     out = self.harness.step(state, self._rows(batch), step, host_metrics=host_metrics)
     pending = _Pending(step, batch, state, out, metrics, dispatched_at=began)
     self._pending.append(pending)
@@ -312,7 +313,9 @@ class ElasticSteps:
     )  # fmt: skip
     for i, pending in enumerate(redo):
       try:
-        state = self._dispatch(state, pending.batch, pending.step, pending.metrics).out.state
+        rerun = self._dispatch(state, pending.batch, pending.step, pending.metrics,
+                               time.perf_counter())  # fmt: skip
+        state = rerun.out.state
       except IslandLost as e:  # another pod lost on the way: the rest wait for the next drop
         self._pending.extend(_Pending(p.step, p.batch, state, None, p.metrics) for p in redo[i:])
         self._drop(e)
