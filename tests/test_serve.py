@@ -278,7 +278,7 @@ def test_no_request_fails_because_of_another(server, monkeypatch):
   are 400s naming the field, while a request in flight goes on untouched; and a failure in the
   engine's thread for one request's tokens (the int32 overflow an unchecked top_k made, forced
   here for top_k=123) fails that request alone: the one beside it completes."""
-  from pwtrain.serve import engine as engine_lib
+  from pwtrain.serve import batches
 
   client = _client(server)
   pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -295,14 +295,14 @@ def test_no_request_fails_because_of_another(server, monkeypatch):
     assert response.json()["error"]["param"] == field
   assert beside.result().choices[0].finish_reason == "length"
 
-  rows = engine_lib.sampling_rows
+  rows = batches.sampling_rows
 
   def overflowing(seqs, num_rows):
     if any(seq.completion.request.top_k == 123 for seq in seqs.values()):
       np.int32(2**31)  # OverflowError, as an unchecked top_k of 2**31 made
     return rows(seqs, num_rows)
 
-  monkeypatch.setattr(engine_lib, "sampling_rows", overflowing)
+  monkeypatch.setattr(batches, "sampling_rows", overflowing)
   beside = pool.submit(
     client.completions.create, model="m", prompt="def ", max_tokens=40, temperature=0
   )

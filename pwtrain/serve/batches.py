@@ -27,7 +27,8 @@ def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_
   row r the r-th's, padded to the smallest row count of `sizes` that holds them; advances each
   sequence's `fed` past its chunk. A padding row feeds `pad_id` at the scratch position
   max_len - 1 (pieces.py) of a slot no sequence of `seqs` holds, its chunk not final, so it
-  changes nothing a sequence reads."""
+  changes nothing a sequence reads. A sequence whose own settings fail here (`sampling_rows`)
+  raises with the error's `sequences` that sequence alone, so that it fails alone."""
   size = min(s for s in sizes if s >= len(seqs))
   held = [seq.slot for seq in seqs]
   slots = held + [s for s in range(max_batch) if s not in held][: size - len(seqs)]
@@ -37,7 +38,15 @@ def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_
   logits_at = np.zeros(size, np.int32)
   final, score = np.zeros(size, bool), np.zeros(size, bool)
   rows, scored = {}, []
+  sampling = sampling_rows({}, size)
   for r, seq in enumerate(seqs):
+    try:
+      own = sampling_rows({0: seq}, 1)
+    except Exception as e:
+      e.sequences = [seq]
+      raise
+    for key, values in sampling.items():
+      values[r] = own[key][0]
     start, piece = seq.fed, seq.context[seq.fed : seq.fed + chunk]
     tokens[r, : len(piece)] = piece
     positions[r] = np.minimum(start + np.arange(chunk), max_len - 1)
@@ -59,7 +68,7 @@ def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_
     "final": final,
     "targets": targets,
     "score": score,
-    "sampling": sampling_rows(dict(enumerate(seqs)), size),
+    "sampling": sampling,
   }
   return Batch(inputs, rows, tuple(scored), size)
 

@@ -269,7 +269,7 @@ class Engine:
     try:
       dispatch()
     except Exception as e:  # noqa: BLE001 - the sequences it was for fail, no others
-      raise e if _moved(e) else _failing(e, serves) from None
+      raise e if _moved(e) else _failing(e, getattr(e, "sequences", serves)) from None
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
