@@ -8,7 +8,8 @@ once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's l
   1. sequences whose client has gone (`Completion.cancel`) leave their slots, and waiting
      sequences take the free ones;
   2. while fewer than RUN_AHEAD programs are in flight: one prefill chunk (serve.prefill_chunk
-     tokens) of each sequence still prefilling, then one decode step of every decoding
+     tokens) of each sequence still prefilling, all in one program (batches.py), so requests
+     that arrive together start together; then one decode step of every decoding
      sequence (a token each), in turn; decodes leave the last place to a prefill, so that a
      new request's is dispatched as it comes, not after a decode in flight has run;
   3. the oldest program's tokens go to their clients, once it has run.
@@ -37,7 +38,8 @@ an array it read deleted: a pod's rejoin replaced the state) makes the engine st
 what is there: the layout read again (a live pod), its pieces compiled if new, the caches made
 afresh, and every sequence in a slot prefilled again with its prompt and the tokens it was
 given, which it then continues; no request fails for it. Any other failure fails the requests
-of the program (or the token) it came from, no others, and the rest start again the same way.
+of the program (or the token, or the sequence whose own inputs failed) it came from, no
+others, and the rest start again the same way.
 """
 
 import collections
