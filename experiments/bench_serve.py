@@ -445,8 +445,8 @@ def flood(args) -> dict:
     controller = harness.controller
     with serve.attached(config, controller, lambda: harness, state, workdir, sock) as srv:
       pieces = srv.engine._pieces
-      serving = {n.name for p in (pieces.init, pieces.prefill, pieces.decode, pieces.probe)
-                 for n in p.nodes}  # fmt: skip
+      programs = (pieces.init, *pieces.prefill.values(), pieces.decode, pieces.probe)
+      serving = {n.name for p in programs for n in p.nodes}
       island = harness.plan.islands[0].name
       offset = time.monotonic() - trace.now()  # trace clock + offset = time.monotonic
       trainer = Trainer(harness, state).start().started()

@@ -148,6 +148,24 @@ def test_greedy_completions_are_pwtrain_sample_s(server, trained):
     assert out.usage.completion_tokens == want.new_tokens + want.stopped_at_eos
 
 
+def test_sequences_that_arrive_together_are_prefilled_in_one_program(server):
+  """A request's prompts (taking their slots together) are prefilled a chunk of each per program
+  (3 rows padded to 4; 2 programs for the 2 chunks of the longer prompts, one at a time 5),
+  their echoed prompt log-probs and greedy completions those of each prompt served alone."""
+  prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def f(self, a"]
+  client = _client(server)
+  ask = dict(model="m", max_tokens=6, temperature=0, echo=True, logprobs=2)
+  alone = [client.completions.create(prompt=p, **ask).choices[0] for p in prompts]
+  before = _metric(server, "pwtrain_serve_prefill_chunks_total")
+  together = client.completions.create(prompt=prompts, **ask).choices
+  assert _metric(server, "pwtrain_serve_prefill_chunks_total") - before == 2
+  for one, other in zip(alone, together, strict=True):
+    assert one.text == other.text and one.logprobs.tokens == other.logprobs.tokens
+    got, want = other.logprobs.token_logprobs, one.logprobs.token_logprobs
+    assert got[0] is None and want[0] is None
+    np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
+
+
 def test_bad_input_gets_400_and_the_server_goes_on(server):
   long_prompt = "x" * MAX_LEN
   cases = {
@@ -260,7 +278,7 @@ def test_no_request_fails_because_of_another(server, monkeypatch):
   are 400s naming the field, while a request in flight goes on untouched; and a failure in the
   engine's thread for one request's tokens (the int32 overflow an unchecked top_k made, forced
   here for top_k=123) fails that request alone: the one beside it completes."""
-  from pwtrain.serve import engine as engine_lib
+  from pwtrain.serve import batches
 
   client = _client(server)
   pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -277,14 +295,14 @@ def test_no_request_fails_because_of_another(server, monkeypatch):
     assert response.json()["error"]["param"] == field
   assert beside.result().choices[0].finish_reason == "length"
 
-  rows = engine_lib.sampling_rows
+  rows = batches.sampling_rows
 
   def overflowing(seqs, num_rows):
     if any(seq.completion.request.top_k == 123 for seq in seqs.values()):
       np.int32(2**31)  # OverflowError, as an unchecked top_k of 2**31 made
     return rows(seqs, num_rows)
 
-  monkeypatch.setattr(engine_lib, "sampling_rows", overflowing)
+  monkeypatch.setattr(batches, "sampling_rows", overflowing)
   beside = pool.submit(
     client.completions.create, model="m", prompt="def ", max_tokens=40, temperature=0
   )

@@ -8,7 +8,8 @@ once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's l
   1. sequences whose client has gone (`Completion.cancel`) leave their slots, and waiting
      sequences take the free ones;
   2. while fewer than RUN_AHEAD programs are in flight: one prefill chunk (serve.prefill_chunk
-     tokens) of each sequence still prefilling, then one decode step of every decoding
+     tokens) of each sequence still prefilling, all in one program (batches.py), so requests
+     that arrive together start together; then one decode step of every decoding
      sequence (a token each), in turn; decodes leave the last place to a prefill, so that a
      new request's is dispatched as it comes, not after a decode in flight has run;
   3. the oldest program's tokens go to their clients, once it has run.
@@ -37,7 +38,8 @@ an array it read deleted: a pod's rejoin replaced the state) makes the engine st
 what is there: the layout read again (a live pod), its pieces compiled if new, the caches made
 afresh, and every sequence in a slot prefilled again with its prompt and the tokens it was
 given, which it then continues; no request fails for it. Any other failure fails the requests
-of the program (or the token) it came from, no others, and the rest start again the same way.
+of the program (or the token, or the sequence whose own inputs failed) it came from, no
+others, and the rest start again the same way.
 """
 
 import collections
@@ -45,12 +47,10 @@ import logging
 import threading
 import time
 
-import numpy as np
-
 from pwtrain.backend.faults import IslandLost
 from pwtrain.backend.program import NotPublished
+from pwtrain.serve import batches, tokens
 from pwtrain.serve import pieces as pieces_lib
-from pwtrain.serve import tokens
 from pwtrain.serve.flights import Flight, Landing, fetch
 from pwtrain.serve.metrics import Stats
 from pwtrain.serve.sequences import (
@@ -60,7 +60,6 @@ from pwtrain.serve.sequences import (
   Sequence,
   Stopped,
   choice_seed,
-  sampling_rows,
 )
 from pwtrain.serve.text import TextStream
 from pwtrain.serve.weights import NoLivePod
@@ -257,13 +256,14 @@ class Engine:
         seq.start()
 
   def _dispatch(self) -> bool:
-    """Dispatches the next program: a prefill chunk of the first sequence still prefilling or a
-    decode step of every decoding one (not into the last place in flight), in turn; False: none."""
+    """Dispatches the next program: a prefill chunk of every sequence still prefilling (one
+    program) or a decode step of every decoding one (not into the last place in flight), in turn;
+    False: none."""
     active = [s for s in self._slots if s is not None]
     prefilling = [s for s in active if s.prefilling]
     decoding = [s for s in active if s.decoding] if len(self._flights) < RUN_AHEAD - 1 else []
     if prefilling and (self._prefill_next or not decoding):
-      serves, dispatch = prefilling[:1], lambda: self._prefill(prefilling[0])
+      serves, dispatch = prefilling, lambda: self._prefill(prefilling)
     elif decoding:
       serves, dispatch = decoding, lambda: self._decode(decoding)
     else:
@@ -271,61 +271,34 @@ class Engine:
     try:
       dispatch()
     except Exception as e:  # noqa: BLE001 - the sequences it was for fail, no others
-      raise e if _moved(e) else _failing(e, serves) from None
+      raise e if _moved(e) else _failing(e, getattr(e, "sequences", serves)) from None
     self._prefill_next = not prefilling or not self._prefill_next
     return True
 
-  def _run(self, program, inputs: dict, rows: dict, serves: list, scored=None) -> None:
-    inputs = {**self._pieces.weights(), **self._carried, **inputs}
+  def _run(self, program, batch: batches.Batch, serves: list) -> None:
+    inputs = {**self._pieces.weights(), **self._carried, **batch.inputs}
     outputs = self.controller.run(program, inputs, priority=True)
     self._carried = {k: v for k, v in outputs.items() if k.startswith("cache/") or k == "last"}
     outputs = {k: v for k, v in outputs.items() if k not in self._carried}
-    flight = Flight(outputs, rows, serves, scored)
+    flight = Flight(outputs, batch.rows, serves, batch.scored)
     self._flights.append(flight)
     self._landing.watch(flight)
 
-  def _prefill(self, seq: Sequence) -> None:
-    start, piece = seq.fed, seq.context[seq.fed : seq.fed + self.chunk]
-    tokens = np.full((1, self.chunk), self.tokenizer.pad_id, np.int32)
-    tokens[0, : len(piece)] = piece
-    positions = np.minimum(start + np.arange(self.chunk), self.max_len - 1)[None].astype(np.int32)
-    seq.fed = start + len(piece)
-    final = seq.fed == len(seq.context)
-    request = seq.completion.request
-    score = request.echo and request.logprobs is not None and not seq.echoed
-    targets = np.zeros((1, self.chunk), np.int32)  # each position's next prompt token
-    after = seq.prompt[start + 1 : start + 1 + self.chunk]
-    targets[0, : len(after)] = after
-    inputs = {
-      "tokens": tokens,
-      "positions": positions,
-      "slot": np.asarray([seq.slot], np.int32),
-      "logits_at": np.asarray([len(piece) - 1], np.int32),
-      "final": np.asarray([final]),
-      "targets": targets,
-      "score": np.asarray([score]),
-      "sampling": sampling_rows({0: seq}, 1),
-    }
+  def _prefill(self, prefilling: list) -> None:
+    pieces = self._pieces
+    batch = batches.prefill(
+      prefilling, sizes=pieces.prefill, max_batch=self.max_batch, chunk=self.chunk,
+      max_len=self.max_len, pad_id=self.tokenizer.pad_id,
+    )  # fmt: skip
     self.stats.count("prefill_chunks")
-    scored = (seq, len(after)) if score else None  # the prompt tokens it scores
-    self._run(self._pieces.prefill, inputs, {0: seq} if final else {}, [seq], scored)
-    if final:
+    self._run(pieces.prefill[batch.size], batch, prefilling)
+    for seq in batch.rows.values():
       seq.asked += 1
 
   def _decode(self, decoding: list) -> None:
-    positions = np.full((self.max_batch, 1), self.max_len - 1, np.int32)
-    active = np.zeros(self.max_batch, bool)
-    rows = {}
-    for seq in decoding:
-      positions[seq.slot, 0], active[seq.slot] = seq.fed, True
-      rows[seq.slot] = seq
-    inputs = {
-      "positions": positions,
-      "active": active,
-      "sampling": sampling_rows(rows, self.max_batch),
-    }
+    batch = batches.decode(decoding, max_batch=self.max_batch, max_len=self.max_len)
     self.stats.count("decode_steps")
-    self._run(self._pieces.decode, inputs, rows, decoding)
+    self._run(self._pieces.decode, batch, decoding)
     for seq in decoding:
       seq.fed, seq.asked = seq.fed + 1, seq.asked + 1
 
@@ -346,8 +319,9 @@ class Engine:
     steps = {int(v) for k, v in values.items() if k.startswith("step/")}
     assert len(steps) == 1, f"the cells read the weights of different steps: {sorted(steps)}"
     self.step = steps.pop()
-    if flight.scored is not None:
-      tokens.scored(*flight.scored, values["out"]["scores"], self.tokenizer)
+    for seq, count, row in flight.scored:  # an echo's prompt log-probs, row `row`'s
+      scores = {k: v[row] for k, v in values["out"]["scores"].items()}
+      tokens.scored(seq, count, scores, self.tokenizer)
     for row, seq in flight.rows.items():
       if not seq.ended:
         try:

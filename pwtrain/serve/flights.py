@@ -19,8 +19,8 @@ class Flight:
 
   outputs: dict
   rows: dict  # row -> sequence given a token
-  serves: list  # every sequence it runs for (a prefill chunk's, or the decoding ones)
-  scored: tuple | None = None  # (sequence, prompt tokens): an echo's prompt log-probs it gives
+  serves: list  # every sequence it runs for (the prefilling ones, or the decoding ones)
+  scored: tuple = ()  # (sequence, prompt tokens, row) each: an echo's prompt log-probs it gives
   ready: threading.Event = dataclasses.field(default_factory=threading.Event)
   values: dict | None = None
   error: BaseException | None = None

@@ -9,12 +9,15 @@ next decode feeds: so the engine dispatches a decode without waiting for the one
 reads the tokens afterwards. A sequence holds one slot from its prefill to its last token.
 
   init      zeros into every cell's cache and `last`.
-  prefill   one chunk of `chunk` tokens of one sequence into its slot (cache rows [slot]),
-            right-padded; the last chunk (`final`) picks the sequence's next token from its last
-            position and puts it in `last`. With `score` (an echo with logprobs), it also gives
-            each position's log-probability of `targets` (the prompt's next token) and the TOP
-            most likely ids' (the head over every position of the chunk, in a branch that
-            runs only then).
+  prefill   one chunk of `chunk` tokens of each of `rows` sequences, row r into its slot
+            `slot[r]` (cache rows `slot`, distinct), right-padded; a row's last chunk (`final`)
+            picks its sequence's next token from its last position and puts it in its slot's
+            `last`. With `score` (an echo with logprobs) on any row, it also gives each
+            position's log-probability of `targets` (the prompt's next token) and the TOP most
+            likely ids' (the head over every position of every row, in a branch that runs only
+            then). One program per row count of `prefill_rows` (1, 2, 4, ... up to max_batch,
+            and max_batch): the engine pads its rows to the next, each padding row at the
+            scratch position (below) of a slot no other row uses, not final.
   decode    one token of every slot at its own position, fed its `last`; the slots that are not
             decoding (`active` false: free, or between prefill chunks) keep their `last` and are
             fed at position max_len - 1, a scratch position that no sequence uses (a sequence of
@@ -67,7 +70,7 @@ class Pieces:
   max_len: int
   chunk: int
   init: Program
-  prefill: Program
+  prefill: dict  # rows -> the prefill program of that many rows (prefill_rows)
   decode: Program
   probe: Program
   cache_bytes: int
@@ -90,7 +93,8 @@ def build(
   padded vocabulary are never picked)."""
   cells = layout.cells
   last_cell = cells[-1]
-  chains = {"prefill": _Chain(cells, "prefill"), "decode": _Chain(cells, "decode")}
+  chains = {("decode", max_batch): _Chain(cells, "decode")}
+  chains |= {("prefill", rows): _Chain(cells, "prefill") for rows in prefill_rows(max_batch)}
   init_nodes, probe_nodes, cache_bytes = [], [], 0
   last_abs = jax.ShapeDtypeStruct((max_batch,), np.int32, sharding=_replicated(last_cell))
   for i, cell in enumerate(cells):
@@ -107,8 +111,8 @@ def build(
       out_shardings=_replicated(cell),
     )  # fmt: skip
     probe_nodes.append(Node(f"probe{i}", probe, (f"weights/{i}",)))
-    for kind, chain in chains.items():
-      shapes = _Shapes(kind, max_batch, chunk, weights, cache_abs, last_abs)
+    for (kind, rows), chain in chains.items():
+      shapes = _Shapes(kind, rows, chunk, weights, cache_abs, last_abs)
       chain.add(i, _compile_cell(controller, cell, i, shapes, num_tokens))
   init_last = controller.compile(
     "serve_init_last", functools.partial(_zeros, last_abs), last_cell.island, (),
@@ -120,10 +124,16 @@ def build(
   init = Program(tuple(init_nodes), {**init_outputs, "last": ("init_last", 0)}, (*caches, "last"))
   probe = Program(tuple(probe_nodes), {f"step/{i}": (f"probe{i}", 0) for i in range(len(cells))})
   controller.wait_compiles()
+  prefill = {rows: chain.program() for (kind, rows), chain in chains.items() if kind == "prefill"}
+  decode_program = chains["decode", max_batch].program()
   return Pieces(
-    layout, max_batch, max_len, chunk, init, chains["prefill"].program(),
-    chains["decode"].program(), probe, cache_bytes,
-  )  # fmt: skip
+    layout, max_batch, max_len, chunk, init, prefill, decode_program, probe, cache_bytes
+  )
+
+
+def prefill_rows(max_batch: int) -> tuple:
+  """The row counts of the prefill programs: the powers of two below `max_batch`, and it."""
+  return (*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,15 +141,11 @@ class _Shapes:
   """The abstract arguments of one kind of program: `rows` x `length` tokens a cell."""
 
   kind: str  # "prefill" or "decode"
-  max_batch: int
+  rows: int  # a decode's: max_batch
   chunk: int
   weights: dict
   cache: object
   last: jax.ShapeDtypeStruct
-
-  @property
-  def rows(self) -> int:
-    return 1 if self.kind == "prefill" else self.max_batch
 
   @property
   def length(self) -> int:
@@ -163,11 +169,11 @@ def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: i
     inputs = host((rows, length), np.int32) if prefill else host((rows,), np.int32)
   args = [shapes.weights, shapes.cache, inputs, host((rows, length), np.int32)]
   if prefill:
-    args.append(host((1,), np.int32))  # the slot
+    args.append(host((rows,), np.int32))  # the slots
   if cell.last:
     if prefill:
-      args += [host((1,), np.int32), host((1,), np.bool_)]  # logits_at; final
-      args += [host((1, length), np.int32), host((1,), np.bool_)]  # targets; score
+      args += [host((rows,), np.int32), host((rows,), np.bool_)]  # logits_at; final
+      args += [host((rows, length), np.int32), host((rows,), np.bool_)]  # targets; score
     else:
       args.append(host((rows,), np.bool_))  # active
     args += [{k: host((rows,), dtype) for k, dtype in SAMPLING.items()}, shapes.last]
@@ -175,8 +181,9 @@ def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: i
   outs = jax.eval_shape(fn, *args)
   out_shardings = [jax.tree.map(lambda _: replicated, outs[0]), _shardings(shapes.cache)]
   out_shardings += [replicated] * (len(outs) - 2)
+  name = f"serve_{shapes.kind}{i}" + (f"x{rows}" if prefill else "")
   return controller.compile(
-    f"serve_{shapes.kind}{i}", fn, cell.island, tuple(args), out_shardings=tuple(out_shardings),
+    name, fn, cell.island, tuple(args), out_shardings=tuple(out_shardings),
     donate_argnums=(1,),
   )  # fmt: skip
 
@@ -247,15 +254,14 @@ def _cell_fn(cell: Cell, prefill: bool, num_tokens: int):
       return out, cache, weights["step"]
     sampling, last = extra[-2], extra[-1]
     picked = _picked(out, sampling, num_tokens)
-    if prefill:  # the final chunk's token becomes the slot's newest
+    if prefill:  # each final chunk's token becomes its slot's newest
       targets, score = extra[3], extra[4]
       picked["scores"] = jax.lax.cond(
-        score[0], lambda h: _scores(model.head(h)[0], targets[0], num_tokens),
-        lambda h: _scores(None, targets[0], num_tokens), hidden,
+        jnp.any(score), lambda h: _scores(model.head(h), targets, num_tokens),
+        lambda h: _scores(None, targets, num_tokens), hidden,
       )  # fmt: skip
       final = extra[2]
-      slot = rows[0]
-      last = last.at[slot].set(jnp.where(final[0], picked["token"][0], last[slot]))
+      last = last.at[rows].set(jnp.where(final, picked["token"], last[rows]))
     else:  # the decoding slots' tokens become their newest; the others keep theirs
       last = jnp.where(extra[0], picked["token"], last)
     return picked, cache, weights["step"], last
@@ -291,18 +297,19 @@ def _picked(logits, sampling: dict, num_tokens: int) -> dict:
 
 
 def _scores(logits, targets, num_tokens: int) -> dict:
-  """Each position's log-probability of `targets` (the token after it) and its TOP most likely
-  ids' (an echo's prompt log-probs); zeros without `logits` (the branch that skips the head)."""
-  length = targets.shape[0]
+  """Each position's log-probability of `targets` (the token after it; [rows, length]) and its
+  TOP most likely ids' (an echo's prompt log-probs); zeros without `logits` (the branch that
+  skips the head)."""
+  shape = targets.shape
   if logits is None:
-    return {"logprob": jnp.zeros((length,), jnp.float32),
-            "top_ids": jnp.zeros((length, TOP), jnp.int32),
-            "top_logprobs": jnp.zeros((length, TOP), jnp.float32)}  # fmt: skip
+    return {"logprob": jnp.zeros(shape, jnp.float32),
+            "top_ids": jnp.zeros((*shape, TOP), jnp.int32),
+            "top_logprobs": jnp.zeros((*shape, TOP), jnp.float32)}  # fmt: skip
   allowed = jnp.arange(logits.shape[-1]) < num_tokens
   logprobs = jax.nn.log_softmax(jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf), -1)
   top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP)
   return {
-    "logprob": jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0],
+    "logprob": jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0],
     "top_ids": top_ids.astype(jnp.int32),
     "top_logprobs": top_logprobs,
   }
