@@ -7,6 +7,7 @@ simulated CPU devices) before any of this imports JAX.
 import contextlib
 import json
 import pathlib
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,6 +38,27 @@ def metrics_rows(workdir, *, running: bool = False) -> list[dict]:
     return []
   with open(path) as f:
     return [json.loads(line) for line in f if not running or line.endswith("\n")]
+
+
+class RowTimes:
+  """When each training row of `workdir`/metrics.jsonl appeared (`at`: step -> time.time()),
+  watched from a thread every `poll_s` until `stop`."""
+
+  def __init__(self, workdir, poll_s: float = 0.05):
+    self.workdir, self.at, self.poll_s = workdir, {}, poll_s
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+
+  def _watch(self):
+    while not self._stop.wait(self.poll_s):
+      for row in metrics_rows(self.workdir, running=True):
+        if "loss" in row:
+          self.at.setdefault(row["step"], time.time())
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(5)
 
 
 def step_losses(workdir, *, running: bool = False) -> dict[int, float]:

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers import SGD, metrics_rows
+from helpers import SGD, RowTimes, metrics_rows
 from signals import Kill, Killer, child_with_env
 from test_distributed import launch, process_logs
 
@@ -38,26 +38,6 @@ TWO = {
 PAUSE_S = 1.5  # a quarter of JAX's heartbeat timeout: well under every detection
 
 
-class _Rows:
-  """When each training row of `workdir`/metrics.jsonl appeared (time.time()), from a thread."""
-
-  def __init__(self, workdir):
-    self.workdir, self.at = workdir, {}
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._watch, daemon=True)
-    self._thread.start()
-
-  def _watch(self):
-    while not self._stop.wait(0.05):
-      for row in metrics_rows(self.workdir, running=True):
-        if "loss" in row:
-          self.at.setdefault(row["step"], time.time())
-
-  def stop(self):
-    self._stop.set()
-    self._thread.join(5)
-
-
 def _process(run, i: int):
   return lambda: child_with_env(run.pid, "PWTRAIN_PROCESS_ID", str(i))
 
@@ -71,7 +51,7 @@ def test_a_process_stopped_shorter_than_detection_costs_the_pause_and_no_step_tw
   twice: metrics.jsonl holds steps 1-8 once each, in order (a step written again, as after a
   drop that ran it again, would show twice), both pods live in every row, and the launcher
   exits 0. The longest gap between two rows is under the pause plus a few steps."""
-  rows = _Rows(tmp_path)
+  rows = RowTimes(tmp_path)
   run = launch(tmp_path, 2, TWO, devices=1, background=True)
   stop = Kill(after=3, pid=_process(run, 1), sig=signal.SIGSTOP)
   killer = Killer(tmp_path, [stop], seed=3)

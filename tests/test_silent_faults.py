@@ -17,7 +17,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from helpers import SGD, metrics_rows, small_config
+from helpers import SGD, RowTimes, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
@@ -48,26 +48,6 @@ TWO_PODS = {
 }
 
 
-class _Rows:
-  """When each training row of `workdir`/metrics.jsonl appeared (time.time()), from a thread."""
-
-  def __init__(self, workdir):
-    self.workdir, self.at = workdir, {}
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._watch, daemon=True)
-    self._thread.start()
-
-  def _watch(self):
-    while not self._stop.wait(0.01):
-      for row in metrics_rows(self.workdir, running=True):
-        if "loss" in row:
-          self.at.setdefault(row["step"], time.time())
-
-  def stop(self):
-    self._stop.set()
-    self._thread.join(5)
-
-
 def _workers():
   (workers,) = launcher.live()
   return workers
@@ -83,7 +63,7 @@ def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(
   the relaunched worker is up), and every step runs once. A guard SIGKILLs the stopped
   worker 120 s after the stop (as the user who found the hang had to): without the rules the run
   would then finish, but the step gap would be far over the bound."""
-  rows = _Rows(tmp_path)
+  rows = RowTimes(tmp_path, poll_s=0.01)
   stopped: dict = {}
   stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
   killer = Killer(tmp_path, [stop], seed=1)
@@ -150,7 +130,7 @@ def test_a_stop_shorter_than_detection_costs_only_the_pause_and_no_step_twice(tm
   killed or run again: metrics.jsonl holds steps 1-10 once each, in order (a step written
   twice, e.g. by a drop that ran it again, would show twice), with both pods live in every
   row; and the rows around the pause are at most the pause plus a few steps apart."""
-  rows = _Rows(tmp_path)
+  rows = RowTimes(tmp_path, poll_s=0.01)
   stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
   killer = Killer(tmp_path, [stop], seed=3)
   resumed: dict = {}
