@@ -43,3 +43,18 @@ from helpers import load_config  # noqa: E402
 @pytest.fixture
 def tiny_config():
   return load_config("palm_tiny")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A failed test's report ends with the last lines of each worker or process log under its
+  tmp_path (remote workers' <workdir>/workers/*.log, pwtrain.launch's process<i>.log): a process
+  that died mid-test says why only there, and tmp_path is gone by the time a CI log is read."""
+  report = yield
+  tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+  if report.failed and call.when == "call" and tmp_path is not None:
+    logs = sorted(tmp_path.rglob("workers/*.log")) + sorted(tmp_path.rglob("process*.log"))
+    for log in logs[:8]:
+      lines = log.read_text(errors="replace").splitlines()[-40:]
+      report.sections.append((f"tail of {log.relative_to(tmp_path)}", "\n".join(lines)))
+  return report

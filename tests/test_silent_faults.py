@@ -21,7 +21,7 @@ from helpers import SGD, RowTimes, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
-from pwtrain.backend.remote import arrays, auth, launcher
+from pwtrain.backend.remote import arrays, auth, launcher, supervisor
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import Monitor, WorkerClient, WorkerLost
 from pwtrain.backend.remote.supervisor import _wait_for_workers
@@ -67,12 +67,15 @@ def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(
   stopped: dict = {}
   stop = Kill(after=3, pid=lambda: _workers().procs[1].pid, sig=signal.SIGSTOP)
   killer = Killer(tmp_path, [stop], seed=1)
+  finished = threading.Event()  # the guard never signals a pid once the run is over
 
   def guard():
     while killer.kills[0].at is None:
-      time.sleep(0.05)
+      if finished.wait(0.05):
+        return
     stopped["pid"] = killer.kills[0].sent_to
-    time.sleep(120)
+    if finished.wait(120):
+      return
     try:
       os.kill(stopped["pid"], signal.SIGKILL)
       stopped["guard_killed"] = True
@@ -80,9 +83,12 @@ def test_a_stopped_worker_is_lost_in_bounded_time_killed_relaunched_and_rejoins(
       pass
 
   threading.Thread(target=guard, daemon=True).start()
-  with caplog.at_level(logging.INFO, logger="pwtrain"):
-    config = small_config(**TWO_PODS, **{"fault.inject": "rejoin:pod1@step8"})
-    result = train.run(config, str(tmp_path), show_progress=False)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      config = small_config(**TWO_PODS, **{"fault.inject": "rejoin:pod1@step8"})
+      result = train.run(config, str(tmp_path), show_progress=False)
+  finally:
+    finished.set()
   killer.join()
   rows.stop()
   assert "guard_killed" not in stopped, "the stopped worker was never killed by the run"
@@ -219,6 +225,9 @@ def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_pa
   for line, pattern in zip(elastic, path, strict=True):
     assert re.match(pattern, line), (pattern, elastic)
   assert not [m for m in messages if "Traceback" in m or "RuntimeError" in m], messages
+  # How pod 0's worker ended is on record: the restart's line (its log named) or the relaunch's.
+  ended = r"^worker island0 \(pid \d+\) was killed by SIGKILL( \(its log: \S+island0\.log\)|;)"
+  assert any(re.match(ended, m) for m in messages), messages
   assert [row["step"] for row in metrics_rows(tmp_path) if "loss" in row] == list(range(1, 11))
 
 
@@ -323,10 +332,10 @@ def _forever(x):
 
 
 @pytest.mark.processes
-def test_a_wedged_worker_is_lost_once_one_op_runs_too_long():
+def test_a_wedged_worker_is_lost_once_one_op_runs_too_long(caplog):
   """A worker whose execution queue runs a computation that never ends answers Health all the
   same; the monitor declares it lost once the op has run for progress_timeout_s, and, launched
-  here, kills it."""
+  here, kills it. How it ended is the line a supervisor's restart logs, naming its log."""
   progress_timeout_s = 1.0
   import jax
 
@@ -348,6 +357,10 @@ def test_a_wedged_worker_is_lost_once_one_op_runs_too_long():
       assert client.lost and "is wedged: one op has run for" in client.lost, client.lost
       assert time.monotonic() - start < progress_timeout_s + 10
       workers.procs[0].wait(timeout=10)  # killed: a stopped or wedged worker is replaced
+      with caplog.at_level(logging.WARNING, logger="pwtrain"):
+        supervisor._log_exits(workers)
+      ended = r"^worker island0 \(pid \d+\) was killed by SIGKILL \(its log: \S+/island0\.log\)$"
+      assert [m for m in caplog.messages if re.match(ended, m)], caplog.messages
     finally:
       monitor.stop()
       client.close()

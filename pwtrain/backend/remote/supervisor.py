@@ -69,6 +69,7 @@ def run_remote(config, run_once, island_sizes: list[int], workdir: str):
         )
         if workers is not None:
           with workers.lock:
+            _log_exits(workers)
             workers.stop()
             workers.start()
         else:
@@ -78,6 +79,20 @@ def run_remote(config, run_once, island_sizes: list[int], workdir: str):
     if workers is not None:
       with workers.lock:
         workers.stop()
+
+
+def _log_exits(workers) -> None:
+  """One line for each launched worker whose process has ended (how, and its log file): a
+  restart replaces every worker, and this is then the only record of why one had gone."""
+  for name, proc in zip(workers.names, workers.procs, strict=True):
+    if proc is not None and proc.poll() is not None:
+      log.warning(
+        "worker %s (pid %d) %s (its log: %s)",
+        name,
+        proc.pid,
+        processes.describe_exit(proc.returncode),
+        os.path.join(workers.log_dir, f"{name}.log"),
+      )
 
 
 def _relaunch(workers, stop: threading.Event, period_s: float = 0.2) -> None:
