@@ -65,8 +65,10 @@ def check(directory: str, hf_config: dict, vocab_size: int) -> dict:
 
 
 def _stop_tokens(directory: str, hf_config: dict, tok) -> list[str]:
-  """The texts of the ids transformers' generate stops at: generation_config.json's
-  eos_token_id, else config.json's (an id, or a list of them)."""
+  """The texts of the ids generation stops at: generation_config.json's eos_token_id, else
+  config.json's (an id, or a list of them). As transformers' generate, except where
+  generation_config.json exists without the key: transformers then stops at no id, and this
+  takes config.json's (a model that ends its text with EOS ends here too)."""
   path = os.path.join(directory, "generation_config.json")
   generation = read_json(path) if os.path.isfile(path) else {}
   if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
