@@ -257,10 +257,9 @@ def validate_backend(config) -> None:
       host, _, port = str(address).rpartition(":")
       if not host or not port.isdigit():
         raise ConfigError(f"backend.workers entry {address!r} is not 'host:port'")
-    tls_ca = b.tls_ca
-    if tls_ca and not os.path.isfile(tls_ca):
+    if b.tls_ca and not os.path.isfile(b.tls_ca):
       raise ConfigError(
-        f"backend.tls_ca={tls_ca!r} is not a file: give the PEM certificate that verifies the "
+        f"backend.tls_ca={b.tls_ca!r} is not a file: give the PEM certificate that verifies the "
         "workers' TLS (their CA, or a worker's self-signed certificate)"
       )
   elif list(b.workers) or b.launch_workers:
@@ -269,14 +268,15 @@ def validate_backend(config) -> None:
     )
   if b.mode == "distributed":
     distributed.resolve(b)  # names a malformed backend.coordinator/num_processes/process_id
-    if b.connect_timeout_s <= 0:
-      raise ConfigError(f"backend.connect_timeout_s={b.connect_timeout_s} must be > 0")
-  if b.rpc_timeout_s <= 0:
-    raise ConfigError(f"backend.rpc_timeout_s={b.rpc_timeout_s} must be > 0")
+  positive = {"backend.connect_timeout_s": b.connect_timeout_s, "fault.heartbeat_s": f.heartbeat_s}
+  positive["backend.rpc_timeout_s"] = b.rpc_timeout_s
+  for key, value in positive.items():
+    if value <= 0:
+      raise ConfigError(f"{key}={value} must be > 0")
   if not isinstance(f.max_restarts, int) or f.max_restarts < 0:
     raise ConfigError(f"fault.max_restarts={f.max_restarts!r} must be an integer >= 0")
-  if f.heartbeat_s <= 0:
-    raise ConfigError(f"fault.heartbeat_s={f.heartbeat_s} must be > 0")
+  if f.progress_timeout_s < 0:
+    raise ConfigError(f"fault.progress_timeout_s={f.progress_timeout_s} must be >= 0 (0: never)")
 
 
 CONFIGS_PACKAGE = "pwtrain.configs"  # the configs that ship with pwtrain, one file each

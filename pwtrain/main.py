@@ -108,15 +108,13 @@ def _join_distributed(config) -> None:
   # A process silent for 3 heartbeats is lost: the run stops (the launcher or watch.py names
   # it), or with elastic pods the others go on without it (recoverable).
   try:
+    config_lib.validate_backend(config)  # before joining: a bad fault.* key is one line here
     distributed.initialize(config.backend, _heartbeat_timeout_s(config), config.fault.elastic)
   except UserError as e:
     raise SystemExit(f"error: {e}") from None
   # Under pwtrain.launch a stopped process is killed; launcher or not, one whose computation
   # has run past fault.progress_timeout_s ends itself (wedged).
-  timeout_s = config.fault.progress_timeout_s
-  if timeout_s < 0:
-    raise SystemExit(f"error: fault.progress_timeout_s={timeout_s} must be >= 0 (0: never)")
-  liveness.start(config.fault.heartbeat_s, timeout_s, progress.longest)
+  liveness.start(config.fault.heartbeat_s, config.fault.progress_timeout_s, progress.longest)
 
 
 def _heartbeat_timeout_s(config) -> int:

@@ -149,6 +149,11 @@ def test_bad_parallel_layout(overrides, message):
       "train.num_microbatches=1 must be a multiple of it",
     ),
     ({"parallel.schedule": "interleaved"}, "'interleaved' needs parallel.stages >= 2"),
+    ({"fault.heartbeat_s": 0.0}, "fault.heartbeat_s=0.0 must be > 0"),
+    (
+      {"backend.mode": "remote", "backend.launch_workers": True, "fault.progress_timeout_s": -1.0},
+      "fault.progress_timeout_s=-1.0 must be >= 0 (0: never)",
+    ),
   ],
 )
 def test_bad_values(overrides, message):

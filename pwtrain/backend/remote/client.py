@@ -298,8 +298,6 @@ class Monitor:
     progress_timeout_s: float = 0.0,
   ):
     self.clients, self.period_s, self.misses, self.isolate = clients, period_s, misses, isolate
-    if progress_timeout_s < 0:
-      raise ConfigError(f"fault.progress_timeout_s={progress_timeout_s} must be >= 0 (0: never)")
     self.progress_timeout_s = progress_timeout_s
     self.deadline_s = max(period_s, PING_DEADLINE_S)  # how long each ping waits for its answer
     self._stop = threading.Event()
