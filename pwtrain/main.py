@@ -114,7 +114,9 @@ def _join_distributed(config) -> None:
     raise SystemExit(f"error: {e}") from None
   # Under pwtrain.launch a stopped process is killed; launcher or not, one whose computation
   # has run past fault.progress_timeout_s ends itself (wedged).
-  liveness.start(config.fault.heartbeat_s, config.fault.progress_timeout_s, progress.longest)
+  # Before the islands are made: their schedulers record what runs where it is watched.
+  timeout_s = config.fault.progress_timeout_s
+  liveness.start(config.fault.heartbeat_s, timeout_s, progress.watch() if timeout_s else None)
 
 
 def _heartbeat_timeout_s(config) -> int:

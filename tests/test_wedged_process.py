@@ -35,7 +35,7 @@ from pwtrain.backend import Cluster, Controller, Node, Program, progress
 what, serialize, port, beat_s, timeout_s = sys.argv[1:]
 timeout_s = float(timeout_s)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
-liveness.start(float(beat_s), timeout_s, progress.longest)  # as main.py does
+liveness.start(float(beat_s), timeout_s, progress.watch())  # as main.py does
 
 def forever(x):  # x stays >= 0: adding 1 to a large float32 changes nothing
   return jax.lax.while_loop(lambda c: c[0] >= 0, lambda c: c + 1.0, x)

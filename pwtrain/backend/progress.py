@@ -97,6 +97,19 @@ def _there(x) -> bool:
 
 _LOCK = threading.Lock()
 _ISLANDS: "weakref.WeakSet[IslandRuns]" = weakref.WeakSet()  # those of schedulers alive
+_WATCHED = threading.Event()
+
+
+def watch():
+  """`longest`, after which schedulers made in this process record what runs (`watched`): a
+  process that asks `longest` gets it from here, before any island is made (pwtrain/main.py).
+  Other processes record nothing: no cost on their launches."""
+  _WATCHED.set()
+  return longest
+
+
+def watched() -> bool:
+  return _WATCHED.is_set()
 
 
 def longest() -> Running | None:

@@ -51,7 +51,7 @@ from pwtrain.backend.faults import IslandLost, is_device_loss, read_of_lost
 from pwtrain.backend.island_queue import OrderedQueue, Work
 from pwtrain.backend.policy import IslandClock
 from pwtrain.backend.program import Latest, NotPublished
-from pwtrain.backend.progress import IslandRuns
+from pwtrain.backend.progress import IslandRuns, watched
 from pwtrain.backend.trace import Trace
 
 # Computations an island may have launched and not finished where execution is not serialized
@@ -87,7 +87,8 @@ class IslandScheduler:
     self.published: dict[str, Any] = {}  # name -> the newest value published here
     self.clock = IslandClock(window=self.queue.window)  # its busy time, priority's apart
     self.progress = progress
-    self.runs = IslandRuns(name) if executes else None  # what runs now (backend/progress.py)
+    # What runs now, where this process watches it (backend/progress.py).
+    self.runs = IslandRuns(name) if executes and watched() else None
     self._lost_devices = {} if lost_devices is None else lost_devices
     self._made: dict[int, weakref.ref] = {}  # the arrays its work made that are alive
     # Unserialized: when each launched computation finishes (its trace event's end, the clock,
@@ -142,7 +143,7 @@ class IslandScheduler:
         launched = time.perf_counter()
         if event is not None:
           event.launch = self.trace.now()
-        self._launched(work, _not_ready(values))
+        self._launched(work, _not_ready(values) if self.runs is not None else ())
         with jax.profiler.TraceAnnotation(work.name):  # the node's name in a profiler trace
           result = work.launch(*values)
         self.watcher.watch(
