@@ -291,6 +291,27 @@ def external():
 
 
 @pytest.mark.processes
+def test_a_wait_only_fetch_sends_nothing_and_leaves_the_value(external):
+  """A wait-only Fetch (how a step's confirmation waits for its state) answers an empty stream
+  once the value is there, waiting for one still to come; the value is neither read nor
+  released: a value announced for one read is still there for it afterwards."""
+  (_, address0), _ = external
+  client = WorkerClient(address0, TOKEN, timeout_s=60)
+  try:
+    client.put_async("once", [np.arange(3, dtype=np.float32)], uses=1).result()
+    assert client.fetch("once", wait_only=True) == []
+    np.testing.assert_array_equal(client.fetch("once")[0], [0.0, 1.0, 2.0])  # its one read
+    later = threading.Timer(0.5, lambda: client.put_async("later", [np.ones(1)]).result())
+    later.start()
+    start = time.monotonic()
+    assert client.fetch("later", wait_only=True) == []  # announced after the call came
+    assert time.monotonic() - start >= 0.4
+    later.join()
+  finally:
+    client.close()
+
+
+@pytest.mark.processes
 def test_a_worker_that_refuses_the_token_is_one_error_at_once(external, monkeypatch):
   """The supervisor waiting for external workers to come back does not take a refused token
   (or TLS handshake) for a worker not up yet: one line, at once."""
