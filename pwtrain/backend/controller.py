@@ -36,7 +36,6 @@ from pwtrain.backend.dispatch import LocalDispatcher
 from pwtrain.backend.faults import IslandLost, read_of_lost
 from pwtrain.backend.program import Executable, Latest, Program
 from pwtrain.backend.pulls import PullDeadlines
-from pwtrain.backend.run_mode import results
 from pwtrain.backend.scheduler import DEFAULT_LAUNCH_WINDOW
 from pwtrain.backend.trace import Trace
 from pwtrain.errors import ConfigError
@@ -159,6 +158,8 @@ class Controller:
 
       wait_computed(outputs.values())
     else:
+      from pwtrain.backend.run_mode import results  # orbax: not where a worker imports this
+
       self.read(results(outputs), fetch=False)
 
   def answering(self) -> set[str]:
