@@ -254,6 +254,33 @@ def test_a_step_is_confirmed_once_every_live_pod_holds_its_state(tmp_path, caplo
   assert not [m for m in messages if m.startswith("the live pods")], messages
 
 
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_pod_lost_as_the_final_state_is_read_is_dropped(tmp_path, caplog):
+  """SIGTERM to this process after step 3's row asks the run to checkpoint and stop at the next
+  step boundary; pod 1's worker is SIGKILLed (and dead) as "stop requested" is logged, just
+  before the run reads its final state (the run's result). That read finds pod 1 lost: it is
+  dropped as after a failed step and the survivors' state is read, not a raw WorkerLost that
+  ends the run."""
+  killer = Killer(tmp_path, [Kill(after=3, pid=os.getpid, sig=signal.SIGTERM)], seed=5)
+  kill_pod1 = _KillOn(r"^stop requested: checkpointed step", lambda: _workers().procs[1])
+  logger = logging.getLogger("pwtrain")
+  logger.addHandler(kill_pod1)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      result = train.run(small_config(**TWO_PODS), str(tmp_path), show_progress=False)
+  finally:
+    logger.removeHandler(kill_pod1)
+  killer.join()
+  assert kill_pod1.at is not None
+  stopped = result.final_step
+  assert 3 <= stopped < 10, stopped
+  messages = [r.getMessage() for r in caplog.records]
+  dropped = rf"^pod 1 lost \(.*\) during the final read after step {stopped}: 1 of 2 pods live"
+  assert any(re.match(dropped, m) for m in messages), messages
+  assert "params" in result.state, list(result.state)
+
+
 def _external_worker(island: str, token: str) -> subprocess.Popen:
   """A worker started by someone else (not this process's launcher: nothing here kills it);
   `_ready` reads its address."""

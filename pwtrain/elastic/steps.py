@@ -1,15 +1,16 @@
 """Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
 
 `ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
-`settle`, `evaluate`, `step_program`), over one controller and one cluster; the trainer also
-calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
+`settle`, `evaluate`, `whole`, `step_program`), over one controller and one cluster; the trainer
+also calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
 dead one's place `join`s (distributed mode):
 
   detect   a step fails with `backend.faults.IslandLost`: a pod's devices failed (embedded),
            its worker died or went silent (remote: `WorkerLost`), or a drill made it so
            (`fault.inject`: embedded marks the islands lost, remote SIGKILLs their workers).
-           Each step is confirmed (its metrics read) while the next one runs, so a loss is seen
-           one step after it happens, or at once where the next step cannot be sent.
+           Each step is confirmed (its metrics read, its state computed on every live pod)
+           while the next one runs, so a loss is seen one step after it happens, or at once
+           where the next step cannot be sent.
   drop     the lost pods leave the live pod set, whose harness is the full set's program with
            each lost pod hosted by a survivor (nothing compiles), or one built for the
            survivors (compiled once per pod set, then cached): podsets.py. The state the first
@@ -40,6 +41,7 @@ import numpy as np
 
 from pwtrain import processes
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells, lines
 from pwtrain.elastic.agreement import Agreement
@@ -187,6 +189,21 @@ class ElasticSteps:
         return eval_sums(self.controller.read([f.result() for f in futures]))
       except IslandLost as e:
         self._drop(e, given, during="the evaluation", again="the evaluation runs again")
+
+  def whole(self, state: dict) -> dict:
+    """Harness.whole on the live pods: a pod lost while the state is read (remote: its worker
+    dies or goes silent; embedded: its arrays were deleted) is dropped as after a failed step,
+    and the survivors' state is read instead. Distributed mode reads as Harness does (its
+    processes would have to agree on such a loss, as on a step's: agreement.py)."""
+    given = state
+    while True:
+      state = self.settle(given)
+      if self._agreement is not None:
+        return self.step_program.to_checkpoint(results(state))
+      try:
+        return self.step_program.to_checkpoint(self.controller.read(results(state), fetch=False))
+      except IslandLost as e:
+        self._drop(e, given, during="the final read", again="the state is read again")
 
   def _dispatch(self, state, batch, step, metrics, began: float) -> Pending:
     """Dispatches the step; `began`: when its dispatch began (its pending step's date)."""
