@@ -23,9 +23,9 @@ class Metrics(concurrent.futures.Future):
     return super().result(timeout)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Pending:
-  """A dispatched step not yet confirmed: what it needs to run again."""
+  """A dispatched step not yet confirmed: what it needs to run again. Equal only to itself."""
 
   step: int  # 0-based
   batch: dict  # the whole host batch it was given
