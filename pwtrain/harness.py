@@ -33,6 +33,7 @@ from pwtrain import liveness, objectives, optim, processes
 from pwtrain import step as step_lib
 from pwtrain.backend import Cluster, Controller, Node, Program, ResourceManager, Trace, Transfer
 from pwtrain.backend.pulls import PullDeadlines
+from pwtrain.backend.run_mode import results
 from pwtrain.backend.saved import NotSaved, SavedExecutables, digest
 from pwtrain.parallel import build_step_program
 from pwtrain.parallel import plan as plan_lib
@@ -184,6 +185,11 @@ class Harness:
     """The state after every dispatched step, as it is (elastic.ElasticSteps, which has the
     same interface, may replace it with the state of failed steps run again)."""
     return state
+
+  def whole(self, state: dict) -> dict:
+    """The whole-model state after every dispatched step, read (the run's result; ElasticSteps
+    drops a pod lost while it is read and reads the survivors' instead)."""
+    return self.step_program.to_checkpoint(results(self.settle(state)))
 
   def rows_read_here(self) -> tuple[int, ...]:
     """The rows of a global batch (train.global_batch rows) that this process feeds: every

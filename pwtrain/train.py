@@ -25,7 +25,7 @@ from pwtrain import (
 from pwtrain import config as config_lib
 from pwtrain import metrics as metrics_lib
 from pwtrain import workdir as workdir_lib
-from pwtrain.backend import Trace, modes, run_mode
+from pwtrain.backend import Trace, modes
 from pwtrain.backend.faults import IslandLost
 from pwtrain.checkpoint import Checkpointer, IncompatibleCheckpoint, saving
 from pwtrain.data import (
@@ -257,7 +257,7 @@ def _train(config, harness, context: RunContext, batches, eval_set, workdir: str
             state = steps.settle(state)
             _evaluate(steps, state, eval_set, step, logger)
     logger.flush()  # the last rows, here: a write refused is one line below, not in `finally`
-    state = steps.step_program.to_checkpoint(run_mode.results(steps.settle(state)))
+    state = steps.whole(state)  # elastic: a pod lost meanwhile is dropped
   except WriteFailed as e:  # the storage refused the logs: the run stops here, in one line
     ckpt.wait()  # the saves in flight committed (or their own failure raised)
     raise e.stopped(step, ckpt.latest_step()) from None

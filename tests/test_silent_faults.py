@@ -21,7 +21,7 @@ from helpers import SGD, RowTimes, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
-from pwtrain.backend.remote import arrays, auth, launcher, supervisor
+from pwtrain.backend.remote import arrays, auth, launcher, receives, supervisor
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import Monitor, WorkerClient, WorkerLost
 from pwtrain.backend.remote.supervisor import _wait_for_workers
@@ -191,10 +191,11 @@ def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_pa
   """Pod 1's worker is SIGKILLed after step 2 and rejoins at step 7; pod 0's worker is
   SIGKILLed (and dead) as pod 1's worker has rejoined ("worker ... (island island1) rejoined",
   logged before the state is copied onto it), so pod 1's copy from pod 0 always fails: no pod
-  holds the state any more. That one path: the loss (WorkerLost, not a plain RuntimeError of
-  the failed transfer) is logged as what the live pods cannot go on without, reaches the
-  supervisor, which restarts the workers and resumes from the step-4 checkpoint
-  (fault.max_restarts=1); the run ends at step 10 with steps 1-10 in metrics.jsonl once each."""
+  holds the state any more. That one path: the rejoin waits for its copy, which fails as pod 0's
+  loss (WorkerLost, not a plain RuntimeError of the failed transfer); pod 0 is dropped, which
+  leaves no live pod: the loss reaches the supervisor, which restarts the workers and resumes
+  from the step-4 checkpoint (fault.max_restarts=1); the run ends at step 10 with steps 1-10 in
+  metrics.jsonl once each."""
   overrides = {"fault.inject": "rejoin:pod1@step7", "fault.max_restarts": 1}
   config = small_config(**{**TWO_PODS, **overrides, "train.checkpoint_every": 4})
   killer = Killer(tmp_path, [Kill(after=2, pid=lambda: _workers().procs[1].pid)], seed=2)
@@ -210,14 +211,12 @@ def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_pa
   assert kill_pod0.at is not None
   assert result.final_step == 10
   messages = [r.getMessage() for r in caplog.records]
-  # The path, in order: pod 1 dropped; back at step 7 (its copy made from pod 0, which dies;
-  # remote finds a copy's failure at the next step); pod 0's loss at step 7 drops it, and step
-  # 7 run again on pod 1 reads its failed copy: the loss restarts the run.
+  # The path, in order: pod 1 dropped; its rejoin at step 7 waits for its copy from pod 0,
+  # which dies: the copy fails as pod 0's loss, so pod 1 never rejoins and dropping pod 0
+  # leaves no pod: the loss restarts the run.
   path = (
     r"^pod 1 lost \(.*\) at step [3-6]: 1 of 2 pods live",
-    r"^pod 1 rejoined \(its islands run again\) at step 7: 2 of 2 pods live",
-    r"^pod 0 lost \(.*\) at step 7: 1 of 2 pods live",
-    r"^the live pods \(1,\) read what a lost pod made \(island island0 lost",
+    r"^pod 0 lost \(.*\): 0 of 2 pods left, fewer than fault.min_pods=1; stopping",
     r"^island island0 lost: .*; restart 1 of 1: resuming from the last checkpoint",
   )
   elastic = [m for m in messages if re.match(r"^(pod \d|the live pods|.*; restart \d)", m)]
@@ -229,6 +228,66 @@ def test_pod_0_killed_while_pod_1_rejoins_is_a_loss_that_restarts_the_run(tmp_pa
   ended = r"^worker island0 \(pid \d+\) was killed by SIGKILL( \(its log: \S+island0\.log\)|;)"
   assert any(re.match(ended, m) for m in messages), messages
   assert [row["step"] for row in metrics_rows(tmp_path) if "loss" in row] == list(range(1, 11))
+
+
+PULL_DELAY_S = 1.0  # island1's pulls start this late: far over the killer's reaction
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_step_is_confirmed_once_every_live_pod_holds_its_state(tmp_path, caplog, monkeypatch):
+  """island1's worker (pod 1) starts each pull from another worker PULL_DELAY_S late (the
+  test-only receives.TEST_DELAY_ENV), so step 3's metrics are ready before pod 1's state of
+  step 3, which waits on its pull from island0. Pod 0's worker is SIGSTOPped at once after
+  step 3's row: the step is confirmed once every live pod's state of it is computed (a wait-only
+  fetch on each worker), so pod 1 holds its state of step 3 when pod 0 stops; pod 0 is declared
+  lost, dropped, and pod 1 runs the steps after 3 again from that state: the run ends at step 8
+  with steps 1-8 once each. Confirmed on its metrics alone, step 3 would leave pod 1's state
+  waiting on the stopped worker: the pull fails with its loss and the run ends with "the live
+  pods (1,) read what a lost pod made" (WorkerLost)."""
+  monkeypatch.setenv(receives.TEST_DELAY_ENV, f"island1:{PULL_DELAY_S}")  # the workers inherit it
+  stop = Kill(after=3, pid=lambda: _workers().procs[0].pid, sig=signal.SIGSTOP, within=0.0)
+  killer = Killer(tmp_path, [stop], seed=4)
+  overrides = {"train.num_steps": 8, "train.log_every": 1}
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    result = train.run(
+      small_config(**{**TWO_PODS, **overrides}), str(tmp_path), show_progress=False
+    )
+  killer.join()
+  assert result.final_step == 8
+  steps, live = _steps_and_live(tmp_path)
+  assert steps == list(range(1, 9)), steps
+  assert live[:3] == [2, 2, 2] and 1 in live[3:], live
+  messages = [r.getMessage() for r in caplog.records]
+  assert any(re.match(r"^pod 0 lost \(.*\) at step [4-5]: 1 of 2 pods live", m) for m in messages)
+  assert not [m for m in messages if m.startswith("the live pods")], messages
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_pod_lost_as_the_final_state_is_read_is_dropped(tmp_path, caplog):
+  """SIGTERM to this process after step 3's row asks the run to checkpoint and stop at the next
+  step boundary; pod 1's worker is SIGKILLed (and dead) as "stop requested" is logged, just
+  before the run reads its final state (the run's result). That read finds pod 1 lost: it is
+  dropped as after a failed step and the survivors' state is read, not a raw WorkerLost that
+  ends the run."""
+  killer = Killer(tmp_path, [Kill(after=3, pid=os.getpid, sig=signal.SIGTERM)], seed=5)
+  kill_pod1 = _KillOn(r"^stop requested: checkpointed step", lambda: _workers().procs[1])
+  logger = logging.getLogger("pwtrain")
+  logger.addHandler(kill_pod1)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      result = train.run(small_config(**TWO_PODS), str(tmp_path), show_progress=False)
+  finally:
+    logger.removeHandler(kill_pod1)
+  killer.join()
+  assert kill_pod1.at is not None
+  stopped = result.final_step
+  assert 3 <= stopped < 10, stopped
+  messages = [r.getMessage() for r in caplog.records]
+  dropped = rf"^pod 1 lost \(.*\) during the final read after step {stopped}: 1 of 2 pods live"
+  assert any(re.match(dropped, m) for m in messages), messages
+  assert "params" in result.state, list(result.state)
 
 
 def _external_worker(island: str, token: str) -> subprocess.Popen:
@@ -265,6 +324,27 @@ def external():
     for proc in procs:
       proc.kill()
       proc.wait()
+
+
+@pytest.mark.processes
+def test_a_wait_only_fetch_sends_nothing_and_leaves_the_value(external):
+  """A wait-only Fetch (how a step's confirmation waits for its state) answers an empty stream
+  once the value is there, waiting for one still to come; the value is neither read nor
+  released: a value announced for one read is still there for it afterwards."""
+  (_, address0), _ = external
+  client = WorkerClient(address0, TOKEN, timeout_s=60)
+  try:
+    client.put_async("once", [np.arange(3, dtype=np.float32)], uses=1).result()
+    assert client.fetch("once", wait_only=True) == []
+    np.testing.assert_array_equal(client.fetch("once")[0], [0.0, 1.0, 2.0])  # its one read
+    later = threading.Timer(0.5, lambda: client.put_async("later", [np.ones(1)]).result())
+    later.start()
+    start = time.monotonic()
+    assert client.fetch("later", wait_only=True) == []  # announced after the call came
+    assert time.monotonic() - start >= 0.4
+    later.join()
+  finally:
+    client.close()
 
 
 @pytest.mark.processes

@@ -147,6 +147,21 @@ class Controller:
       }
       raise read_of_lost(value, lost) or e from None
 
+  def computed(self, outputs: dict) -> None:
+    """Waits until every value of `outputs` (a program's: futures of arrays, or remote values)
+    is computed, fetching nothing; a value that waited on a lost island fails as in `read`.
+    Remote: each worker answers once its value is there, its pulls from other workers included
+    (a pull from a worker declared lost fails: WorkerLost); a value on a lost worker is left
+    out (remote/values.wait_computed)."""
+    if self.cluster.remote:
+      from pwtrain.backend.remote.values import wait_computed  # grpc: remote mode only
+
+      wait_computed(outputs.values())
+    else:
+      from pwtrain.backend.run_mode import results  # orbax: not where a worker imports this
+
+      self.read(results(outputs), fetch=False)
+
   def answering(self) -> set[str]:
     """The lost islands that answer again and may rejoin (remote: their workers were
     relaunched or restarted; embedded islands come back only by a drill)."""

@@ -1,15 +1,16 @@
 """Elastic pods (`fault.elastic=True`): a lost pod costs seconds, not a restart.
 
 `ElasticSteps` wraps the run's Harness and drives steps with the same interface (`step`,
-`settle`, `evaluate`, `step_program`), over one controller and one cluster; the trainer also
-calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
+`settle`, `evaluate`, `whole`, `step_program`), over one controller and one cluster; the trainer
+also calls `boundary` before each step's batch is read (drills, rejoins), and a process started in a
 dead one's place `join`s (distributed mode):
 
   detect   a step fails with `backend.faults.IslandLost`: a pod's devices failed (embedded),
            its worker died or went silent (remote: `WorkerLost`), or a drill made it so
            (`fault.inject`: embedded marks the islands lost, remote SIGKILLs their workers).
-           Each step is confirmed (its metrics read) while the next one runs, so a loss is seen
-           one step after it happens, or at once where the next step cannot be sent.
+           Each step is confirmed (its metrics read, its state computed on every live pod)
+           while the next one runs, so a loss is seen one step after it happens, or at once
+           where the next step cannot be sent.
   drop     the lost pods leave the live pod set, whose harness is the full set's program with
            each lost pod hosted by a survivor (nothing compiles), or one built for the
            survivors (compiled once per pod set, then cached): podsets.py. The state the first
@@ -32,8 +33,6 @@ What each exchange mode does with a lost pod: docs/reliability.md. Every metrics
 """
 
 import collections
-import concurrent.futures
-import dataclasses
 import functools
 import logging
 import time
@@ -41,41 +40,16 @@ import time
 import numpy as np
 
 from pwtrain import processes
-from pwtrain.backend import run_mode
 from pwtrain.backend.faults import IslandLost
+from pwtrain.backend.run_mode import results
 from pwtrain.drills import parse_inject
 from pwtrain.elastic import cells, lines
 from pwtrain.elastic.agreement import Agreement
+from pwtrain.elastic.pending import Metrics, Pending
 from pwtrain.elastic.podsets import PodSets
 from pwtrain.harness import Harness, StepOutputs, eval_sums
 
 log = logging.getLogger(__name__)
-
-
-class _Metrics(concurrent.futures.Future):
-  """A step's metrics as the trainer sees them: set once the step is confirmed (after it ran
-  again, where it failed). Asking for the result confirms the steps up to this one."""
-
-  def __init__(self, steps: "ElasticSteps"):
-    super().__init__()
-    self._steps = steps
-
-  def result(self, timeout=None):
-    if not self.done():
-      self._steps._confirm_through(self)
-    return super().result(timeout)
-
-
-@dataclasses.dataclass
-class _Pending:
-  """A dispatched step not yet confirmed: what it needs to run again."""
-
-  step: int  # 0-based
-  batch: dict  # the whole host batch it was given
-  before: dict  # the state it started from
-  out: StepOutputs
-  metrics: _Metrics  # what the trainer was given: set once the step is confirmed
-  dispatched_at: float = dataclasses.field(default_factory=time.perf_counter)  # its start
 
 
 class ElasticSteps:
@@ -94,7 +68,7 @@ class ElasticSteps:
     self._islands = {p: plan.islands[p * stages : (p + 1) * stages] for p in range(plan.num_pods)}
     self._pod_of = {i.name: p for p, islands in self._islands.items() for i in islands}
     self.num_pods = plan.num_pods
-    self._pending: collections.deque[_Pending] = collections.deque()
+    self._pending: collections.deque[Pending] = collections.deque()
     self._drills = parse_inject(config.fault.inject, plan.num_pods)
     self._rejoining: set[int] = set()
     # The state the last dispatched step produces: what the trainer holds, unless a drop ran
@@ -168,7 +142,7 @@ class ElasticSteps:
     once. Earlier steps are confirmed first (all but `backend.max_inflight_steps`), so `state`
     may be replaced by the state of their run again after a drop."""
     self._confirm(keep=self.config.backend.max_inflight_steps)
-    state, metrics = self._current(state), _Metrics(self)
+    state, metrics = self._current(state), Metrics(self)
     self._steps = step + 1
     began = time.perf_counter()  # a dispatch can itself wait on a silent worker until it is lost
     try:
@@ -176,8 +150,15 @@ class ElasticSteps:
       self._drill(step + 1, "mid")
     except IslandLost as e:  # remote: a lost worker refused the step, maybe after a wait
       if not self._pending or self._pending[-1].step != step:
-        self._pending.append(_Pending(step, batch, state, None, metrics, dispatched_at=began))
-      self._drop(e)
+        self._pending.append(Pending(step, batch, state, None, metrics, dispatched_at=began))
+      refused = self._pending[-1]
+      # The steps before it may have run on the survivors, consuming the state they started
+      # from: those are confirmed, not run again (one that failed drops the pods itself).
+      first = self._agreement is None  # distributed: every process confirms at once, not here
+      while first and refused in self._pending and self._pending[0] is not refused:
+        self._confirm_oldest()
+      if not first or self._pending[0] is refused:
+        self._drop(e)
       pending = self._pending[-1]
     self._given = pending.out.state
     return StepOutputs(self._given, pending.metrics)
@@ -210,11 +191,26 @@ class ElasticSteps:
       except IslandLost as e:
         self._drop(e, given, during="the evaluation", again="the evaluation runs again")
 
-  def _dispatch(self, state, batch, step, metrics, began: float) -> _Pending:
+  def whole(self, state: dict) -> dict:
+    """Harness.whole on the live pods: a pod lost while the state is read (remote: its worker
+    dies or goes silent; embedded: its arrays were deleted) is dropped as after a failed step,
+    and the survivors' state is read instead. Distributed mode reads as Harness does (its
+    processes would have to agree on such a loss, as on a step's: agreement.py)."""
+    given = state
+    while True:
+      state = self.settle(given)
+      if self._agreement is not None:
+        return self.step_program.to_checkpoint(results(state))
+      try:
+        return self.step_program.to_checkpoint(self.controller.read(results(state), fetch=False))
+      except IslandLost as e:
+        self._drop(e, given, during="the final read", again="the state is read again")
+
+  def _dispatch(self, state, batch, step, metrics, began: float) -> Pending:
     """Dispatches the step; `began`: when its dispatch began (its pending step's date)."""
     host_metrics = self._agreement is None  # distributed: read once the processes agree
     out = self.harness.step(state, self._rows(batch), step, host_metrics=host_metrics)
-    pending = _Pending(step, batch, state, out, metrics, dispatched_at=began)
+    pending = Pending(step, batch, state, out, metrics, dispatched_at=began)
     self._pending.append(pending)
     self._head = out.state
     return pending
@@ -234,22 +230,23 @@ class ElasticSteps:
     while len(self._pending) > keep:
       self._confirm_oldest()
 
-  def _confirm_through(self, metrics: _Metrics) -> None:
+  def _confirm_through(self, metrics: Metrics) -> None:
     while not metrics.done():
       self._confirm_oldest()
 
   def _confirm_oldest(self) -> None:
     if self._fatal is not None:  # too few pods were left: the run is over
       raise self._fatal
-    pending = self._pending[0]
+    pending, ran = self._pending[0], False
     try:
       if self._agreement is None:
         values = self.controller.read(pending.out.metrics.result())
+        ran = self.controller.cluster.remote  # the reporting pod's update ran (`_drop`)
         self._copied(pending.out.state)  # whole: metrics may be ready before it, not enough
       else:
         values = self._agreement.confirm(pending.out, self.live)
     except IslandLost as e:
-      self._drop(e)  # runs the pending steps again: the oldest is confirmed next time
+      self._drop(e, ran=ran)  # runs the pending steps again: the oldest is confirmed next time
       return
     self._pending.popleft()
     self._confirmed_at = time.perf_counter()
@@ -257,18 +254,20 @@ class ElasticSteps:
 
   # -- drop and rejoin ------------------------------------------------------------------------
 
-  def _drop(self, error: IslandLost, given: dict | None = None, during="", again="") -> None:
+  def _drop(self, error: IslandLost, given=None, during="", again="", ran=False) -> None:
     """Drops the lost pods and runs every pending step again on the survivors (the last one's
     state becomes the head). With no step pending (a loss `during` an evaluation, or a rejoin;
     `again`: what runs again), the state moved is the one of `given` (the trainer's), which
-    then stands for it."""
+    then stands for it. `ran`: the oldest step's metrics were read (remote), so its update
+    consumed the state it started from on the reporting pod: it cannot run again."""
     start = time.perf_counter()
     self.controller.wait()  # every dispatched step has run or failed
     lost_islands = self.controller.lost or {error.island: error.cause}
     lost = sorted({self._pod_of[i] for i in lost_islands} & set(self.live))
-    if not lost:  # nothing to drop: running the same steps again on the same pods would fail
+    if not lost or ran:  # nothing to drop (the same steps would fail again), or to run again
       # The live pods' state depends on a dropped pod (remote: a rejoin's copy from a pod lost
-      # while it was made): the loss itself, which the restart path (fault.max_restarts) takes.
+      # while it was made, or a step's pull from one): the loss itself, which the restart path
+      # (fault.max_restarts) takes.
       log.error("the live pods %s read what a lost pod made (%s): they cannot go on without it",
                 self.live, error)  # fmt: skip
       self._fatal = error
@@ -317,7 +316,7 @@ class ElasticSteps:
                                time.perf_counter())  # fmt: skip
         state = rerun.out.state
       except IslandLost as e:  # another pod lost on the way: the rest wait for the next drop
-        self._pending.extend(_Pending(p.step, p.batch, state, None, p.metrics) for p in redo[i:])
+        self._pending.extend(Pending(p.step, p.batch, state, None, p.metrics) for p in redo[i:])
         self._drop(e)
         return
 
@@ -354,11 +353,12 @@ class ElasticSteps:
     return moved
 
   def _copied(self, state: dict) -> None:
-    """Waits until `state` (a step's, or one copied onto returning pods) is computed (embedded
-    mode; a piece that waited on a pod lost meanwhile fails with its IslandLost). Remote: found
-    failed, if it is, at the next step; distributed mode's processes agree on it."""
-    if self._agreement is None and not self.controller.cluster.remote:
-      self.controller.read(run_mode.results(state), fetch=False)
+    """Waits until every value of `state` (a step's, or one copied onto returning pods) is
+    computed on every live pod, fetching nothing (remote: each worker's pulls from the others
+    done); a piece that waited on a pod lost meanwhile fails with its IslandLost. Distributed
+    mode's processes agree on it."""
+    if self._agreement is None:
+      self.controller.computed(state)
 
   def _drill(self, step: int, place: str) -> None:
     """The injected faults of `fault.inject` due at `place` (drills.PLACES) of step `step`

@@ -147,16 +147,18 @@ class WorkerClient:
       call.cancel()
     return call
 
-  def fetch(self, handle: str, release: bool = False) -> list:
+  def fetch(self, handle: str, release: bool = False, wait_only: bool = False) -> list:
     """The value's arrays on the host, once computed (waits as long as that takes, unless the
-    cluster's monitor declares a worker lost and cancels the call)."""
+    cluster's monitor declares a worker lost and cancels the call); `wait_only`: [] once it is
+    computed (nothing is sent, and the value is neither read nor released)."""
     if self.lost:
       raise self.lost_error()
-    call = self.stub.Fetch(pb.FetchRequest(handle=handle, release=release), metadata=self._metadata)
+    request = pb.FetchRequest(handle=handle, release=release, wait_only=wait_only)
+    call = self.stub.Fetch(request, metadata=self._metadata)
     with self._lock:
       self._active.add(call)
     try:
-      _, received = arrays.from_chunks(call)
+      received = list(call) if wait_only else arrays.from_chunks(call)[1]  # wait_only: empty
     except grpc.RpcError:
       if self.lost:
         raise self.lost_error() from None

@@ -149,7 +149,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Streams a value once it is computed; also how workers pull from each other.
+        """Streams a value once it is computed; also how workers pull from each other. With
+        `wait_only`, ends the stream (empty) once the value is computed: nothing is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

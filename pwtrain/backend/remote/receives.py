@@ -11,10 +11,16 @@ every pull from that address enqueued before then fails at once, naming its sour
 worker, stopped or wedged, answers nothing and closes nothing, so its streams never end by
 themselves). The failure reads "transfer <op> from <address> failed: ...": the controller
 reports it as that worker's loss (values.rpc_error).
+
+Test-only: the environment variable PWTRAIN_TEST_PULL_DELAY=`<island>:<seconds>` (TEST_DELAY_ENV)
+makes the worker of that island wait that long before each pull from another worker, so that a
+pull is still pending once the other workers' values are there (tests/test_silent_faults.py).
+Unset, as in every run, pulls start at once.
 """
 
 import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 
@@ -27,6 +33,7 @@ from pwtrain.backend.remote import protocol_pb2_grpc as pb_grpc
 from pwtrain.backend.remote.channel import channel_options
 
 THREADS = 16  # transfers in flight at once per worker
+TEST_DELAY_ENV = "PWTRAIN_TEST_PULL_DELAY"  # test-only (the module doc)
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +54,8 @@ class Receives:
     self._pulls: set[_Pull] = set()
     self._lock = threading.Lock()
     self._peers: dict[str, pb_grpc.WorkerStub] = {}
+    island, _, seconds = os.environ.get(TEST_DELAY_ENV, "").partition(":")
+    self._test_delay_s = float(seconds) if island == worker.island else 0.0  # the module doc
 
   def submit(self, op, out: concurrent.futures.Future) -> None:
     """Queues the Receive `op`, whose value goes to `out` (or its failure)."""
@@ -103,6 +112,7 @@ class Receives:
     meanwhile; so a peer started again on the same address (a pod rejoining: elastic pods) would
     be refused for seconds after it answers. A refused pull therefore gets a new channel and one
     more try."""
+    time.sleep(self._test_delay_s)  # 0 but in a test (the module doc)
     for attempt in range(2):
       with self._lock:
         if pull.abandoned:

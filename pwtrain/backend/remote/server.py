@@ -159,6 +159,8 @@ class Worker(pb_grpc.WorkerServicer):
       leaves = self.store.lookup(request.handle).result()
     except Exception as e:  # noqa: BLE001 - the failure travels to whoever fetches
       context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.handle}: {describe(e)}")
+    if request.wait_only:  # computed: an empty stream, the value neither read nor released
+      return
     try:
       yield from arrays.to_chunks(request.handle, [np.asarray(x) for x in leaves])
     finally:

@@ -66,6 +66,26 @@ def fetch_value(ref: Ref):
   return jax.tree.unflatten(ref.treedef, placed)
 
 
+def wait_computed(values) -> None:
+  """Returns once each RemoteValue among `values` is computed on its worker, its pulls from
+  other workers done: a wait-only Fetch each, nothing sent. A value whose own worker is lost
+  (before or while it waits) is gone with it and left out: what reads it reports that loss.
+  Any other failure raises as `fetch_value`'s does (WorkerLost where the value waited on a pull
+  from a lost worker)."""
+  for value in values:
+    if not isinstance(value, RemoteValue) or value.ref.worker.lost:
+      continue
+    try:
+      value.ref.worker.fetch(value.ref.handle, wait_only=True)
+    except WorkerLost:  # a call cancelled as a worker was declared lost
+      if not value.ref.worker.lost:
+        raise
+    except grpc.RpcError as e:
+      error = rpc_error(value.ref.worker, e, value.ref.islands)  # finds the lost workers
+      if not value.ref.worker.lost:
+        raise error from None
+
+
 # How a worker reports a failed pull from another worker (receives.py).
 _FAILED_PULL = re.compile(r"transfer \S+ from (\S+) failed")
 
