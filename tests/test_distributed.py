@@ -163,7 +163,10 @@ def test_pipeline_on_two_processes_equals_embedded(tmp_path):
   """A 2-stage 1F1B pipeline, one stage per process: activations and gradients cross between
   the processes every microbatch. Each process has a thread waiting inside JAX's C++ as it
   exits (JAX_THREAD_AT_EXIT), and each exits 0 (no abort at interpreter finalization)."""
-  embedded = train.run(config_of(STAGES), str(tmp_path / "embedded"), show_progress=False)
+  # Its steps 1-8, all the distributed runs below train.
+  embedded = train.run(
+    config_of({**STAGES, "train.num_steps": 8}), str(tmp_path / "embedded"), show_progress=False
+  )
   overrides = {**STAGES, "train.num_steps": 6, "backend.trace": True}
   result = launch(tmp_path / "dist", 2, overrides, env=JAX_THREAD_AT_EXIT)
   logs = process_logs(tmp_path / "dist")

@@ -45,9 +45,12 @@ def _limited(limit=LIMIT):
 
 def _main(workdir, *args, limited=False, flags=FLAGS):
   """`python -m pwtrain.main` in a process of its own; `limited`: under the file size limit
-  LIMIT (True) or under that many bytes."""
-  # No compilation cache: its entries would be writes past the limit too.
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  LIMIT (True) or under that many bytes. Only a limited start runs without the suite's
+  compilation cache (its entries would be writes past the limit too); the others load their
+  programs from it."""
+  env = dict(os.environ)
+  if limited:
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
   return subprocess.run(
     [sys.executable, "-m", "pwtrain.main", "--config=configs/palm_tiny.py", *flags,
      f"--workdir={workdir}", *args],
