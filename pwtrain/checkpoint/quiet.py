@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ class _UnraisableFilter:
 
 
 _install_lock = threading.Lock()
+# Orbax's per-array write (orbax/checkpoint/_src/serialization/serialization.py).
+_NEVER_STARTED = (
+  r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never awaited"
+)
 
 
 def install() -> None:
@@ -82,6 +87,9 @@ def install() -> None:
   with _install_lock:
     if not isinstance(sys.unraisablehook, _UnraisableFilter):
       sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
+    # An array write Orbax abandoned before it started, collected (at the latest as the process
+    # ends): Python warns of the coroutine, not through the unraisable hook.
+    warnings.filterwarnings("ignore", _NEVER_STARTED, RuntimeWarning)
     for name in OrbaxFailures.LOGGERS:
       if FAILURES not in logging.getLogger(name).filters:
         logging.getLogger(name).addFilter(FAILURES)
