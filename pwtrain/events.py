@@ -6,16 +6,29 @@ event once the writer's queue (10 events) is full. `Events` writes each event wh
 added, so a write the storage refuses is an OSError of the caller's, which metrics.py turns into
 one line (`errors.WriteFailed`). The file is TensorBoard's own format: TFRecord-framed `Event`
 protos, as tensorboardX writes them (its `RecordWriter` and protos).
+
+tensorboardX's package imports torch where it is installed (its `SummaryWriter` accepts torch
+tensors), a second and more of every start. Unless torch is loaded already, it is imported here
+as if torch were absent (a None in `sys.modules` makes `import torch` fail, as tensorboardX
+allows): none of what is used here touches torch.
 """
 
 import itertools
 import os
 import socket
+import sys
 import time
 
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.record_writer import RecordWriter
-from tensorboardX.summary import scalar
+_TORCH_LOADED = "torch" in sys.modules
+if not _TORCH_LOADED:
+  sys.modules["torch"] = None  # tensorboardX's `import torch` fails: torch's absence
+try:
+  from tensorboardX.proto.event_pb2 import Event, SessionLog
+  from tensorboardX.record_writer import RecordWriter
+  from tensorboardX.summary import scalar
+finally:
+  if not _TORCH_LOADED:
+    del sys.modules["torch"]  # a later `import torch` (by anyone) imports it as usual
 
 _OPENED = itertools.count()  # two files opened in one second (a rollback's) get two names
 

@@ -220,3 +220,13 @@ os._exit(3)
 """
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
   assert out.returncode == 3 and out.stdout == "first\na native line\nlast\n", out
+
+
+def test_a_start_imports_no_torch():
+  """A `pwtrain.main` start imports no torch (tensorboardX's package imports it where it is
+  installed, as here: a second and more of each start; pwtrain/events.py)."""
+  out = subprocess.run(
+    [sys.executable, "-c", "import sys, pwtrain.main; print('torch' in sys.modules)"],
+    cwd=REPO, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
