@@ -1,0 +1,88 @@
+"""The drill `wedge:pod1@step4` in a real elastic run (remote mode): pod 1's worker runs a
+computation that never ends (pwtrain/elastic/wedge.py), sent as any program is, so its execution
+makes no progress while its process lives and answers Health. The health monitor declares it
+lost once that op has run past `fault.progress_timeout_s`, kills it, the supervisor relaunches
+it, and pod 1 rejoins; every step runs once.
+"""
+
+import logging
+import re
+
+import pytest
+from helpers import SGD, metrics_rows, small_config
+
+from pwtrain import train
+from pwtrain.errors import ConfigError
+
+PROGRESS_TIMEOUT_S = 3.0
+HEARTBEAT_S = 0.5
+TWO_PODS = {
+  **SGD,
+  "parallel.islands": 2,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 2,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 8,
+  "train.num_steps": 10,
+  "train.checkpoint_every": 100,
+  "fault.elastic": True,
+}
+REMOTE = {
+  "backend.mode": "remote",
+  "backend.launch_workers": True,
+  "fault.heartbeat_s": HEARTBEAT_S,
+  "fault.progress_timeout_s": PROGRESS_TIMEOUT_S,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_wedged_worker_is_lost_killed_relaunched_and_its_pod_rejoins(tmp_path, caplog):
+  """Pod 1's worker is wedged before step 4 is dispatched. It answers every ping, so only the
+  progress rule finds it: lost once the op has run PROGRESS_TIMEOUT_S (`is wedged: one op has
+  run for ...`), within that plus a few heartbeats of the drill; killed (SIGKILL) and relaunched;
+  pod 0 runs step 4 on alone, and pod 1 rejoins at step 8 (the drill `rejoin:`, which waits for
+  it there). metrics.jsonl holds steps 1-10 once each, with one pod live between the drop and
+  the rejoin."""
+  inject = {"fault.inject": "wedge:pod1@step4,rejoin:pod1@step8"}
+  with caplog.at_level(logging.INFO, logger="pwtrain"):
+    result = train.run(
+      small_config(**TWO_PODS, **REMOTE, **inject), str(tmp_path), show_progress=False
+    )
+  assert result.final_step == 10
+  rows = [row for row in metrics_rows(tmp_path) if "loss" in row]
+  assert [row["step"] for row in rows] == list(range(1, 11))
+  live = [row["pods_live"] for row in rows]
+  assert live[:3] == [2, 2, 2] and live[3] == 1 and live[7:] == [2, 2, 2], live
+  records = {r.getMessage(): r for r in caplog.records}
+  messages = list(records)
+  (wedged,) = [m for m in messages if m.startswith("fault.inject wedge:pod1@step4: island island1")]
+  (lost,) = [
+    m for m in messages if re.match(r"island island1 lost: worker \S+ is wedged: one op has run", m)
+  ]
+  assert f"(fault.progress_timeout_s={PROGRESS_TIMEOUT_S:g})" in lost, lost
+  found_s = records[lost].created - records[wedged].created
+  assert PROGRESS_TIMEOUT_S <= found_s < PROGRESS_TIMEOUT_S + 4 * HEARTBEAT_S + 2.0, found_s
+  assert any(re.match(r"killed worker \S+ \(island island1\): it was lost", m) for m in messages)
+  assert any(
+    re.match(r"worker island1 \(pid \d+\) was killed by SIGKILL; relaunched", m) for m in messages
+  ), messages
+  (drop,) = [m for m in messages if m.startswith("pod 1 lost")]
+  assert "is wedged" in drop and "at step 4: 1 of 2 pods live" in drop, drop
+  assert any(m.startswith("pod 1 rejoined") for m in messages), messages
+  assert not any("restart" in m or "the live pods" in m for m in messages), messages
+
+
+def test_embedded_mode_refuses_the_wedge_drill(tmp_path):
+  """Embedded mode: every pod computes in the controller's own process, which nothing can
+  unwedge from inside; the drill is one line naming fault.inject, its value and what is valid,
+  and nothing is written."""
+  config = small_config(**TWO_PODS, **{"fault.inject": "wedge:pod1@step4"})
+  expected = (
+    r"^fault.inject='wedge:pod1@step4': 'wedge:' is not a drill of backend.mode='embedded': .*"
+    r"use 'kill:' there, or backend.mode='remote' or 'distributed'$"
+  )
+  with pytest.raises(ConfigError, match=expected):
+    train.run(config, str(tmp_path / "run"), show_progress=False)
+  assert not (tmp_path / "run").exists()
