@@ -7,11 +7,13 @@ it, and pod 1 rejoins; every step runs once.
 
 import logging
 import re
+import threading
 
 import pytest
 from helpers import SGD, metrics_rows, small_config
 
 from pwtrain import train
+from pwtrain.backend.remote import launcher
 from pwtrain.errors import ConfigError
 
 PROGRESS_TIMEOUT_S = 3.0
@@ -28,6 +30,29 @@ TWO_PODS = {
   "train.checkpoint_every": 100,
   "fault.elastic": True,
 }
+GUARD_S = 30.0  # a wedged worker still alive this long after the drill is killed by the test
+
+
+class _Guard(logging.Handler):
+  """Takes pod 1's worker process as the drill's line is emitted and, unless the run is over
+  within GUARD_S, SIGKILLs it (as a user would have to): without the progress rule the run then
+  finishes, the worker lost as a dead one, and the test fails on its lines, not by hanging."""
+
+  def __init__(self):
+    super().__init__()
+    self.finished, self.killed = threading.Event(), False
+
+  def emit(self, record):
+    if record.getMessage().startswith("fault.inject wedge:"):
+      (workers,) = launcher.live()
+      threading.Thread(target=self._guard, args=(workers.procs[1],), daemon=True).start()
+
+  def _guard(self, proc):
+    if not self.finished.wait(GUARD_S) and proc.poll() is None:
+      proc.kill()  # a Popen: never a pid reused since
+      self.killed = True
+
+
 REMOTE = {
   "backend.mode": "remote",
   "backend.launch_workers": True,
@@ -46,10 +71,18 @@ def test_a_wedged_worker_is_lost_killed_relaunched_and_its_pod_rejoins(tmp_path,
   it there). metrics.jsonl holds steps 1-10 once each, with one pod live between the drop and
   the rejoin."""
   inject = {"fault.inject": "wedge:pod1@step4,rejoin:pod1@step8"}
-  with caplog.at_level(logging.INFO, logger="pwtrain"):
-    result = train.run(
-      small_config(**TWO_PODS, **REMOTE, **inject), str(tmp_path), show_progress=False
-    )
+  guard = _Guard()
+  logger = logging.getLogger("pwtrain")
+  logger.addHandler(guard)
+  try:
+    with caplog.at_level(logging.INFO, logger="pwtrain"):
+      result = train.run(
+        small_config(**TWO_PODS, **REMOTE, **inject), str(tmp_path), show_progress=False
+      )
+  finally:
+    guard.finished.set()
+    logger.removeHandler(guard)
+  assert not guard.killed, "the wedged worker was never killed by the run"
   assert result.final_step == 10
   rows = [row for row in metrics_rows(tmp_path) if "loss" in row]
   assert [row["step"] for row in rows] == list(range(1, 11))
