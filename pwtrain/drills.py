@@ -9,8 +9,9 @@ copies the live pods' state (embedded mode); `rejoin:pod1@step10` brings the pod
 step 10, not earlier (remote: waits until its workers answer again; distributed: waits until
 the process pwtrain.launch started again in the pod's place is ready); `wedge:pod1@step4` makes
 pod 1's execution stop making progress before step 4 is dispatched, its processes alive and
-answering (remote: its workers run a computation that never ends, and the health monitor finds
-it wedged after `fault.progress_timeout_s`: elastic/wedge.py). Kills at the same place
+answering: its islands run a computation that never ends (elastic/wedge.py), found wedged after
+`fault.progress_timeout_s` (remote: by the health monitor, which kills the worker; distributed:
+the process ends itself; embedded mode refuses the drill). Kills at the same place
 happen together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
 real loss leaves them. pwtrain/elastic/ carries them out.
 """

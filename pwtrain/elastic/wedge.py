@@ -3,8 +3,11 @@ never ends, sent as any program is (Controller.run), so their execution makes no
 their processes stay alive and answer. Remote mode: the worker's execution queue runs it, its
 server answers Health, and the health monitor declares it lost once the op has run past
 `fault.progress_timeout_s` (backend/remote/client.py's Monitor), kills it and the supervisor
-relaunches it. Nothing else finds it: the drill exercises the rule for real. Embedded mode refuses
-the drill (drills.check): nothing ends a wedged computation of the controller's own process.
+relaunches it. Distributed mode: every process sends the program (so that they count programs
+alike) and the pod's process runs it; its progress check (pwtrain/liveness.py) ends it once the
+computation has run past `fault.progress_timeout_s`, and pwtrain.launch starts it again. Nothing
+else finds it: the drill exercises those rules for real. Embedded mode refuses the drill
+(drills.check): nothing ends a wedged computation of the controller's own process.
 """
 
 import logging
@@ -26,7 +29,7 @@ def forever(x):
 
 def wedge(controller, islands, drill: str) -> None:
   """Sends `forever` to each of `islands` (cluster.Island) as a program of its own, after the
-  work already sent there; returns at once. `drill`: the drill's text, for the log line."""
+  work already sent there; returns at once (every process of a distributed run calls it). `drill`: the drill's text, for the log line."""
   for island in islands:
     mesh = island.mesh({"wedge": island.num_devices})
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -36,4 +39,7 @@ def wedge(controller, islands, drill: str) -> None:
     )
     program = Program(nodes=(Node("wedge", exe, ("x",)),), outputs={"x": ("wedge", 0)})
     controller.run(program, {"x": np.zeros(1, np.float32)})
-    log.warning("fault.inject %s: island %s runs a computation that never ends", drill, island.name)
+    if controller.runs_here(island.name):
+      log.warning(
+        "fault.inject %s: island %s runs a computation that never ends", drill, island.name
+      )

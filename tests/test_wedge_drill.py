@@ -1,8 +1,10 @@
-"""The drill `wedge:pod1@step4` in a real elastic run (remote mode): pod 1's worker runs a
-computation that never ends (pwtrain/elastic/wedge.py), sent as any program is, so its execution
-makes no progress while its process lives and answers Health. The health monitor declares it
-lost once that op has run past `fault.progress_timeout_s`, kills it, the supervisor relaunches
-it, and pod 1 rejoins; every step runs once.
+"""The drill `wedge:pod<P>@step<N>` in real elastic runs: pod P's islands run a computation that
+never ends (pwtrain/elastic/wedge.py), sent as any program is, so their execution makes no
+progress while their process lives and answers. Remote mode: the health monitor declares the
+worker lost once that op has run past `fault.progress_timeout_s`, kills it, the supervisor
+relaunches it, and the pod rejoins. Distributed mode (pwtrain.launch): the process ends itself
+(wedged), the others drop its pod, and the launcher starts it again. Every step runs once.
+Embedded mode refuses the drill.
 """
 
 import logging
@@ -10,7 +12,8 @@ import re
 import threading
 
 import pytest
-from helpers import SGD, metrics_rows, small_config
+from helpers import SGD, TINY, metrics_rows, small_config
+from test_distributed import launch, process_logs
 
 from pwtrain import train
 from pwtrain.backend.remote import launcher
@@ -107,6 +110,16 @@ def test_a_wedged_worker_is_lost_killed_relaunched_and_its_pod_rejoins(tmp_path,
   assert not any("restart" in m or "the live pods" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("inject", ["wedge:pod1@mid4", "wedge:pod1@eval4", "wedge:pod2@step4"])
+def test_a_wedge_is_of_a_configured_pod_before_a_step(inject, tmp_path):
+  """A wedge happens before a step is dispatched (@step<N>), of a pod the run has (refused
+  before the mode is looked at)."""
+  config = small_config(**TWO_PODS, **{"fault.inject": inject})
+  with pytest.raises(ConfigError, match=rf"^fault.inject='{inject}': '{inject}' (is not|needs)"):
+    train.run(config, str(tmp_path / "run"), show_progress=False)
+  assert not (tmp_path / "run").exists()
+
+
 def test_embedded_mode_refuses_the_wedge_drill(tmp_path):
   """Embedded mode: every pod computes in the controller's own process, which nothing can
   unwedge from inside; the drill is one line naming fault.inject, its value and what is valid,
@@ -119,3 +132,51 @@ def test_embedded_mode_refuses_the_wedge_drill(tmp_path):
   with pytest.raises(ConfigError, match=expected):
     train.run(config, str(tmp_path / "run"), show_progress=False)
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_wedged_process_ends_itself_and_the_launcher_starts_it_again(tmp_path):
+  """Distributed mode, 2 pods as 2 processes of pwtrain.launch: pod 1's process is wedged
+  before step 2 is dispatched. Its beat goes on, so only its progress check finds it: it says
+  `process 1 is wedged: one program has run for S s (wedge, on island1; ...)` and exits with
+  status 3, within PROGRESS_TIMEOUT_S and a few heartbeats of the drill; process 0 drops pod 1
+  and runs step 2 on alone; the launcher starts process 1 again, and it rejoins at step 4 (the
+  drill `rejoin:`, which waits for it there). The run exits 0 with steps 1-5 once each in
+  metrics.jsonl."""
+  pods = {
+    **SGD,
+    "parallel.islands": 2,
+    "parallel.devices_per_island": 1,
+    "parallel.pods": 2,
+    "exchange.mode": "sync",
+    "train.global_batch": 4,
+    "data.streams": 2,
+    "data.max_files": 40,
+    "train.num_steps": 5,
+    "train.checkpoint_every": 100,
+    "train.eval_every": 0,
+    "train.log_every": 1,
+    **{k: v for k, v in TINY.items() if k != "train.global_batch"},
+    "fault.elastic": True,
+    "fault.heartbeat_s": 1.0,
+    "fault.progress_timeout_s": PROGRESS_TIMEOUT_S,
+    "fault.inject": "wedge:pod1@step2,rejoin:pod1@step4",
+  }
+  run = launch(tmp_path, 2, pods, devices=1, timeout=300)
+  logs = process_logs(tmp_path)
+  assert run.returncode == 0, run.stdout[-3000:] + logs[-3000:]
+  rows = [row for row in metrics_rows(tmp_path) if "loss" in row]
+  assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+  assert [row["pods_live"] for row in rows] == [2, 1, 1, 2, 2], rows
+  lines = run.stdout.splitlines()
+  (wedged,) = [line for line in lines if "fault.inject wedge:pod1@step2: island island1" in line]
+  assert wedged.startswith("[p1]"), wedged  # where it runs
+  (ended,) = [line for line in lines if "is wedged" in line and line.startswith("[p1]")]
+  assert "process 1 is wedged: one program has run for" in ended, ended
+  assert f"(wedge, on island1; fault.progress_timeout_s={PROGRESS_TIMEOUT_S:g}); it ends" in ended
+  assert any(re.match(r"\[launch\] process 1 \(pid \d+\) exited with status 3", x) for x in lines)
+  (drop,) = [line for line in lines if "pod 1 lost" in line]
+  assert drop.startswith("[p0]") and "at step 2: 1 of 2 pods live" in drop, drop
+  assert any(line.startswith("[launch] process 1 started again") for line in lines), lines
+  assert any(line.startswith("[p0]") and "pod 1 rejoined" in line for line in lines), lines
