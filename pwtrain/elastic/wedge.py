@@ -29,7 +29,8 @@ def forever(x):
 
 def wedge(controller, islands, drill: str) -> None:
   """Sends `forever` to each of `islands` (cluster.Island) as a program of its own, after the
-  work already sent there; returns at once (every process of a distributed run calls it). `drill`: the drill's text, for the log line."""
+  work already sent there; returns at once (every process of a distributed run calls it).
+  `drill`: the drill's text, for the log line."""
   for island in islands:
     mesh = island.mesh({"wedge": island.num_devices})
     replicated = NamedSharding(mesh, PartitionSpec())
