@@ -162,6 +162,9 @@ def test_a_wedged_process_ends_itself_and_the_launcher_starts_it_again(tmp_path)
     "fault.heartbeat_s": 1.0,
     "fault.progress_timeout_s": PROGRESS_TIMEOUT_S,
     "fault.inject": "wedge:pod1@step2,rejoin:pod1@step4",
+    # Without the progress rule process 0 would wait on its pull from the wedged process for as
+    # long as its beat goes on: it gives up after this and stops, so the test fails, not hangs.
+    "backend.pull_timeout_s": 60.0,
   }
   run = launch(tmp_path, 2, pods, devices=1, timeout=300)
   logs = process_logs(tmp_path)
