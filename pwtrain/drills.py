@@ -10,10 +10,10 @@ step 10, not earlier (remote: waits until its workers answer again; distributed:
 the process pwtrain.launch started again in the pod's place is ready); `wedge:pod1@step4` makes
 pod 1's execution stop making progress before step 4 is dispatched, its processes alive and
 answering: its islands run a computation that never ends (elastic/wedge.py), found wedged after
-`fault.progress_timeout_s` (remote: by the health monitor, which kills the worker; distributed:
-the process ends itself; embedded mode refuses the drill). Kills at the same place
-happen together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
-real loss leaves them. pwtrain/elastic/ carries them out.
+`fault.progress_timeout_s` (remote: by the health monitor, which kills the worker the run
+launched; distributed: the process ends itself; embedded mode refuses the drill). Kills at the
+same place happen together (two pods at once). An embedded kill deletes the arrays on the pod's
+devices, as a real loss leaves them. pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -45,11 +45,18 @@ def check(config, plan) -> None:
   if not f.elastic:  # fault.inject is then refused by config validation (conditions.py)
     return
   drills = parse_inject(f.inject, plan.num_pods)
-  if any(d.action == "wedge" for d in drills) and config.backend.mode == "embedded":
+  wedges = any(d.action == "wedge" for d in drills)
+  if wedges and config.backend.mode == "embedded":
     raise ConfigError(
       f"fault.inject={f.inject!r}: 'wedge:' is not a drill of backend.mode='embedded': every "
       "pod computes in the controller's own process, which nothing can unwedge from inside; use "
       "'kill:' there, or backend.mode='remote' or 'distributed'"
+    )
+  if wedges and config.backend.mode == "remote" and not config.backend.launch_workers:
+    raise ConfigError(
+      f"fault.inject={f.inject!r}: 'wedge:' in backend.mode='remote' takes "
+      "backend.launch_workers=True: a wedged worker is killed and relaunched only by the run "
+      "that launched it (one started outside the run would stay wedged); use 'kill:' there"
     )
   if plan.num_pods < 2:
     raise ConfigError(

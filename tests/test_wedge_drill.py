@@ -7,6 +7,7 @@ relaunches it, and the pod rejoins. Distributed mode (pwtrain.launch): the proce
 Embedded mode refuses the drill.
 """
 
+import contextlib
 import logging
 import re
 import threading
@@ -15,9 +16,10 @@ import pytest
 from helpers import SGD, TINY, metrics_rows, small_config
 from test_distributed import launch, process_logs
 
-from pwtrain import train
+from pwtrain import drills, train
 from pwtrain.backend.remote import launcher
 from pwtrain.errors import ConfigError
+from pwtrain.parallel import plan as plan_lib
 
 PROGRESS_TIMEOUT_S = 3.0
 HEARTBEAT_S = 0.5
@@ -120,18 +122,24 @@ def test_a_wedge_is_of_a_configured_pod_before_a_step(inject, tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_embedded_mode_refuses_the_wedge_drill(tmp_path):
+def test_embedded_mode_refuses_the_wedge_drill():
   """Embedded mode: every pod computes in the controller's own process, which nothing can
-  unwedge from inside; the drill is one line naming fault.inject, its value and what is valid,
-  and nothing is written."""
+  unwedge from inside; the drill is one line naming fault.inject, its value and what is valid
+  (drills.check, before anything is written; checked there, since a wedge the check let through
+  would hang this process)."""
   config = small_config(**TWO_PODS, **{"fault.inject": "wedge:pod1@step4"})
   expected = (
     r"^fault.inject='wedge:pod1@step4': 'wedge:' is not a drill of backend.mode='embedded': .*"
     r"use 'kill:' there, or backend.mode='remote' or 'distributed'$"
   )
   with pytest.raises(ConfigError, match=expected):
-    train.run(config, str(tmp_path / "run"), show_progress=False)
-  assert not (tmp_path / "run").exists()
+    drills.check(config, _plan(config))
+
+
+def _plan(config):
+  """The plan of `config`'s layout on this process's devices (what drills.check reads)."""
+  with contextlib.closing(plan_lib.make_cluster(config)) as cluster:
+    return plan_lib.build(config, cluster)
 
 
 @pytest.mark.slow
@@ -183,3 +191,18 @@ def test_a_wedged_process_ends_itself_and_the_launcher_starts_it_again(tmp_path)
   assert drop.startswith("[p0]") and "at step 2: 1 of 2 pods live" in drop, drop
   assert any(line.startswith("[launch] process 1 started again") for line in lines), lines
   assert any(line.startswith("[p0]") and "pod 1 rejoined" in line for line in lines), lines
+
+
+def test_a_remote_wedge_takes_workers_the_run_launches():
+  """Remote mode: a wedged worker is killed and relaunched only by the run that launched it;
+  on workers started outside the run (backend.launch_workers=False) the drill is refused in one
+  line. The check reads the plan's pods and the config's mode (drills.check), so the plan of
+  the same layout in embedded mode stands in for the workers."""
+  config = small_config(**TWO_PODS, **{"fault.inject": "wedge:pod1@step4"})
+  plan = _plan(config)
+  config.backend.mode = "remote"
+  expected = r"^fault.inject='wedge:pod1@step4': 'wedge:' in backend.mode='remote' takes backend"
+  with pytest.raises(ConfigError, match=expected + r".launch_workers=True: .* use 'kill:' there$"):
+    drills.check(config, plan)
+  config.backend.launch_workers = True
+  drills.check(config, plan)
