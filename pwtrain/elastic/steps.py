@@ -155,10 +155,10 @@ class ElasticSteps:
       refused = self._pending[-1]
       # The steps before it may have run on the survivors, consuming the state they started
       # from: those are confirmed, not run again (one that failed drops the pods itself).
-      first = self._agreement is None  # distributed: every process confirms at once, not here
-      while first and refused in self._pending and self._pending[0] is not refused:
+      confirms_here = self._agreement is None  # distributed: the processes confirm together
+      while confirms_here and refused in self._pending and self._pending[0] is not refused:
         self._confirm_oldest()
-      if not first or self._pending[0] is refused:
+      if not confirms_here or self._pending[0] is refused:
         self._drop(e)
       pending = self._pending[-1]
     self._given = pending.out.state
