@@ -126,7 +126,8 @@ def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   dot's kernel sums in an order of its own for a matrix-vector product (the KV-cache decode's
   one query per row) and for a matrix product (the training forward's sequence of queries).
   Under XLA:CPU's own reduction emitters (platforms.CPU_NUMERICS_FLAG) the decode's logits then
-  equal the forward pass's bitwise (docs/rl.md). It uses no matrix units, and its products
+  equal the forward pass's bitwise (docs/rl.md). The products and their sums are float32
+  whatever q's dtype (the output then cast to it). It uses no matrix units, and its products
   are [b, g, h/g, l, m, d] before their reductions (d times the logits') wherever XLA does not
   fuse them into the reduction.
   """
@@ -134,23 +135,23 @@ def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   g = k.shape[2]
   # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, d].
   q = q.reshape(b, length, g, h // g, d) * (d**-0.5 if scale is None else scale)
-  if invariant:  # [b, g, h/g, l, 1, d] * [b, g, 1, 1, m, d], summed over d
-    keys = k.transpose(0, 2, 1, 3)[:, :, None, None]
-    logits = jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None] * keys, axis=-1)
+  f32 = jnp.float32
+  if invariant:  # [b, g, h/g, l, 1, d] * [b, g, 1, 1, m, d] in float32, summed over d
+    keys = k.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
+    logits = jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(f32) * keys, axis=-1)
   else:
-    logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k)
-  logits = logits.astype(jnp.float32)
+    logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(f32)
   if softcap:
     logits = softcap * jnp.tanh(logits / softcap)
   if mask is None:
     mask = jnp.tril(jnp.ones((length, length), dtype=bool))
-  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-  if invariant:  # [b, g, h/g, l, m, 1] * [b, g, 1, 1, m, d], summed over m
-    values = v.transpose(0, 2, 1, 3)[:, :, None, None]
-    out = jnp.sum(probs[..., None] * values, axis=-2).transpose(0, 3, 1, 2, 4)
+  logits = jnp.where(mask, logits, jnp.finfo(f32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if invariant:  # [b, g, h/g, l, m, 1] * [b, g, 1, 1, m, d] in float32, summed over m
+    values = v.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
+    out = jnp.sum(probs[..., None] * values, axis=-2).transpose(0, 3, 1, 2, 4).astype(q.dtype)
   else:
-    out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v)
+    out = jnp.einsum("bgrlm,bmgk->blgrk", probs.astype(q.dtype), v)
   return out.reshape(b, length, h, d)
 
 
