@@ -6,6 +6,9 @@ time    grpo_toy's serving programs at an RL run's shapes (rl/rollouts.py): a pr
         [256, max_len=17] into the cache's rows and a decode step of 256 rows over 17 keys, each
         jitted with the cache donated (as the engine runs them); the two settings' calls
         alternated, medians of --repeats calls.
+scores  where the time goes: one layer's attention scores at the prefill's shapes (q [256, 17, 4,
+        16] projected from activations, with and without RoPE applied to it; k [256, 17, 4,
+        16]), jitted alone, einsum against invariant's product and sum, medians of --repeats.
 memory  XLA:CPU's temporary bytes (compiled memory_analysis) of grpo_toy's forward pass and of
         the gradient of a loss of its logits, at [256, 16], [16, 256] and [4, 1024] tokens.
 """
@@ -75,6 +78,49 @@ def timing(repeats: int) -> dict:
   return {f"{k}_{a}_ms": round(statistics.median(s) * 1e3, 2) for (a, k), s in seconds.items()}
 
 
+def scores(repeats: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pwtrain.models import layers
+
+  rng = np.random.default_rng(0)
+  b, length, h, d = ROWS, SEQ_LEN + 1, 4, 16
+  x = jnp.asarray(rng.normal(size=(b, length, 64)), jnp.float32)
+  wq = jnp.asarray(rng.normal(size=(64, h, d)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, length, h, d)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+
+  def make(invariant: bool, rope: bool):
+    def fn(x, wq, k):
+      q = jnp.einsum("bld,dhk->blhk", x, wq)
+      if rope:
+        q = layers.rope(q, positions, 10000.0)
+      q = q.reshape(b, length, h, 1, d)
+      if not invariant:
+        return jnp.einsum("blgrk,bmgk->bgrlm", q, k)
+      keys = k.transpose(0, 2, 1, 3)[:, :, None, None]
+      return jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None] * keys, axis=-1)
+
+    return jax.jit(fn)
+
+  fns = {
+    f"scores_{'invariant' if inv else 'einsum'}_{'rope' if rope else 'no_rope'}_ms": make(inv, rope)
+    for inv in (False, True)
+    for rope in (False, True)
+  }
+  for fn in fns.values():
+    jax.block_until_ready(fn(x, wq, k))
+  seconds = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(x, wq, k))
+      seconds[name].append(time.perf_counter() - start)
+  return {name: round(statistics.median(s) * 1e3, 2) for name, s in seconds.items()}
+
+
 def memory() -> dict:
   import jax
   import jax.numpy as jnp
@@ -104,7 +150,12 @@ def main():
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--out", default="", help="write the results as JSON here")
   args = parser.parse_args()
-  results = {"machine": common.machine(), **timing(args.repeats), **memory()}
+  results = {
+    "machine": common.machine(),
+    **timing(args.repeats),
+    **scores(args.repeats),
+    **memory(),
+  }
   for key, value in results.items():
     print(key, value, flush=True)
   if args.out:
