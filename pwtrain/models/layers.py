@@ -137,6 +137,9 @@ def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   q = q.reshape(b, length, g, h // g, d) * (d**-0.5 if scale is None else scale)
   f32 = jnp.float32
   if invariant:  # [b, g, h/g, l, 1, d] * [b, g, 1, 1, m, d] in float32, summed over d
+    # q through a product with the identity (exact): XLA:CPU keeps a dot's output, where it
+    # fuses q's producers (RoPE's sin and cos) into the reduction, computing them per key.
+    q = jnp.einsum("blgrk,kj->blgrj", q, jnp.eye(d, dtype=q.dtype))
     keys = k.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
     logits = jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(f32) * keys, axis=-1)
   else:
