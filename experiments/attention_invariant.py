@@ -8,7 +8,8 @@ time    grpo_toy's serving programs at an RL run's shapes (rl/rollouts.py): a pr
         alternated, medians of --repeats calls.
 scores  where the time goes: one layer's attention scores at the prefill's shapes (q [256, 17, 4,
         16] projected from activations, with and without RoPE applied to it; k [256, 17, 4,
-        16]), jitted alone, einsum against invariant's product and sum, medians of --repeats.
+        16]), jitted alone, medians of --repeats: the einsum, the product and sum alone, and
+        the product and sum after q's exact product with the identity (layers.attend's).
 memory  XLA:CPU's temporary bytes (compiled memory_analysis) of grpo_toy's forward pass and of
         the gradient of a loss of its logits, at [256, 16], [16, 256] and [4, 1024] tokens.
 """
@@ -92,22 +93,24 @@ def scores(repeats: int) -> dict:
   k = jnp.asarray(rng.normal(size=(b, length, h, d)), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(length), (b, length))
 
-  def make(invariant: bool, rope: bool):
+  def make(kind: str, rope: bool):
     def fn(x, wq, k):
       q = jnp.einsum("bld,dhk->blhk", x, wq)
       if rope:
         q = layers.rope(q, positions, 10000.0)
       q = q.reshape(b, length, h, 1, d)
-      if not invariant:
+      if kind == "einsum":
         return jnp.einsum("blgrk,bmgk->bgrlm", q, k)
+      if kind == "invariant_identity":  # layers.attend's: q kept by an exact identity product
+        q = jnp.einsum("blgrk,kj->blgrj", q, jnp.eye(d, dtype=q.dtype))
       keys = k.transpose(0, 2, 1, 3)[:, :, None, None]
       return jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None] * keys, axis=-1)
 
     return jax.jit(fn)
 
   fns = {
-    f"scores_{'invariant' if inv else 'einsum'}_{'rope' if rope else 'no_rope'}_ms": make(inv, rope)
-    for inv in (False, True)
+    f"scores_{kind}_{'rope' if rope else 'no_rope'}_ms": make(kind, rope)
+    for kind in ("einsum", "invariant", "invariant_identity")
     for rope in (False, True)
   }
   for fn in fns.values():

@@ -24,8 +24,8 @@ def get_config(arg=None):
   c.model.d_ff = 256
   c.model.z_loss = 0.0
   # The sampler's float32 log-probs equal the trainer's bitwise: the KV-cache decode's attention
-  # rounds as the training forward's (layers.attend; docs/rl.md). Generation takes about 1.5x
-  # as long here, training no longer (docs/benchmarks.md).
+  # rounds as the training forward's (layers.attend; docs/rl.md). A step takes about 1.25x as
+  # long here, in its training (docs/benchmarks.md).
   c.model.attention = "invariant"
   # A model this small runs fastest on one device: on a CPU the simulated devices share its
   # cores, and splitting each step 8 ways makes it about 2.7x slower.

@@ -127,9 +127,9 @@ def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   one query per row) and for a matrix product (the training forward's sequence of queries).
   Under XLA:CPU's own reduction emitters (platforms.CPU_NUMERICS_FLAG) the decode's logits then
   equal the forward pass's bitwise (docs/rl.md). The products and their sums are float32
-  whatever q's dtype (the output then cast to it). It uses no matrix units, and its products
-  are [b, g, h/g, l, m, d] before their reductions (d times the logits') wherever XLA does not
-  fuse them into the reduction.
+  whatever q's dtype (the output then cast to it). Its products and sums use no matrix units,
+  and are [b, g, h/g, l, m, d] before their reductions (d times the logits') wherever XLA does
+  not fuse them into the reduction.
   """
   b, length, h, d = q.shape
   g = k.shape[2]
