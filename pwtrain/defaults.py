@@ -33,8 +33,9 @@ def get_config():
   # numbers, and checkpoints restore either way. With MoE, num_layers must be a multiple of
   # moe.every (a period of every - 1 dense blocks and one MoE block is scanned).
   c.model.scan_layers = False
-  # Attention implementation: "einsum" (written out, float32 softmax), or
-  # jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
+  # Attention implementation: "einsum" (written out, float32 softmax), "invariant" (written out
+  # with reductions instead of dots: the KV-cache decode rounds as the forward, for exact RL),
+  # or jax.nn.dot_product_attention's "xla" or "cudnn" (NVIDIA GPUs, bf16/fp16).
   c.model.attention = "einsum"
   # Model families (models/family.py, docs/models.md): "palm" (parallel block, LayerNorm, tied
   # output layer scaled by 1/sqrt(d_model)), "llama" (sequential block, RMSNorm, SwiGLU, untied

@@ -7,9 +7,13 @@ are SIGKILLed; distributed: its process SIGKILLs itself); `kill:pod1@mid6` while
 step 6 (once its batches are dispatched); `kill:pod0@copy10` while a rejoin before step 10
 copies the live pods' state (embedded mode); `rejoin:pod1@step10` brings the pod back before
 step 10, not earlier (remote: waits until its workers answer again; distributed: waits until
-the process pwtrain.launch started again in the pod's place is ready). Kills at the same place
-happen together (two pods at once). An embedded kill deletes the arrays on the pod's devices, as a
-real loss leaves them. pwtrain/elastic/ carries them out.
+the process pwtrain.launch started again in the pod's place is ready); `wedge:pod1@step4` makes
+pod 1's execution stop making progress before step 4 is dispatched, its processes alive and
+answering: its islands run a computation that never ends (elastic/wedge.py), found wedged after
+`fault.progress_timeout_s` (remote: by the health monitor, which kills the worker the run
+launched; distributed: the process ends itself; embedded mode refuses the drill). Kills at the
+same place happen together (two pods at once). An embedded kill deletes the arrays on the pod's
+devices, as a real loss leaves them. pwtrain/elastic/ carries them out.
 """
 
 import dataclasses
@@ -17,7 +21,7 @@ import re
 
 from pwtrain.errors import ConfigError
 
-_DRILL = re.compile(r"^(kill|rejoin):pod(\d+)@(step|mid|eval|copy)(\d+)$")
+_DRILL = re.compile(r"^(kill|rejoin|wedge):pod(\d+)@(step|mid|eval|copy)(\d+)$")
 # Where a drill's event happens, by step N: before it is dispatched, while it runs, during the
 # evaluation after it, or while a rejoin before it copies the live pods' state (embedded).
 PLACES = ("step", "mid", "eval", "copy")
@@ -25,7 +29,7 @@ PLACES = ("step", "mid", "eval", "copy")
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
-  """One injected event of `fault.inject`: `action` ("kill" or "rejoin") of configured pod
+  """One injected event of `fault.inject`: `action` ("kill", "rejoin" or "wedge") of configured pod
   `pod` at `place` (PLACES) of step `step` (1-based, as metrics rows count)."""
 
   action: str
@@ -41,6 +45,19 @@ def check(config, plan) -> None:
   if not f.elastic:  # fault.inject is then refused by config validation (conditions.py)
     return
   drills = parse_inject(f.inject, plan.num_pods)
+  wedges = any(d.action == "wedge" for d in drills)
+  if wedges and config.backend.mode == "embedded":
+    raise ConfigError(
+      f"fault.inject={f.inject!r}: 'wedge:' is not a drill of backend.mode='embedded': every "
+      "pod computes in the controller's own process, which nothing can unwedge from inside; use "
+      "'kill:' there, or backend.mode='remote' or 'distributed'"
+    )
+  if wedges and config.backend.mode == "remote" and not config.backend.launch_workers:
+    raise ConfigError(
+      f"fault.inject={f.inject!r}: 'wedge:' in backend.mode='remote' takes "
+      "backend.launch_workers=True: a wedged worker is killed and relaunched only by the run "
+      "that launched it (one started outside the run would stay wedged); use 'kill:' there"
+    )
   if plan.num_pods < 2:
     raise ConfigError(
       f"fault.elastic=True drops lost pods, but parallel.pods={plan.num_pods}: use 2 or more"
@@ -100,14 +117,16 @@ def _check_distributed(config, plan, drills) -> None:
 
 
 def parse_inject(text: str, num_pods: int) -> tuple[Drill, ...]:
-  """`fault.inject`: comma-separated `kill:pod<P>@step<N>` / `rejoin:pod<P>@step<N>`."""
+  """`fault.inject`: comma-separated `kill:pod<P>@<place><N>`, `rejoin:pod<P>@step<N>` and
+  `wedge:pod<P>@step<N>`."""
   drills = []
   for item in filter(None, (part.strip() for part in str(text).split(","))):
     match = _DRILL.match(item)
-    if match is None or (match.group(1) == "rejoin" and match.group(3) != "step"):
+    if match is None or (match.group(1) != "kill" and match.group(3) != "step"):
       raise ConfigError(
         f"fault.inject={text!r}: {item!r} is not 'kill:pod<P>@<place><N>' (place: step, mid, "
-        "eval or copy) or 'rejoin:pod<P>@step<N>' (e.g. 'kill:pod1@step6,rejoin:pod1@step10')"
+        "eval or copy), 'rejoin:pod<P>@step<N>' or 'wedge:pod<P>@step<N>' (e.g. "
+        "'kill:pod1@step6,rejoin:pod1@step10')"
       )
     action, pod, place, step = match[1], int(match[2]), match[3], int(match[4])
     if pod >= num_pods or step < 1:

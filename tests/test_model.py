@@ -9,7 +9,7 @@ from helpers import tiny_test_config
 
 from pwtrain import step as step_lib
 from pwtrain.models import PaLM, arithmetic, lm_loss
-from pwtrain.models.layers import rope
+from pwtrain.models.layers import causal_attention, rope
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +121,21 @@ def test_init_follows_palm():
   wo = params["blocks"][0]["attn"]["wo"]
   fan_in = cfg.num_heads * cfg.head_dim
   assert abs(float(jnp.std(wo)) - fan_in**-0.5) < 0.1 * fan_in**-0.5
+
+
+@pytest.mark.parametrize("kv_heads, softcap, window", [(1, 0.0, 0), (2, 5.0, 3)])
+def test_invariant_attention_computes_the_einsum_s_attention(kv_heads, softcap, window):
+  """layers.attend's `invariant` (products summed by reductions, models.md) is the same
+  attention as the einsum's, MQA and GQA, with a soft cap and a sliding window: equal to float
+  rounding in float32, and in bfloat16 (where it sums in float32) to bfloat16's."""
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(2, 7, 4, 8))
+  k, v = (rng.normal(size=(2, 7, kv_heads, 8)) for _ in range(2))
+  for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+    args = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    outs = [
+      causal_attention(*args, name, softcap=softcap, window=window)
+      for name in ("einsum", "invariant")
+    ]
+    assert outs[1].dtype == dtype
+    np.testing.assert_allclose(*(np.asarray(o, np.float32) for o in outs), atol=tol, rtol=tol)

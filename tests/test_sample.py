@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, small_config, tiny_test_config
+from helpers import REPO, load_config, small_config, tiny_test_config
 
 from pwtrain import step as step_lib
 from pwtrain import train
@@ -95,6 +95,45 @@ def test_cached_logits_equal_the_full_forward():
     logits, cache = forward(params, cache, tokens[:, t : t + 1], jnp.full((2, 1), t))
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, axis=1), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["invariant", "einsum"])
+def test_invariant_attention_s_cached_logits_equal_the_full_forward_bitwise(attention):
+  """grpo_toy's model at the serving engine's shapes in an RL run (rl/rollouts.py): a prefill
+  chunk of max_len = seq_len + 1 tokens of 8 rows into their slots, then one-token decodes of
+  every row over the cache's max_len keys, against a forward pass over [8, seq_len]. With
+  model.attention="invariant" every decoded position's float32 logits equal the forward's
+  bitwise (layers.attend; XLA:CPU's reductions by XLA's emitters, platforms.CPU_NUMERICS_FLAG,
+  as in every test); with "einsum" the decode's matrix-vector and the forward's matrix products
+  round differently, so the check can fail."""
+  config = load_config("grpo_toy", {"model.attention": attention})
+  fns = step_lib.model_fns(config.model, config.moe)
+  params = fns.init(jax.random.key(3))
+  rows, length, prompt = 8, config.data.seq_len, 8
+  max_len = length + 1
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (rows, length))
+  expected = np.asarray(jax.jit(lambda p, x: fns.module(p)(x))(params, tokens))
+
+  @jax.jit
+  def run(params, cache, tokens, positions, **kw):
+    return decode.forward(fns.module(params), cache, tokens, positions, **kw)
+
+  cache = decode.init_cache(fns.module(params), rows, max_len)
+  chunk = np.zeros((rows, max_len), np.int32)
+  chunk[:, :prompt] = tokens[:, :prompt]
+  positions = np.broadcast_to(np.arange(max_len, dtype=np.int32), chunk.shape)
+  at = np.full(rows, prompt - 1, np.int32)
+  first, cache = run(params, cache, chunk, positions, rows=np.arange(rows), logits_at=at)
+  got = {prompt - 1: np.asarray(first)}
+  for t in range(prompt, length):
+    positions = np.full((rows, 1), t, np.int32)
+    logits, cache = run(params, cache, tokens[:, t : t + 1], positions, logits_at=at * 0)
+    got[t] = np.asarray(logits)
+  differ = sum(int(np.sum(z != expected[:, t])) for t, z in got.items())
+  if attention == "invariant":
+    assert differ == 0
+  else:
+    assert differ > 0
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])

@@ -404,20 +404,16 @@ def test_a_pull_from_a_worker_declared_lost_ends_then_as_its_loss(external):
   assert p0.poll() is None  # not this process's to kill: someone restarts it
 
 
-def _forever(x):
-  """A computation that never ends (x stays >= 0: adding 1 to a large float32 changes nothing)."""
-  import jax
-
-  return jax.lax.while_loop(lambda c: c[0] >= 0, lambda c: c + 1.0, x)
-
-
 @pytest.mark.processes
 def test_a_wedged_worker_is_lost_once_one_op_runs_too_long(caplog):
   """A worker whose execution queue runs a computation that never ends answers Health all the
   same; the monitor declares it lost once the op has run for progress_timeout_s, and, launched
-  here, kills it. How it ended is the line a supervisor's restart logs, naming its log."""
+  here, kills it (in a training run, with the drill `wedge:`: test_wedge_drill.py). How it
+  ended is the line a supervisor's restart logs, naming its log."""
   progress_timeout_s = 1.0
   import jax
+
+  from pwtrain.elastic.wedge import forever  # the drill's computation that never ends
 
   with launcher.launch([1]) as workers:
     client = WorkerClient(workers.addresses[0], workers.token, timeout_s=60)
@@ -425,7 +421,7 @@ def test_a_wedged_worker_is_lost_once_one_op_runs_too_long(caplog):
     client.monitor = monitor
     try:
       x = np.zeros(1, np.float32)
-      exported = jax.export.export(jax.jit(_forever), platforms=("cpu",))(x)
+      exported = jax.export.export(jax.jit(forever), platforms=("cpu",))(x)
       mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
       client.compile("forever", bytes(exported.serialize()), mesh, (), [1], None)
       client.put_async("x", [x], uses=1).result()

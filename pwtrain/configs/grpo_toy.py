@@ -23,6 +23,10 @@ def get_config(arg=None):
   c.model.num_kv_heads = 4
   c.model.d_ff = 256
   c.model.z_loss = 0.0
+  # The sampler's float32 log-probs equal the trainer's bitwise: the KV-cache decode's attention
+  # rounds as the training forward's (layers.attend; docs/rl.md). A step takes about 1.25x as
+  # long here, in its training (docs/benchmarks.md).
+  c.model.attention = "invariant"
   # A model this small runs fastest on one device: on a CPU the simulated devices share its
   # cores, and splitting each step 8 ways makes it about 2.7x slower.
   c.parallel.devices_per_island = 1

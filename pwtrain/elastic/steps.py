@@ -47,6 +47,7 @@ from pwtrain.elastic import cells, lines
 from pwtrain.elastic.agreement import Agreement
 from pwtrain.elastic.pending import Metrics, Pending
 from pwtrain.elastic.podsets import PodSets
+from pwtrain.elastic.wedge import wedge
 from pwtrain.harness import Harness, StepOutputs, eval_sums
 
 log = logging.getLogger(__name__)
@@ -154,10 +155,10 @@ class ElasticSteps:
       refused = self._pending[-1]
       # The steps before it may have run on the survivors, consuming the state they started
       # from: those are confirmed, not run again (one that failed drops the pods itself).
-      first = self._agreement is None  # distributed: every process confirms at once, not here
-      while first and refused in self._pending and self._pending[0] is not refused:
+      confirms_here = self._agreement is None  # distributed: the processes confirm together
+      while confirms_here and refused in self._pending and self._pending[0] is not refused:
         self._confirm_oldest()
-      if not first or self._pending[0] is refused:
+      if not confirms_here or self._pending[0] is refused:
         self._drop(e)
       pending = self._pending[-1]
     self._given = pending.out.state
@@ -366,17 +367,19 @@ class ElasticSteps:
     for drill in self._drills:
       if drill.step != step or drill.place != place:
         continue
-      if drill.action == "kill" and drill.pod in self.live:
+      if drill.action in ("kill", "wedge") and drill.pod in self.live:
         if place == "step":  # the fault hits this step, not one still in flight
           self._confirm(keep=0)
           self.controller.wait()
         self._killed_at = time.perf_counter()
-        name = f"kill:pod{drill.pod}@{place}{step}"
-        if self._agreement is not None:  # its process dies; the others find it gone
+        name = f"{drill.action}:pod{drill.pod}@{place}{step}"
+        if drill.action == "wedge":  # its islands compute forever, their processes alive
+          wedge(self.controller, self._islands[drill.pod], name)
+        elif self._agreement is not None:  # its process dies; the others find it gone
           self._agreement.kill(drill.pod, name)
-          continue
-        for island in self._islands[drill.pod]:
-          self.controller.lose(island.name, f"fault.inject {name}")
+        else:
+          for island in self._islands[drill.pod]:
+            self.controller.lose(island.name, f"fault.inject {name}")
       elif drill.action == "rejoin" and drill.pod not in self.live:
         if self._agreement is not None:  # its new process: at this step, once it is ready
           self._agreement.await_ready(drill.pod)

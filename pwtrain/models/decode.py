@@ -7,8 +7,9 @@ within the layer's sliding window). Its arithmetic is the training forward's (th
 `with_stats` with layers.Attention's `project` and `output`, layers.attend), except that softmax
 runs over the cache's `max_len` keys (the masked ones with weight exactly 0) instead of the
 sequence's, so its logits equal `PaLM.__call__`'s up to float rounding; it is the written-out
-(einsum) attention whatever `model.attention` says. The training path is untouched by this
-module.
+attention whatever `model.attention` says, "invariant"'s where it says so, and then its logits
+equal the forward's bitwise on XLA:CPU (layers.attend; docs/rl.md). The training path is
+untouched by this module.
 
 The cache is MQA-sized: per layer, keys and values of shape [batch, max_len, num_kv_heads,
 head_dim], one K/V head (PaLM's multi-query attention) or `num_kv_heads` of them (grouped-query).

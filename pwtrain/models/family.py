@@ -170,8 +170,8 @@ def validate(m) -> None:
   for key in ("attn_softcap", "final_softcap"):
     if not m[key] >= 0:
       raise ConfigError(f"model.{key}={m[key]!r} must be >= 0 (0: no soft cap)")
-  if m.attn_softcap and m.attention != "einsum":
+  if m.attn_softcap and m.attention not in ("einsum", "invariant"):
     raise ConfigError(
-      f"model.attn_softcap={m.attn_softcap} needs model.attention='einsum' (now "
+      f"model.attn_softcap={m.attn_softcap} needs model.attention='einsum' or 'invariant' (now "
       f"{m.attention!r}): jax.nn.dot_product_attention has no soft cap"
     )

@@ -79,7 +79,8 @@ def rotate(x, positions, inv_freq):
   return out.astype(x.dtype)
 
 
-ATTENTION = ("einsum", "xla", "cudnn")
+ATTENTION = ("einsum", "invariant", "xla", "cudnn")
+WRITTEN_OUT = ("einsum", "invariant")  # `attend`'s: the KV-cache decoder's too
 
 
 def causal_attention(q, k, v, implementation: str, *, scale=None, softcap=0.0, window=0):
@@ -88,17 +89,18 @@ def causal_attention(q, k, v, implementation: str, *, scale=None, softcap=0.0, w
   d^-1/2; `softcap` > 0 caps the logits at +-softcap (tanh); `window` > 0 lets query i see keys
   i - window < j <= i only.
 
-  "einsum": `attend`, logits and softmax in float32; "xla" and "cudnn":
-  `jax.nn.dot_product_attention` with that implementation (cudnn: fused attention on NVIDIA
-  GPUs, bf16/fp16 only; no soft cap).
+  "einsum" and "invariant": `attend` (its `invariant` the latter), logits and softmax in
+  float32; "xla" and "cudnn": `jax.nn.dot_product_attention` with that implementation (cudnn:
+  fused attention on NVIDIA GPUs, bf16/fp16 only; no soft cap).
   """
-  if implementation != "einsum":
+  if implementation not in WRITTEN_OUT:
     local = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(
       q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=implementation
     )
   mask = None if not window else window_mask(jnp.arange(q.shape[1])[None], q.shape[1], window)
-  return attend(q, k, v, mask, scale=scale, softcap=softcap)
+  invariant = implementation == "invariant"
+  return attend(q, k, v, mask, scale=scale, softcap=softcap, invariant=invariant)
 
 
 def window_mask(positions, num_keys: int, window: int = 0):
@@ -111,24 +113,49 @@ def window_mask(positions, num_keys: int, window: int = 0):
   return mask[:, None, None]
 
 
-def attend(q, k, v, mask=None, *, scale=None, softcap=0.0):
+def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   """softmax(q k^T scale) v over the keys `mask` allows; q [b, l, h, d], k and v [b, m, g, d]
   with g dividing h. `scale` None is d^-1/2; `softcap` > 0 maps the logits to softcap *
   tanh(logits / softcap) before the mask. `mask` (True: attend) broadcasts to
   [b, g, h/g, l, m], e.g. [b, 1, 1, l, m]; None is causal (l == m, query i sees keys 0..i).
-  Logits and softmax in float32; masked keys get weight exactly 0."""
+  Logits and softmax in float32; masked keys get weight exactly 0.
+
+  `invariant`: q k^T and p v as elementwise products summed by reductions (over d, and over
+  the m keys) instead of dot products, so that a query's output does not depend on how many
+  queries are computed with it, nor on masked keys after its own (each adds an exact 0): a
+  dot's kernel sums in an order of its own for a matrix-vector product (the KV-cache decode's
+  one query per row) and for a matrix product (the training forward's sequence of queries).
+  Under XLA:CPU's own reduction emitters (platforms.CPU_NUMERICS_FLAG) the decode's logits then
+  equal the forward pass's bitwise (docs/rl.md). The products and their sums are float32
+  whatever q's dtype (the output then cast to it). Its products and sums use no matrix units,
+  and are [b, g, h/g, l, m, d] before their reductions (d times the logits') wherever XLA does
+  not fuse them into the reduction.
+  """
   b, length, h, d = q.shape
   g = k.shape[2]
   # Query heads are grouped onto their shared K/V head: [b, l, g, h/g, d].
   q = q.reshape(b, length, g, h // g, d) * (d**-0.5 if scale is None else scale)
-  logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(jnp.float32)
+  f32 = jnp.float32
+  if invariant:  # [b, g, h/g, l, 1, d] * [b, g, 1, 1, m, d] in float32, summed over d
+    # q through a product with the identity (exact): XLA:CPU keeps a dot's output, where it
+    # fuses q's producers (RoPE's sin and cos) into the reduction, computing them per key.
+    q = jnp.einsum("blgrk,kj->blgrj", q, jnp.eye(d, dtype=q.dtype))
+    keys = k.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
+    logits = jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(f32) * keys, axis=-1)
+  else:
+    logits = jnp.einsum("blgrk,bmgk->bgrlm", q, k).astype(f32)
   if softcap:
     logits = softcap * jnp.tanh(logits / softcap)
   if mask is None:
     mask = jnp.tril(jnp.ones((length, length), dtype=bool))
-  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-  return jnp.einsum("bgrlm,bmgk->blgrk", probs, v).reshape(b, length, h, d)
+  logits = jnp.where(mask, logits, jnp.finfo(f32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if invariant:  # [b, g, h/g, l, m, 1] * [b, g, 1, 1, m, d] in float32, summed over m
+    values = v.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
+    out = jnp.sum(probs[..., None] * values, axis=-2).transpose(0, 3, 1, 2, 4).astype(q.dtype)
+  else:
+    out = jnp.einsum("bgrlm,bmgk->blgrk", probs.astype(q.dtype), v)
+  return out.reshape(b, length, h, d)
 
 
 class Attention(nnx.Module):
@@ -201,9 +228,13 @@ class Attention(nnx.Module):
 
   def attend_cached(self, q, k_cache, v_cache, positions):
     """q [b, l, h, k] at `positions` [b, l] over a cache's keys and values [b, max_len, g, k]:
-    each query sees the cache positions up to its own (and within this layer's window)."""
+    each query sees the cache positions up to its own (and within this layer's window). The
+    written-out attention: `attend`, invariant when model.attention is "invariant"."""
     mask = window_mask(positions, k_cache.shape[1], self.window)
-    return attend(q, k_cache, v_cache, mask, scale=self.scale, softcap=self.softcap)
+    invariant = self.implementation == "invariant"
+    return attend(
+      q, k_cache, v_cache, mask, scale=self.scale, softcap=self.softcap, invariant=invariant
+    )
 
   def output(self, out):
     """The heads' outputs [b, l, h, k] -> [b, l, d]."""
