@@ -55,8 +55,9 @@ faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each
          from run to run: outside the span; a restart's are inside it). Goodput = (steps x the
          clean run's median step time) / wall time, process start to exit, on every side; and
          each run's own goodput and badput by cause (its last interval row; a restart's, of its
-         last start). Detection, remote and distributed: from the SIGKILL to the drop's start
-         (its line's log time less the seconds it took); embedded: the drill's own figure
+         last start). Detection, remote and distributed: from the signal (wedged: the drill's
+         log line) to the drop's start (its line's log time less the seconds it took);
+         embedded: the drill's own figure
          ("found X s after the fault"). In distributed mode a process started again must reach
          the coordinator before the run ends (with fault_offset near --steps it may not).
 first    time to first step (process start to the first metrics row) of palm_tiny and of
