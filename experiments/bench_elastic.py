@@ -8,6 +8,8 @@ with a cold and a warm compilation cache.
   python experiments/bench_elastic.py --sections=faults --mode=distributed --steps=120 \
     --fault_every=60 --fault_offset=30 --checkpoint_every=60
   python experiments/bench_elastic.py --sections=faults --mode=remote --sides=clean,elastic,stopped
+  python experiments/bench_elastic.py --sections=faults --mode=remote \
+    --sides=clean,elastic,stopped,wedged --steps=120 --fault_every=30 --fault_offset=15
 
 faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each, --global_batch
          rows a step) train --steps steps in --mode: embedded; remote (a worker process per
@@ -35,6 +37,17 @@ faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each
                     start it again; detection runs from the SIGSTOP to the drop's start, and its
                     seconds lost per fault hold the detection. Embedded mode has no process to
                     stop (every pod runs in the controller's process): no such side there
+           wedged   a silent fault of the execution: as elastic, but pod 1's islands are sent a
+                    computation that never ends (the drill wedge:pod1@stepN+1, N each fault
+                    step), their processes alive and answering. The run must find it wedged
+                    (remote: its worker's op ran past fault.progress_timeout_s, --progress_
+                    timeout_s, checked every fault.heartbeat_s, and the worker is killed and
+                    relaunched; distributed: the process ends itself past it, the launcher
+                    starts it again). A drill fires only while pod 1 is live (elastic/steps.py
+                    skips one of a lost pod): a drill due before pod 1 rejoined is skipped, and
+                    faults counts the drills fired (their log lines), not those scheduled.
+                    Detection runs from the drill's line to the drop's start. No such side in
+                    embedded mode (drills.check refuses the drill)
          --sides picks the sides (clean always runs: every other side is measured against it).
          --fault_blocks blocks, medians over the blocks. One method for every side: seconds lost
          per fault = (span - the same block's clean span) / faults, a span running from the
@@ -42,8 +55,9 @@ faults   3 pods (2 devices each, sync exchange, --microbatches microbatches each
          from run to run: outside the span; a restart's are inside it). Goodput = (steps x the
          clean run's median step time) / wall time, process start to exit, on every side; and
          each run's own goodput and badput by cause (its last interval row; a restart's, of its
-         last start). Detection, remote and distributed: from the SIGKILL to the drop's start
-         (its line's log time less the seconds it took); embedded: the drill's own figure
+         last start). Detection, remote and distributed: from the signal (wedged: the drill's
+         log line) to the drop's start (its line's log time less the seconds it took);
+         embedded: the drill's own figure
          ("found X s after the fault"). In distributed mode a process started again must reach
          the coordinator before the run ends (with fault_offset near --steps it may not).
 first    time to first step (process start to the first metrics row) of palm_tiny and of
@@ -239,20 +253,32 @@ def kill_pod1(
   return kills
 
 
-def detections(out: str, kills: list[float]) -> list[float]:
-  """Seconds from each kill to the start of the next drop: its line's log time (absl's
-  "W1127 03:31:26.4277"; the line is written once the drop is done) less the drop's own seconds
-  (its "took")."""
+def log_time(line: str) -> float | None:
+  """A log line's time (absl's "W1127 03:31:26.4277"), as time.time() counts, or None."""
+  m = re.search(r"[IWEF](\d{4}) (\d\d:\d\d:\d\d\.\d+)", line)
+  if m is None:
+    return None
   year = datetime.datetime.now().year
+  return datetime.datetime.strptime(f"{year}{m[1]} {m[2]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+
+
+def wedges(out: str) -> list[float]:
+  """The times of the wedge drills fired: their log lines' ("fault.inject wedge:pod1@stepN:
+  island island1 runs a computation that never ends"; once per island, so once per drill here)."""
+  lines = [line for line in out.splitlines() if "runs a computation that never ends" in line]
+  return [t for t in map(log_time, lines) if t is not None]
+
+
+def detections(out: str, kills: list[float]) -> list[float]:
+  """Seconds from each kill (or wedge drill) to the start of the next drop: its line's log time
+  (the line is written once the drop is done) less the drop's own seconds (its "took")."""
   times = []
   for line in out.splitlines():
     if " lost (" not in line or not re.search(r"pod [\d,]+ lost", line):
       continue
-    m = re.search(r"[IWEF](\d{4}) (\d\d:\d\d:\d\d\.\d+)", line)
-    took = re.search(r"took ([\d.]+) s", line)
-    if m and took:
-      stamp = datetime.datetime.strptime(f"{year}{m[1]} {m[2]}", "%Y%m%d %H:%M:%S.%f")
-      times.append(stamp.timestamp() - float(took[1]))
+    stamp, took = log_time(line), re.search(r"took ([\d.]+) s", line)
+    if stamp is not None and took:
+      times.append(stamp - float(took[1]))
   found = []
   for kill in kills:
     after = [t for t in times if t >= kill]
@@ -272,8 +298,12 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
   """One side of a block (see the module doc)."""
   workdir = os.path.join(root, name)
   overrides, kills = pods(args), fault_steps(args)
-  if name in ("elastic", "rebuilt", "stopped"):
+  if name in ("elastic", "rebuilt", "stopped", "wedged"):
     overrides.update({"fault.elastic": True, "fault.host_lost_pods": name != "rebuilt"})
+  if name == "wedged":  # before the step after each fault step: where a signal's fault lands
+    drills = [f"wedge:pod1@step{n + 1}" for n in kills if n + 1 <= args.steps]
+    overrides.update({"fault.inject": ",".join(drills),
+                      "fault.progress_timeout_s": args.progress_timeout_s})  # fmt: skip
     if args.mode == "embedded":
       drills = [f"kill:pod1@mid{n},rejoin:pod1@step{min(n + args.rejoin_after, args.steps)}"
                 for n in kills]  # fmt: skip
@@ -283,12 +313,14 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
   begin, watch = time.perf_counter(), Watch(workdir)
   proc = start(workdir, "palm_tiny.py", overrides, cache, launch_flags(args))
   sent = []
-  if name != "clean" and args.mode != "embedded":
+  if name not in ("clean", "wedged") and args.mode != "embedded":
     sig = signal.SIGSTOP if name == "stopped" else signal.SIGKILL
     sent = kill_pod1(args, proc, watch, kills, elastic=True, sig=sig)
   watch.wait(proc)
   out = output(workdir)
   assert proc.returncode == 0, out[-3000:]
+  if name == "wedged":  # the drills' lines (distributed: pod 1's process logs them)
+    sent = wedges(out)
   if args.mode == "distributed":  # every survivor logs each drop and rejoin: process 0's lines
     out = "\n".join(line for line in out.splitlines() if line.startswith("[p0] "))
   side = {"wall_s": time.perf_counter() - begin, "span_s": watch.span_s(),
@@ -307,6 +339,8 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
   ]
   faults = len(sent) if args.mode != "embedded" else len(drops)
   stalls = [float(s) for s in re.findall(STALL, out)]
+  if name == "wedged":
+    side["scheduled"] = len(overrides["fault.inject"].split(","))
   return {**side, "faults": faults, "drops": drops, "detect_s": detect, "rejoins_s": rejoins,
           "stalls_s": stalls}  # fmt: skip
 
@@ -347,11 +381,11 @@ def run_restart(workdir: str, args, cache: str, overrides: dict) -> dict:
   }  # fmt: skip
 
 
-SIDES = ("clean", "elastic", "rebuilt", "restart", "stopped")
+SIDES = ("clean", "elastic", "rebuilt", "restart", "stopped", "wedged")
 
 
 def sides(args) -> tuple[str, ...]:
-  """--sides in SIDES' order, clean first; no stopped side in embedded mode."""
+  """--sides in SIDES' order, clean first; no stopped or wedged side in embedded mode."""
   asked = set(args.sides.split(",")) | {"clean"}
   unknown = asked - set(SIDES)
   if unknown:
@@ -359,6 +393,9 @@ def sides(args) -> tuple[str, ...]:
   if args.mode == "embedded" and "stopped" in asked:
     print("embedded mode: no stopped side (no process to SIGSTOP: every pod runs in one)")
     asked.discard("stopped")
+  if args.mode == "embedded" and "wedged" in asked:
+    print("embedded mode: no wedged side (nothing can unwedge the one process every pod runs in)")
+    asked.discard("wedged")
   return tuple(name for name in SIDES if name in asked)
 
 
@@ -414,7 +451,7 @@ def report(args, blocks: list[dict], names: tuple[str, ...]) -> dict:
     )
     print(line)
   restart = med("restart", "lost_per_fault_s") if "restart" in names else None
-  for name in [n for n in ("elastic", "rebuilt", "stopped") if n in names]:
+  for name in [n for n in ("elastic", "rebuilt", "stopped", "wedged") if n in names]:
     lost = med(name, "lost_per_fault_s")
     if restart is not None:
       ratio = f"{restart / lost:.1f}x" if lost > 0 else "n/a (its figure is not above zero)"
@@ -423,8 +460,12 @@ def report(args, blocks: list[dict], names: tuple[str, ...]) -> dict:
     for key in ("compile_s", "state_s"):
       print(f"  {name} drops, {key}: {', '.join(f'{d[key]:.2f}' for d in drops)}")
     detect = [s for block in blocks for s in block[name]["detect_s"]]
-    sig = "SIGSTOP" if name == "stopped" else "SIGKILL"
+    sig = {"stopped": "SIGSTOP", "wedged": "drill's line"}.get(name, "SIGKILL")
     source = f"from the {sig} to the drop" if args.mode != "embedded" else "the drills'"
+    if name == "wedged":
+      fired = [(block[name]["faults"], block[name]["scheduled"]) for block in blocks]
+      print(f"  wedged drills fired / scheduled, per block: {fired} (a drill of a pod not "
+            f"live is skipped); fault.progress_timeout_s={args.progress_timeout_s:g}")  # fmt: skip
     print(f"  {name} detection ({source}), s: {', '.join(f'{s:.2f}' for s in detect)}")
     stalls = [s for block in blocks for s in block[name]["stalls_s"]]
     print(f"  {name} stalls (the drop lines'), s: {', '.join(f'{s:.2f}' for s in stalls)}")
@@ -495,6 +536,9 @@ def main():
   parser.add_argument("--global_batch", type=int, default=12, help="faults: rows per step")
   parser.add_argument("--fault_blocks", type=int, default=3, help="faults: blocks of sides")
   parser.add_argument("--sides", default=",".join(SIDES), help="faults: of " + ",".join(SIDES))
+  parser.add_argument(
+    "--progress_timeout_s", type=float, default=10.0, help="faults: the wedged side's bound"
+  )
   parser.add_argument("--blocks", type=int, default=3, help="first: blocks of 3 starts")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
