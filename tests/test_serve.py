@@ -240,12 +240,11 @@ def test_a_full_queue_gets_429_and_a_client_that_leaves_frees_its_slots(server):
   assert re.search(r"^pwtrain_serve_cancelled_total [1-9]", metrics, re.M)
 
 
-def test_new_requests_prefills_take_the_places_decodes_leave(server):
+def test_a_new_request_s_prefill_takes_the_last_place_in_flight(server):
   """The island held (an ordinary program there waits for its input), a streamed completion's
-  programs stay in flight: its prefill and decodes, which take at most DECODE_PLACES of the
-  RUN_AHEAD places. Two more requests, one after the other, each get their prefill a place at
-  once, not after a decode in flight has run (engine.py's loop: on a remote worker, only a few
-  serving programs run between two steps)."""
+  programs stay in flight: its prefill and decodes, which leave the last place of RUN_AHEAD.
+  A second request's prefill takes that place at once, not after a decode in flight has run
+  (engine.py's loop: on a remote worker, only a few serving programs run between two steps)."""
   engine, controller = server.engine, server.engine.controller
   island = engine._pieces.layout.islands[0]
   sharding = NamedSharding(Mesh(np.array(controller.cluster[island].devices), ("d",)), P())
@@ -256,28 +255,22 @@ def test_new_requests_prefills_take_the_places_decodes_leave(server):
   body = {"prompt": "a", "max_tokens": 16, "temperature": 0}
   headers = {"Authorization": f"Bearer {TOKEN}"}
   requests = lambda: {id(f.serves[0].completion) for f in list(engine._flights)}  # noqa: E731
-
-  def placed(n):
-    deadline = time.monotonic() + 10
-    while len(requests()) < n and time.monotonic() < deadline:
-      time.sleep(0.01)
-
   with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
       try:
-        streams = [pool.submit(list, streamed_chunks(http, body))]
-        _wait(lambda: len(engine._flights) >= engine_lib.DECODE_PLACES)
-        time.sleep(0.2)  # room for more decodes, were they allowed
-        for n in (2, 3):
-          streams.append(pool.submit(list, streamed_chunks(http, body)))
-          placed(n)
+        first = pool.submit(list, streamed_chunks(http, body))
+        _wait(lambda: len(engine._flights) >= engine_lib.RUN_AHEAD - 1)
+        time.sleep(0.2)  # room for one more decode, were it allowed
+        second = pool.submit(list, streamed_chunks(http, body))
+        deadline = time.monotonic() + 10
+        while len(requests()) < 2 and time.monotonic() < deadline:
+          time.sleep(0.01)
         in_flight = [len(f.serves) for f in engine._flights], len(requests())
       finally:
         gate.set_result(jax.device_put(np.float32(0), sharding))
-      assert [len(s.result()) for s in streams] == [16, 16, 16]
+      assert len(first.result()) == len(second.result()) == 16
   jax.block_until_ready(held["y"].result())
-  assert engine_lib.RUN_AHEAD == engine_lib.DECODE_PLACES + 2
-  assert in_flight == ([1, 1, 1, 1], 3), "a prefill waited for a decode in flight to run"
+  assert in_flight == ([1, 1, 1, 1], 2), "the prefill waited for a decode in flight to run"
 
 
 def test_no_request_fails_because_of_another(server, monkeypatch):

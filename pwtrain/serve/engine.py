@@ -10,9 +10,8 @@ once the free slots are taken is refused (`QueueFull`, HTTP 429). The thread's l
   2. while fewer than RUN_AHEAD programs are in flight: one prefill chunk (serve.prefill_chunk
      tokens) of each sequence still prefilling, all in one program (batches.py), so requests
      that arrive together start together; then one decode step of every decoding
-     sequence (a token each), in turn; decodes take at most DECODE_PLACES of the places, and
-     leave the rest to prefills, so that a new request's is dispatched as it comes, not after a
-     decode in flight has run;
+     sequence (a token each), in turn; decodes leave the last place to a prefill, so that a
+     new request's is dispatched as it comes, not after a decode in flight has run;
   3. the oldest program's tokens go to their clients, once it has run.
 
 Every program is one token boundary of the sequences it serves: a sequence joins the batch with
@@ -20,7 +19,7 @@ its prefill and leaves it at its last token (EOS, a stop string, max_tokens, or 
 gone), so a long completion never holds a short one up, and prefill is interleaved with
 decoding. Each slot's newest token stays on the device (pieces.py), so a decode is dispatched
 without waiting for the one before it: up to RUN_AHEAD programs queue on the islands at once,
-and a sequence that ends may have had up to DECODE_PLACES - 1 more tokens computed, then dropped.
+and a sequence that ends may have had up to RUN_AHEAD - 2 more tokens computed, then dropped.
 While training runs, the islands run these programs between training steps (policy.py), so
 run-ahead is what lets more than one token per slot go between two steps. The programs have
 the same shapes every time: nothing recompiles.
@@ -68,11 +67,6 @@ from pwtrain.serve.weights import NoLivePod
 log = logging.getLogger(__name__)
 
 RUN_AHEAD = 4  # programs in flight at once
-# Places in flight decodes may take: the other RUN_AHEAD - DECODE_PLACES are kept for prefills.
-# Two, not one: while a training step runs, the programs queued behind it are the next ones to
-# run between steps (a remote worker runs at most ordered.AHEAD in a row, equal to RUN_AHEAD),
-# so a request that comes after the first prefill was dispatched still has a place among them.
-DECODE_PLACES = RUN_AHEAD - 2
 RETRY_S = 0.05  # how soon to look again for weights not published yet or a live pod
 FAILED_S = 1.0  # how soon to start again after a failure that is not one of those
 
@@ -263,12 +257,11 @@ class Engine:
 
   def _dispatch(self) -> bool:
     """Dispatches the next program: a prefill chunk of every sequence still prefilling (one
-    program) or a decode step of every decoding one (into the first DECODE_PLACES places in
-    flight), in turn;
+    program) or a decode step of every decoding one (not into the last place in flight), in turn;
     False: none."""
     active = [s for s in self._slots if s is not None]
     prefilling = [s for s in active if s.prefilling]
-    decoding = [s for s in active if s.decoding] if len(self._flights) < DECODE_PLACES else []
+    decoding = [s for s in active if s.decoding] if len(self._flights) < RUN_AHEAD - 1 else []
     if prefilling and (self._prefill_next or not decoding):
       serves, dispatch = prefilling, lambda: self._prefill(prefilling)
     elif decoding:
