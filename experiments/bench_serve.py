@@ -250,6 +250,7 @@ def _samples(records: list[dict], start: float, end: float) -> dict:
   begun = [r for r in records if start <= r["start"] < end]
   return {
     "ttft": [r["times"][0] - r["start"] for r in begun],
+    "firsts": [(r["start"], r["times"][0]) for r in begun],  # (sent, its first token)
     "gaps": [b - a for r in begun for a, b in zip(r["times"], r["times"][1:], strict=False)],
     "tokens": sum(start <= t < end for r in records for t in r["times"]),
     "seconds": end - start,
@@ -364,6 +365,9 @@ def _training(args, config, tokens_per_step, workdir, remote) -> dict:
             return {"steps": trainer.steps_between(start, end), "busy": busy}
 
           _, extra, samples = _load_block(srv.url, load, args, during, at_start=clock)
+          # Each completion's training steps finished while it waited for its first token: a
+          # count in steps, which the machine's load moves far less than seconds.
+          extra["waited"] = [trainer.steps_between(a, b) for a, b in samples["firsts"]]
           blocks[load].append({**extra, "block": block, "samples": samples})
           print(
             f"block {block} clients {load}: {extra['steps']} steps, busy {extra['busy']}, "
@@ -391,12 +395,15 @@ def _training_table(args, blocks: dict, tokens_per_step: int, remote: bool) -> d
       **(_pooled([b["samples"] for b in bs]) if load else {}),
     }
     row["ttft_p50_steps"] = row.get("ttft_p50", float("nan")) / clean_step
+    waited = [w for b in bs for w in b.get("waited", [])]
+    row["waited_mean"] = statistics.mean(waited) if waited else float("nan")
+    row["waited_p50"] = statistics.median(waited) if waited else float("nan")
     out[load] = row
     nan = float("nan")
     rows.append([load, row["train_tokens_per_s"], row["ratio"], nan if remote else share,
                  row.get("completions", 0), row.get("ttft_p50", nan), row.get("ttft_p99", nan),
                  row["ttft_p50_steps"], row.get("tpot_p50", nan), row.get("tpot_p99", nan),
-                 row.get("tokens_per_s", 0.0)])  # fmt: skip
+                 row.get("tokens_per_s", 0.0), row["waited_p50"], row["waited_mean"]])  # fmt: skip
     for b in bs:
       clean = next(c for c in blocks[0] if c["block"] == b["block"])
       clean_s = clean["samples"]["seconds"] / max(clean["steps"], 1)
@@ -407,8 +414,9 @@ def _training_table(args, blocks: dict, tokens_per_step: int, remote: bool) -> d
   mode = f"{'remote' if remote else 'embedded'}, {args.path} path"
   _print_table(
     f"training with the server attached ({mode}; each row: all {args.blocks} blocks together)",
-    ["clients", "train tokens/s", "ratio", "serving share", "completions", "TTFT p50 s",
-     "TTFT p99 s", "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s"],
+    ["clients", "train tokens/s", "ratio", "serving share", "completions",
+     "TTFT p50 s", "TTFT p99 s", "TTFT p50 / step", "TPOT p50 s", "TPOT p99 s", "output tokens/s",
+     "steps waited p50", "steps waited mean"],
     rows,
   )  # fmt: skip
   _print_table(

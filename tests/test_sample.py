@@ -136,6 +136,40 @@ def test_invariant_attention_s_cached_logits_equal_the_full_forward_bitwise(atte
     assert differ > 0
 
 
+def test_one_sequence_s_prefill_is_padded_to_rows_whose_logits_equal_the_forward_s():
+  """A prefill of one sequence, as the serving engine runs it (rows padded to the smallest of
+  serve/pieces.prefill_rows, the padding row at a scratch position of another slot), gives the
+  float32 logits of the forward pass bitwise under invariant attention: a one-row program's
+  output layer is a matrix-vector product, which rounds otherwise (it differs here)."""
+  from pwtrain.serve import pieces
+
+  config = load_config("grpo_toy", {"model.attention": "invariant"})
+  fns = step_lib.model_fns(config.model, config.moe)
+  params = fns.init(jax.random.key(3))
+  slots, length, prompt = 8, config.data.seq_len, 8
+  max_len = length + 1
+  tokens = np.random.default_rng(1).integers(0, config.model.vocab_size, (1, length))
+  expected = np.asarray(jax.jit(lambda p, x: fns.module(p)(x))(params, tokens))[0, prompt - 1]
+
+  @jax.jit
+  def prefill(params, chunk, positions, rows, at):
+    cache = decode.init_cache(fns.module(params), slots, max_len)
+    return decode.forward(fns.module(params), cache, chunk, positions, rows=rows, logits_at=at)[0]
+
+  def first_logits(size):
+    chunk = np.zeros((size, max_len), np.int32)
+    chunk[0, :prompt] = tokens[0, :prompt]
+    positions = np.full(chunk.shape, max_len - 1, np.int32)  # padding rows: the scratch place
+    positions[0] = np.arange(max_len)
+    rows, at = np.arange(size, dtype=np.int32), np.full(size, prompt - 1, np.int32)
+    return np.asarray(prefill(params, chunk, positions, rows, at))[0]
+
+  size = min(pieces.prefill_rows(slots))
+  assert size == 2
+  np.testing.assert_array_equal(first_logits(size), expected)
+  assert (first_logits(1) != expected).any()  # why one row is never a program of its own
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_the_cache_is_mqa_sized(kv_heads):
   """One [batch, max_len, num_kv_heads, head_dim] K and V per layer: num_kv_heads, not

@@ -15,7 +15,7 @@ reads the tokens afterwards. A sequence holds one slot from its prefill to its l
             `last`. With `score` (an echo with logprobs) on any row, it also gives each
             position's log-probability of `targets` (the prompt's next token) and the TOP most
             likely ids' (the head over every position of every row, in a branch that runs only
-            then). One program per row count of `prefill_rows` (1, 2, 4, ... up to max_batch,
+            then). One program per row count of `prefill_rows` (2, 4, ... up to max_batch,
             and max_batch): the engine pads its rows to the next, each padding row at the
             scratch position (below) of a slot no other row uses, not final.
   decode    one token of every slot at its own position, fed its `last`; the slots that are not
@@ -132,8 +132,11 @@ def build(
 
 
 def prefill_rows(max_batch: int) -> tuple:
-  """The row counts of the prefill programs: the powers of two below `max_batch`, and it."""
-  return (*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch)
+  """The row counts of the prefill programs: the powers of two from 2 below `max_batch`, and
+  it. Never 1 row where there are 2 slots: a one-row program multiplies its last position by
+  the output layer as a matrix-vector product, which rounds otherwise than the matrix product
+  of more rows, or of the training forward (docs/models.md: invariant attention)."""
+  return (*(2**i for i in range(1, max_batch.bit_length()) if 2**i < max_batch), max_batch)
 
 
 @dataclasses.dataclass(frozen=True)
