@@ -139,7 +139,9 @@ def attend(q, k, v, mask=None, *, scale=None, softcap=0.0, invariant=False):
   if invariant:  # [b, g, h/g, l, 1, d] * [b, g, 1, 1, m, d] in float32, summed over d
     # q through a product with the identity (exact): XLA:CPU keeps a dot's output, where it
     # fuses q's producers (RoPE's sin and cos) into the reduction, computing them per key.
-    q = jnp.einsum("blgrk,kj->blgrj", q, jnp.eye(d, dtype=q.dtype))
+    # HIGHEST: at the default precision a TPU multiplies float32 in bfloat16 passes, which
+    # would round q.
+    q = jnp.einsum("blgrk,kj->blgrj", q, jnp.eye(d, dtype=q.dtype), precision="highest")
     keys = k.transpose(0, 2, 1, 3)[:, :, None, None].astype(f32)
     logits = jnp.sum(q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(f32) * keys, axis=-1)
   else:
