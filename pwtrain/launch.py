@@ -272,6 +272,14 @@ def status(code: int) -> int:
   return 128 - code if code < 0 else code
 
 
+def first_failed(codes: list, left: set[int]) -> int | None:
+  """The process whose end failed the run, of those ended (`codes`: None while running) and not
+  left out: one a signal ended first (a kill is a cause; a peer's exit with a status is most
+  often its consequence, and both may be seen ended at once), else the lowest."""
+  ended = [i for i, c in enumerate(codes) if c not in (None, 0) and i not in left]
+  return min(ended, key=lambda i: (codes[i] > 0, i), default=None)
+
+
 def late_rejoins(codes: list[int], left: set[int], starts, drops: bool) -> list[int]:
   """With elastic pods (`drops`) and process 0 done (exit 0: the run finished, its checkpoints
   written by process 0), the processes started again that exited non-zero without being left
@@ -340,9 +348,7 @@ def run(args) -> int:
         if time.monotonic() > stop_at:
           print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
           current[-1].signal_all(signal.SIGKILL)
-      failed = next(
-        (i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in left), None
-      )
+      failed = first_failed([p.poll() for p in procs], left)
       if failed is not None and not stopping.is_set():
         proc = procs[failed]
         died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
@@ -373,8 +379,9 @@ def run(args) -> int:
     worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
+        order = sorted(range(len(codes)), key=lambda i: (i != first_failed(codes, left), i))
         bad = [
-          f"process {i} {describe_exit(c)}" for i, c in enumerate(codes) if c and i not in stopped
+          f"process {i} {describe_exit(codes[i])}" for i in order if codes[i] and i not in stopped
         ]
         if stopped:
           bad.append(f"process(es) {', '.join(map(str, sorted(stopped)))} stopped by the launcher")

@@ -270,7 +270,9 @@ def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
 @pytest.mark.processes
 def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
   """fault.max_restarts=0: process 1 is killed, the launcher stops process 0 and gives up,
-  saying which process died and which it stopped (not both as "killed by SIGKILL")."""
+  saying which process died, first, and which it stopped (not both as "killed by SIGKILL");
+  process 0 may also have ended on its own as its peer died (status 1), which the line then
+  says, after the kill."""
   launcher = launch(tmp_path, 2, {**PODS, "train.num_steps": 400}, background=True)
   deadline = time.time() + 300
   while time.time() < deadline:
@@ -283,10 +285,22 @@ def test_giving_up_names_the_processes_the_launcher_stopped_itself(tmp_path):
   text = out.decode(errors="replace")
   assert launcher.returncode != 0, text[-3000:]
   (line,) = [line for line in text.splitlines() if "giving up" in line]
-  assert line.endswith(
-    "giving up after 0 restart(s): process 1 was killed by SIGKILL; process(es) 0 stopped by "
-    "the launcher"
+  cause = "giving up after 0 restart(s): process 1 was killed by SIGKILL; "
+  assert line.endswith(cause + "process(es) 0 stopped by the launcher") or line.endswith(
+    cause + "process 0 exited with status 1"
   ), line
+
+
+def test_the_process_a_signal_ended_is_the_cause_named_first():
+  """Processes seen ended together: the one a signal ended failed the run (a peer's exit with a
+  status follows it), else the lowest; those left out (elastic) and running ones are not."""
+  from pwtrain.launch import first_failed
+
+  assert first_failed([1, -9], set()) == 1
+  assert first_failed([1, 2], set()) == 0
+  assert first_failed([None, 0, -15, -9], set()) == 2
+  assert first_failed([1, -9], {1}) == 0
+  assert first_failed([None, 0], set()) is None
 
 
 def run_main(workdir, env: dict, overrides: dict, timeout=120, background=False):
