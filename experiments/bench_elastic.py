@@ -300,14 +300,14 @@ def run_side(root: str, args, cache: str, name: str) -> dict:
   overrides, kills = pods(args), fault_steps(args)
   if name in ("elastic", "rebuilt", "stopped", "wedged"):
     overrides.update({"fault.elastic": True, "fault.host_lost_pods": name != "rebuilt"})
-  if name == "wedged":  # before the step after each fault step: where a signal's fault lands
-    drills = [f"wedge:pod1@step{n + 1}" for n in kills if n + 1 <= args.steps]
-    overrides.update({"fault.inject": ",".join(drills),
-                      "fault.progress_timeout_s": args.progress_timeout_s})  # fmt: skip
     if args.mode == "embedded":
       drills = [f"kill:pod1@mid{n},rejoin:pod1@step{min(n + args.rejoin_after, args.steps)}"
                 for n in kills]  # fmt: skip
       overrides["fault.inject"] = ",".join(drills)
+  if name == "wedged":  # before the step after each fault step: where a signal's fault lands
+    drills = [f"wedge:pod1@step{n + 1}" for n in kills if n + 1 <= args.steps]
+    overrides.update({"fault.inject": ",".join(drills),
+                      "fault.progress_timeout_s": args.progress_timeout_s})  # fmt: skip
   if name == "restart":
     return run_restart(workdir, args, cache, overrides)
   begin, watch = time.perf_counter(), Watch(workdir)
