@@ -37,6 +37,9 @@ import numpy as np
 
 from pwtrain.errors import ConfigError
 
+# model.attention's written-out implementations (layers.attend), the only ones with a soft cap.
+WRITTEN_OUT = ("einsum", "invariant")
+
 FAMILIES = ("palm", "llama", "gemma")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # model.activation ("": the family's)
 ROPE_SCALING = ("none", "llama3")
@@ -170,7 +173,7 @@ def validate(m) -> None:
   for key in ("attn_softcap", "final_softcap"):
     if not m[key] >= 0:
       raise ConfigError(f"model.{key}={m[key]!r} must be >= 0 (0: no soft cap)")
-  if m.attn_softcap and m.attention not in ("einsum", "invariant"):
+  if m.attn_softcap and m.attention not in WRITTEN_OUT:
     raise ConfigError(
       f"model.attn_softcap={m.attn_softcap} needs model.attention='einsum' or 'invariant' (now "
       f"{m.attention!r}): jax.nn.dot_product_attention has no soft cap"

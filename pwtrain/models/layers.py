@@ -79,8 +79,8 @@ def rotate(x, positions, inv_freq):
   return out.astype(x.dtype)
 
 
-ATTENTION = ("einsum", "invariant", "xla", "cudnn")
-WRITTEN_OUT = ("einsum", "invariant")  # `attend`'s: the KV-cache decoder's too
+WRITTEN_OUT = family_lib.WRITTEN_OUT  # `attend`'s: the KV-cache decoder's too
+ATTENTION = (*WRITTEN_OUT, "xla", "cudnn")
 
 
 def causal_attention(q, k, v, implementation: str, *, scale=None, softcap=0.0, window=0):
