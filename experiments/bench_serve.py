@@ -350,6 +350,7 @@ def _training(args, config, tokens_per_step, workdir, remote) -> dict:
     state = harness.init()
     with serve.attached(config, harness.controller, lambda: harness, state, workdir, sock) as srv:
       trainer = Trainer(harness, state).start().started()
+      _served_once(srv.url)
       time.sleep(args.warmup_s)
       island = harness.plan.islands[0].name
       blocks = {load: [] for load in LOADS}
@@ -703,6 +704,16 @@ def pipeline(args) -> dict:
      for k, v in out.items()],
   )  # fmt: skip
   return out
+
+
+def _served_once(url: str) -> None:
+  """Waits for one completion, so that no block counts the server's start: a remote worker
+  compiles the serving programs in the background (remote/server.py's Compile), and a first
+  token comes once the engine's init, compiled last, has run."""
+  import httpx
+
+  body = {"prompt": "def main(", "max_tokens": 2}
+  httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
 
 
 def _served_url(process) -> str:

@@ -266,7 +266,7 @@ def get_config():
   c.serve.port = 8000  # 0: any free port (logged)
   c.serve.max_batch = 8  # KV-cache slots: sequences decoded together
   c.serve.max_len = 0  # positions per slot, prompt and new tokens together; 0: data.seq_len
-  c.serve.prefill_chunk = 64  # prompt tokens per prefill program (padded)
+  c.serve.prefill_chunk = 64  # prompt tokens per prefill program at most (padded: serving.md)
   c.serve.queue_size = 64  # sequences waiting for a slot; a request beyond them gets HTTP 429
   # Under saturating load, the share of each island's time that serving may take ahead of
   # queued training work (backend/policy.py): a flood slows training by about this fraction.

@@ -61,7 +61,7 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(trained, tmp_path_factory):
-  sizes = dict(max_len=MAX_LEN, max_batch=MAX_BATCH, queue_size=QUEUE, prefill_chunk=16)
+  sizes = dict(max_len=MAX_LEN, max_batch=MAX_BATCH, queue_size=QUEUE, prefill_chunk=64)
   token_dir = tmp_path_factory.mktemp("token")
   with standalone_server(small_config(**RUN), trained[1], token_dir, TOKEN, **sizes) as running:
     yield running
@@ -148,17 +148,32 @@ def test_greedy_completions_are_pwtrain_sample_s(server, trained):
     assert out.usage.completion_tokens == want.new_tokens + want.stopped_at_eos
 
 
-def test_sequences_that_arrive_together_are_prefilled_in_one_program(server):
-  """A request's prompts (taking their slots together) are prefilled a chunk of each per program
-  (3 rows padded to 4; 2 programs for the 2 chunks of the longer prompts, one at a time 5),
-  their echoed prompt log-probs and greedy completions those of each prompt served alone."""
-  prompts = ["def main(", "import os\nimport sys\n", "class Tree:\n    def f(self, a"]
+def test_sequences_that_arrive_together_are_prefilled_in_one_program(server, monkeypatch):
+  """A request's prompts (taking their slots together) are prefilled a chunk of each per program,
+  in the smallest program that holds the chunks (fewest rows, then shortest: prefill_lengths of
+  a 64-token chunk are 16 and 64): the first chunks of 3 prompts of 10, 22 and 78 tokens (with
+  the leading EOS) in 4 rows of 64, then the longest's last 14 in 2 rows of 16. Their echoed
+  prompt log-probs and greedy completions are those of each prompt served alone, in programs of
+  other shapes."""
+  from pwtrain.serve import batches, pieces
+
+  assert pieces.prefill_lengths(64) == (16, 64) and pieces.prefill_lengths(16) == (16,)
+  assert pieces.prefill_lengths(512) == (32, 128, 512) and pieces.prefill_lengths(8) == (8,)
+  shapes, prefill = [], batches.prefill
+  monkeypatch.setattr(
+    batches, "prefill", lambda *a, **kw: shapes.append((batch := prefill(*a, **kw)).shape) or batch
+  )
+  long = "class Tree:\n    def f(self, a):\n        return [b for b in a if b]\n    x = 1\n"
+  prompts = ["def main(", "import os\nimport sys\n", long]
   client = _client(server)
   ask = dict(model="m", max_tokens=6, temperature=0, echo=True, logprobs=2)
   alone = [client.completions.create(prompt=p, **ask).choices[0] for p in prompts]
+  assert shapes == [(2, 16), (2, 64), (2, 64), (2, 16)]
+  shapes.clear()
   before = _metric(server, "pwtrain_serve_prefill_chunks_total")
   together = client.completions.create(prompt=prompts, **ask).choices
   assert _metric(server, "pwtrain_serve_prefill_chunks_total") - before == 2
+  assert shapes == [(4, 64), (2, 16)]
   for one, other in zip(alone, together, strict=True):
     assert one.text == other.text and one.logprobs.tokens == other.logprobs.tokens
     got, want = other.logprobs.token_logprobs, one.logprobs.token_logprobs

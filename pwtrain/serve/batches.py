@@ -14,27 +14,29 @@ from pwtrain.serve.sequences import Sequence, sampling_rows
 class Batch:
   """One program's inputs: `rows` (row -> the sequence given the token it picks there),
   `scored` ((sequence, prompt tokens, row): an echo's prompt log-probs it gives) and, for a
-  prefill, `size`: its row count (the key of pieces.Pieces.prefill)."""
+  prefill, `shape`: its (row count, length), the key of pieces.Pieces.prefill."""
 
   inputs: dict
   rows: dict
   scored: tuple = ()
-  size: int = 0
+  shape: tuple = ()
 
 
-def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_id: int) -> Batch:
-  """The next chunk of `chunk` tokens of each of `seqs` (at most max_batch, in distinct slots),
-  row r the r-th's, padded to the smallest row count of `sizes` that holds them; advances each
-  sequence's `fed` past its chunk. A padding row feeds `pad_id` at the scratch position
-  max_len - 1 (pieces.py) of a slot no sequence of `seqs` holds, its chunk not final, so it
-  changes nothing a sequence reads. A sequence whose own settings fail here (`sampling_rows`)
-  raises with the error's `sequences` that sequence alone, so that it fails alone."""
-  size = min(s for s in sizes if s >= len(seqs))
+def prefill(seqs: list, *, shapes, max_batch: int, chunk: int, max_len: int, pad_id: int) -> Batch:
+  """The next chunk (at most `chunk` tokens) of each of `seqs` (at most max_batch, in distinct
+  slots), row r the r-th's, in the smallest of `shapes` ((row count, length) each) that holds
+  them: the fewest rows, then the shortest length; advances each sequence's `fed` past its
+  chunk. A padding row feeds `pad_id` at the scratch position max_len - 1 (pieces.py) of a slot
+  no sequence of `seqs` holds, its chunk not final, so it changes nothing a sequence reads. A
+  sequence whose own settings fail here (`sampling_rows`) raises with the error's `sequences`
+  that sequence alone, so that it fails alone."""
+  longest = max(len(seq.context[seq.fed : seq.fed + chunk]) for seq in seqs)
+  size, length = min((r, n) for r, n in shapes if r >= len(seqs) and n >= longest)
   held = [seq.slot for seq in seqs]
   slots = held + [s for s in range(max_batch) if s not in held][: size - len(seqs)]
-  tokens = np.full((size, chunk), pad_id, np.int32)
-  positions = np.full((size, chunk), max_len - 1, np.int32)
-  targets = np.zeros((size, chunk), np.int32)  # each position's next prompt token
+  tokens = np.full((size, length), pad_id, np.int32)
+  positions = np.full((size, length), max_len - 1, np.int32)
+  targets = np.zeros((size, length), np.int32)  # each position's next prompt token
   logits_at = np.zeros(size, np.int32)
   final, score = np.zeros(size, bool), np.zeros(size, bool)
   rows, scored = {}, []
@@ -49,12 +51,12 @@ def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_
       values[r] = own[key][0]
     start, piece = seq.fed, seq.context[seq.fed : seq.fed + chunk]
     tokens[r, : len(piece)] = piece
-    positions[r] = np.minimum(start + np.arange(chunk), max_len - 1)
+    positions[r] = np.minimum(start + np.arange(length), max_len - 1)
     seq.fed = start + len(piece)
     final[r], logits_at[r] = seq.fed == len(seq.context), len(piece) - 1
     request = seq.completion.request
     score[r] = request.echo and request.logprobs is not None and not seq.echoed
-    after = seq.prompt[start + 1 : start + 1 + chunk]
+    after = seq.prompt[start + 1 : start + 1 + len(piece)]
     targets[r, : len(after)] = after
     if final[r]:
       rows[r] = seq
@@ -70,7 +72,7 @@ def prefill(seqs: list, *, sizes, max_batch: int, chunk: int, max_len: int, pad_
     "score": score,
     "sampling": sampling,
   }
-  return Batch(inputs, rows, tuple(scored), size)
+  return Batch(inputs, rows, tuple(scored), (size, length))
 
 
 def decode(decoding: list[Sequence], *, max_batch: int, max_len: int) -> Batch:

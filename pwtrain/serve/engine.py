@@ -287,11 +287,11 @@ class Engine:
   def _prefill(self, prefilling: list) -> None:
     pieces = self._pieces
     batch = batches.prefill(
-      prefilling, sizes=pieces.prefill, max_batch=self.max_batch, chunk=self.chunk,
+      prefilling, shapes=pieces.prefill, max_batch=self.max_batch, chunk=self.chunk,
       max_len=self.max_len, pad_id=self.tokenizer.pad_id,
     )  # fmt: skip
     self.stats.count("prefill_chunks")
-    self._run(pieces.prefill[batch.size], batch, prefilling)
+    self._run(pieces.prefill[batch.shape], batch, prefilling)
     for seq in batch.rows.values():
       seq.asked += 1
 

@@ -9,15 +9,18 @@ next decode feeds: so the engine dispatches a decode without waiting for the one
 reads the tokens afterwards. A sequence holds one slot from its prefill to its last token.
 
   init      zeros into every cell's cache and `last`.
-  prefill   one chunk of `chunk` tokens of each of `rows` sequences, row r into its slot
+  prefill   one chunk of `length` tokens of each of `rows` sequences, row r into its slot
             `slot[r]` (cache rows `slot`, distinct), right-padded; a row's last chunk (`final`)
             picks its sequence's next token from its last position and puts it in its slot's
             `last`. With `score` (an echo with logprobs) on any row, it also gives each
             position's log-probability of `targets` (the prompt's next token) and the TOP most
             likely ids' (the head over every position of every row, in a branch that runs only
             then). One program per row count of `prefill_rows` (2, 4, ... up to max_batch,
-            and max_batch): the engine pads its rows to the next, each padding row at the
-            scratch position (below) of a slot no other row uses, not final.
+            and max_batch) and length of `prefill_lengths` (the chunk, a quarter of it, ...):
+            the engine pads its rows to the next row count, each padding row at the scratch
+            position (below) of a slot no other row uses, not final, and its pieces to the
+            shortest length that holds the longest, so that a short prompt's prefill costs a
+            short program, not a whole chunk's.
   decode    one token of every slot at its own position, fed its `last`; the slots that are not
             decoding (`active` false: free, or between prefill chunks) keep their `last` and are
             fed at position max_len - 1, a scratch position that no sequence uses (a sequence of
@@ -52,6 +55,7 @@ from pwtrain.models.sampling import pick, sampled_logits
 from pwtrain.serve.weights import Cell, Layout
 
 TOP = 5  # most likely ids returned per token (OpenAI's largest `logprobs`)
+SHORTEST = 16  # the shortest prefill program's tokens a row (unless the chunk is shorter)
 SAMPLING = {  # per row: how its next token is picked (models/sampling.py), and its key's parts
   "temperature": np.float32,
   "top_k": np.int32,
@@ -70,7 +74,7 @@ class Pieces:
   max_len: int
   chunk: int
   init: Program
-  prefill: dict  # rows -> the prefill program of that many rows (prefill_rows)
+  prefill: dict  # (rows, length) -> the prefill program of that shape: prefill_rows, _lengths
   decode: Program
   probe: Program
   cache_bytes: int
@@ -93,8 +97,11 @@ def build(
   padded vocabulary are never picked)."""
   cells = layout.cells
   last_cell = cells[-1]
-  chains = {("decode", max_batch): _Chain(cells, "decode")}
-  chains |= {("prefill", rows): _Chain(cells, "prefill") for rows in prefill_rows(max_batch)}
+  chains = {("decode", max_batch, 1): _Chain(cells, "decode")}
+  chains |= {
+    ("prefill", rows, length): _Chain(cells, "prefill")
+    for rows in prefill_rows(max_batch) for length in prefill_lengths(chunk)
+  }  # fmt: skip
   init_nodes, probe_nodes, cache_bytes = [], [], 0
   last_abs = jax.ShapeDtypeStruct((max_batch,), np.int32, sharding=_replicated(last_cell))
   for i, cell in enumerate(cells):
@@ -111,8 +118,8 @@ def build(
       out_shardings=_replicated(cell),
     )  # fmt: skip
     probe_nodes.append(Node(f"probe{i}", probe, (f"weights/{i}",)))
-    for (kind, rows), chain in chains.items():
-      shapes = _Shapes(kind, rows, chunk, weights, cache_abs, last_abs)
+    for (kind, rows, length), chain in chains.items():
+      shapes = _Shapes(kind, rows, length, weights, cache_abs, last_abs)
       chain.add(i, _compile_cell(controller, cell, i, shapes, num_tokens))
   init_last = controller.compile(
     "serve_init_last", functools.partial(_zeros, last_abs), last_cell.island, (),
@@ -124,8 +131,8 @@ def build(
   init = Program(tuple(init_nodes), {**init_outputs, "last": ("init_last", 0)}, (*caches, "last"))
   probe = Program(tuple(probe_nodes), {f"step/{i}": (f"probe{i}", 0) for i in range(len(cells))})
   controller.wait_compiles()
-  prefill = {rows: chain.program() for (kind, rows), chain in chains.items() if kind == "prefill"}
-  decode_program = chains["decode", max_batch].program()
+  prefill = {tuple(k): chain.program() for (kind, *k), chain in chains.items() if kind == "prefill"}
+  decode_program = chains["decode", max_batch, 1].program()
   return Pieces(
     layout, max_batch, max_len, chunk, init, prefill, decode_program, probe, cache_bytes
   )
@@ -139,20 +146,26 @@ def prefill_rows(max_batch: int) -> tuple:
   return (*(2**i for i in range(1, max_batch.bit_length()) if 2**i < max_batch), max_batch)
 
 
+def prefill_lengths(chunk: int) -> tuple:
+  """The lengths of the prefill programs, shortest first: `chunk`, and a quarter of the one
+  before while that is at least SHORTEST tokens (a chunk of 64: 16 and 64). A chunk is padded
+  to the shortest that holds it: at most 4 times its tokens, or SHORTEST."""
+  lengths = [chunk]
+  while lengths[-1] // 4 >= SHORTEST:
+    lengths.append(lengths[-1] // 4)
+  return tuple(reversed(lengths))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shapes:
   """The abstract arguments of one kind of program: `rows` x `length` tokens a cell."""
 
   kind: str  # "prefill" or "decode"
   rows: int  # a decode's: max_batch
-  chunk: int
+  length: int  # a decode's: 1
   weights: dict
   cache: object
   last: jax.ShapeDtypeStruct
-
-  @property
-  def length(self) -> int:
-    return self.chunk if self.kind == "prefill" else 1
 
 
 def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: int):
@@ -184,7 +197,7 @@ def _compile_cell(controller, cell: Cell, i: int, shapes: _Shapes, num_tokens: i
   outs = jax.eval_shape(fn, *args)
   out_shardings = [jax.tree.map(lambda _: replicated, outs[0]), _shardings(shapes.cache)]
   out_shardings += [replicated] * (len(outs) - 2)
-  name = f"serve_{shapes.kind}{i}" + (f"x{rows}" if prefill else "")
+  name = f"serve_{shapes.kind}{i}" + (f"x{rows}x{length}" if prefill else "")
   return controller.compile(
     name, fn, cell.island, tuple(args), out_shardings=tuple(out_shardings),
     donate_argnums=(1,),
