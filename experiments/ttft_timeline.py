@@ -49,11 +49,12 @@ class Hooks:
     self.offset = time.monotonic() - trace.now()  # trace clock + offset = time.monotonic
     self.requests: dict[int, dict] = {}  # id(completion) -> {stage: time}
     self.order: list[int] = []
-    self.steps: dict[int, int] = {}  # controller step of a prefill -> id(completion)
+    self.steps: dict[int, list] = {}  # controller step of a prefill -> [id(completion)]
+    self._mapped: set[int] = set()  # the completions whose first prefill is in `steps`
     self.placed: dict[int, float] = {}  # controller step -> when its first node was placed
     self.held: dict[int, dict] = {}  # controller step -> the balance when it was dispatched
     self.fetched: dict[int, float] = {}  # controller step -> its outputs on the host
-    self._tag: int | None = None  # the completion whose prefill the engine dispatches now
+    self._tags: list[int] = []  # the completions whose prefill the engine dispatches now
     self._last_step: int | None = None
     lock = threading.Lock()
     hooks = self
@@ -81,12 +82,13 @@ class Hooks:
       if stamps is not None:
         stamps.setdefault("admitted", time.monotonic())
 
-    def prefill(engine_, seq):
-      self._tag = id(seq.completion)
-      self.requests[self._tag].setdefault("dispatched", time.monotonic())
+    def prefill(engine_, seqs):  # one program for every sequence still prefilling
+      self._tags = [id(seq.completion) for seq in seqs if id(seq.completion) in self.requests]
+      for tag in self._tags:
+        self.requests[tag].setdefault("dispatched", time.monotonic())
 
-    def prefilled(result, engine_, seq):
-      self._tag = None
+    def prefilled(result, engine_, seqs):
+      self._tags = []
 
     def insert(policy_, placed, number):
       (scheduler_, _), *_ = placed
@@ -139,8 +141,10 @@ class Hooks:
     def dispatch(program, inputs, step, priority=False):
       if priority:
         self._last_step = step
-        if self._tag is not None:
-          self.steps.setdefault(step, self._tag)
+        for tag in self._tags:
+          if tag not in self._mapped:
+            self._mapped.add(tag)
+            self.steps.setdefault(step, []).append(tag)
       return original(program, inputs, step, priority)
 
     dispatcher.dispatch = dispatch
@@ -150,7 +154,7 @@ class Hooks:
     events = collections.defaultdict(list)
     for e in list(self.trace.events):
       events[e.step].append(e)
-    for step, completion in self.steps.items():
+    for step, completion in ((s, c) for s, cs in self.steps.items() for c in cs):
       stamps = self.requests[completion]
       nodes = events.get(step, [])
       if nodes and "launched" not in stamps:
