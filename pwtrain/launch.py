@@ -379,10 +379,10 @@ def run(args) -> int:
     worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
-        order = sorted(range(len(codes)), key=lambda i: (i != first_failed(codes, left), i))
-        bad = [
-          f"process {i} {describe_exit(codes[i])}" for i in order if codes[i] and i not in stopped
-        ]
+        cause = first_failed(codes, left)
+        order = sorted(range(len(codes)), key=lambda i: (i != cause, i))
+        ended = [i for i in order if codes[i] and i not in stopped]
+        bad = [f"process {i} {describe_exit(codes[i])}" for i in ended]
         if stopped:
           bad.append(f"process(es) {', '.join(map(str, sorted(stopped)))} stopped by the launcher")
         print(f"{PREFIX} giving up after {attempt} restart(s): {'; '.join(bad)}")

@@ -18,6 +18,20 @@ TOL = 1e-5
 # SGD with momentum: its update is linear in the gradient, so parameters and optimizer state can
 # be compared across layouts after a few steps (Adafactor's cannot, see test_parity).
 SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.warmup_steps": 1}
+# Two elastic pods of one island of 2 devices each, the data split over both, exchanging
+# gradients in sync: runs where a pod is lost and rejoins (test_silent_faults, test_wedge_drill).
+ELASTIC_PODS = {
+  **SGD,
+  "parallel.islands": 2,
+  "parallel.devices_per_island": 2,
+  "parallel.pods": 2,
+  "parallel.data": -1,
+  "exchange.mode": "sync",
+  "train.global_batch": 8,
+  "train.num_steps": 10,
+  "train.checkpoint_every": 100,
+  "fault.elastic": True,
+}
 TINY = {  # an even smaller model than palm_tiny, for fast compiles
   "model.num_layers": 2,
   "model.d_model": 64,

@@ -17,7 +17,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from helpers import SGD, RowTimes, metrics_rows, small_config
+from helpers import ELASTIC_PODS, RowTimes, metrics_rows, small_config
 from signals import Kill, Killer
 
 from pwtrain import train
@@ -32,18 +32,9 @@ HEARTBEAT_S = 0.5
 # A silent worker is declared lost within 3 x (period + each ping's deadline, at least 2 s).
 DETECTION_BOUND_S = 3 * (HEARTBEAT_S + max(HEARTBEAT_S, 2.0))
 TWO_PODS = {
-  **SGD,
-  "parallel.islands": 2,
-  "parallel.devices_per_island": 2,
-  "parallel.pods": 2,
-  "parallel.data": -1,
-  "exchange.mode": "sync",
-  "train.global_batch": 8,
-  "train.num_steps": 10,
-  "train.checkpoint_every": 100,
+  **ELASTIC_PODS,
   "backend.mode": "remote",
   "backend.launch_workers": True,
-  "fault.elastic": True,
   "fault.heartbeat_s": HEARTBEAT_S,
 }
 

@@ -13,7 +13,7 @@ import re
 import threading
 
 import pytest
-from helpers import SGD, TINY, metrics_rows, small_config
+from helpers import ELASTIC_PODS, SGD, TINY, metrics_rows, small_config
 from test_distributed import launch, process_logs
 
 from pwtrain import drills, train
@@ -23,18 +23,7 @@ from pwtrain.parallel import plan as plan_lib
 
 PROGRESS_TIMEOUT_S = 3.0
 HEARTBEAT_S = 0.5
-TWO_PODS = {
-  **SGD,
-  "parallel.islands": 2,
-  "parallel.devices_per_island": 2,
-  "parallel.pods": 2,
-  "parallel.data": -1,
-  "exchange.mode": "sync",
-  "train.global_batch": 8,
-  "train.num_steps": 10,
-  "train.checkpoint_every": 100,
-  "fault.elastic": True,
-}
+TWO_PODS = ELASTIC_PODS
 GUARD_S = 30.0  # a wedged worker still alive this long after the drill is killed by the test
 
 
