@@ -186,7 +186,8 @@ class RemoteDispatcher:
     return Executable(name, island, local, len(top), remote, tuple(donate_argnums))
 
   def wait_compiles(self) -> None:
-    """Nothing to wait for: `compile` returns once the worker has compiled."""
+    """Nothing to wait for here: a worker compiles in the background (its Compile returns once
+    the compile is queued, remote/server.py), and an Execute there waits for its executable."""
 
   # -- dispatch -----------------------------------------------------------------------------
 
