@@ -44,6 +44,7 @@ import threading
 import time
 
 from pwtrain import console, liveness, process_logs
+from pwtrain.exits import failed_cause, first_failed, late_rejoins, status
 from pwtrain.processes import LAUNCHER_LINE, REJOIN_ENV, describe_exit, free_port
 
 PREFIX = "[launch]"
@@ -267,26 +268,10 @@ def barrier_line(line: str) -> frozenset[int] | None:
 MAX_STARTS = 3
 
 
-def status(code: int) -> int:
-  """An exit status as a shell shows it: killed by signal s -> 128 + s."""
-  return 128 - code if code < 0 else code
-
-
-def first_failed(codes: list, left: set[int]) -> int | None:
-  """The process whose end failed the run, of those ended (`codes`: None while running) and not
-  left out: one a signal ended first (a kill is a cause; a peer's exit with a status is most
-  often its consequence, and both may be seen ended at once), else the lowest."""
-  ended = [i for i, c in enumerate(codes) if c not in (None, 0) and i not in left]
-  return min(ended, key=lambda i: (codes[i] > 0, i), default=None)
-
-
-def late_rejoins(codes: list[int], left: set[int], starts, drops: bool) -> list[int]:
-  """With elastic pods (`drops`) and process 0 done (exit 0: the run finished, its checkpoints
-  written by process 0), the processes started again that exited non-zero without being left
-  out: they could not rejoin a run that had ended, which is no failure of the run."""
-  if not drops or codes[0] != 0:
-    return []
-  return [i for i, c in enumerate(codes) if i and c and starts[i] and i not in left]
+def _died(procs, i: int, logs) -> str:
+  """What the launcher says of process `i`'s end."""
+  code = procs[i].returncode
+  return f"process {i} (pid {procs[i].pid}) {describe_exit(code)} (its output: {logs.paths[i]})"
 
 
 def run(args) -> int:
@@ -348,11 +333,9 @@ def run(args) -> int:
         if time.monotonic() > stop_at:
           print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
           current[-1].signal_all(signal.SIGKILL)
-      failed = first_failed([p.poll() for p in procs], left)
+      failed = failed_cause(procs, left)
       if failed is not None and not stopping.is_set():
-        proc = procs[failed]
-        died = f"process {failed} (pid {proc.pid}) {describe_exit(proc.returncode)}"
-        died += f" (its output: {current[-1].logs.paths[failed]})"
+        died = _died(procs, failed, current[-1].logs)
         if drops and failed != 0:
           print(f"{PREFIX} {died}; fault.elastic: the other processes go on without its pod")
           sys.stdout.flush()
@@ -376,10 +359,12 @@ def run(args) -> int:
       print(f"{PREFIX} process {i}, started again, {describe_exit(codes[i])}: the run finished "
             "before it rejoined")  # fmt: skip
       left.add(i)
+    cause = first_failed(codes, left)
+    if failed is None and cause is not None and not stopping.is_set():  # all ended between looks
+      print(f"{PREFIX} {_died(procs, cause, current[-1].logs)}", flush=True)
     worst = max(status(c) for i, c in enumerate(codes) if i not in left)
     if worst == 0 or stopping.is_set() or attempt >= restarts:
       if worst and not stopping.is_set():
-        cause = first_failed(codes, left)
         order = sorted(range(len(codes)), key=lambda i: (i != cause, i))
         ended = [i for i in order if codes[i] and i not in stopped]
         bad = [f"process {i} {describe_exit(codes[i])}" for i in ended]

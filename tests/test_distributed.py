@@ -256,8 +256,9 @@ def test_a_killed_process_restarts_all_and_resumes(embedded_pods, tmp_path):
   assert killed, "process 1 was never killed"
   assert launcher.returncode == 0, text[-3000:]
   assert "resumed from step 4" in text and "resumed from step 8" in text, text[-3000:]
-  assert f"process 1 (pid {killed[0]}) was killed by SIGKILL" in text
-  assert "restarting all 2 processes (1 of 1)" in text
+  said = "\n".join(line for line in text.splitlines() if line.startswith("[launch]"))
+  assert f"process 1 (pid {killed[0]}) was killed by SIGKILL" in said, said
+  assert "restarting all 2 processes (1 of 1)" in said, said
   want = {r["step"]: r["loss"] for r in embedded_pods.history}
   got = step_losses(tmp_path)
   assert sorted(got) == list(range(1, 13)) and all(got[s] == want[s] for s in got if s > 4)
@@ -301,6 +302,24 @@ def test_the_process_a_signal_ended_is_the_cause_named_first():
   assert first_failed([None, 0, -15, -9], set()) == 2
   assert first_failed([1, -9], {1}) == 0
   assert first_failed([None, 0], set()) is None
+
+
+def test_a_peer_killed_just_after_an_exit_is_named_as_the_cause():
+  """The launcher sees process 0 exit with a status while process 1, which a signal ends a
+  moment later, still runs (as when a kill's teardown outlasts the peer's broken collective):
+  it looks again after exits.CAUSE_S and names process 1."""
+  from pwtrain import exits
+
+  exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+  exited.wait()
+  running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    threading.Timer(0.1, running.kill).start()
+    assert exits.failed_cause([exited, running], set()) == 1
+    assert running.returncode == -signal.SIGKILL
+  finally:
+    running.kill()
+    running.wait()
 
 
 def run_main(workdir, env: dict, overrides: dict, timeout=120, background=False):

@@ -27,6 +27,7 @@ LAYERS = (
     "watch",
     "liveness",
     "events",
+    "exits",
   ),
   # Foundations: jax, orbax and the standard library only.
   (
