@@ -344,6 +344,45 @@ def test_remote_trace_has_the_workers_run_times(workers):
   assert copied(workers) == before  # the promise of no copy: no input in another sharding
 
 
+def test_a_program_s_host_inputs_reach_a_worker_in_one_upload(workers, monkeypatch):
+  """The host inputs that a worker's nodes read travel in one Put stream (remote/uploads.py),
+  each read as its leaves of that value; the worker drops the value after its last read, so
+  that only the program's output is left in its store."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from pwtrain.backend import Program
+
+  config = remote(tiny_test_config(**{"parallel.stages": 2, "parallel.islands": 2}), workers)
+  puts = []
+  put = WorkerClient.put_async
+  monkeypatch.setattr(
+    WorkerClient,
+    "put_async",
+    lambda self, handle, *a, **k: puts.append(handle) or put(self, handle, *a, **k),
+  )
+  with Harness.build(config, jax.devices()[:2]) as harness:
+    controller, island = harness.controller, harness.plan.islands[0].name
+    sharding = NamedSharding(Mesh(np.array(controller.cluster[island].devices), ("d",)), P())
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)  # noqa: E731
+    args = (f32((3,)), f32(()), {"a": f32(()), "b": f32(())})
+    mix = lambda x, n, t: x * n + t["a"] - t["b"]  # noqa: E731
+    exe = controller.compile("mix", mix, island, args, out_shardings=sharding)
+    program = Program((Node("mix", exe, ("x", "n", "t")),), {"y": ("mix", 0)})
+    worker, md = stub(controller.cluster[island].worker.address), auth.call_metadata(workers.token)
+    health = lambda: worker.Health(pb.Empty(), metadata=md, timeout=10)  # noqa: E731
+    before = health().stored_values
+    puts.clear()
+    inputs = {"x": np.arange(3, dtype=np.float32), "n": np.float32(2)}
+    out = controller.run(program, {**inputs, "t": {"a": np.float32(1), "b": np.float32(0.5)}})
+    np.testing.assert_array_equal(np.asarray(out["y"].result()), np.arange(3) * 2 + 0.5)
+    assert len(puts) == 1 and puts[0].endswith(f"/in@{island}"), puts
+    deadline = time.time() + 10
+    while health().stored_values != before + 1:  # `y` alone; the inputs' value dropped
+      assert time.time() < deadline, (before, health().stored_values)
+      time.sleep(0.05)
+
+
 # -- training: checkpoints, resume, lost workers ----------------------------------------------
 
 

@@ -31,6 +31,7 @@ from pwtrain.backend.remote import arrays, launcher, sending, timeline
 from pwtrain.backend.remote import protocol_pb2 as pb
 from pwtrain.backend.remote.client import WorkerClient
 from pwtrain.backend.remote.published import Published
+from pwtrain.backend.remote.uploads import Uploads
 from pwtrain.backend.remote.values import Ref, RemoteValue, rpc_error
 
 log = logging.getLogger(__name__)
@@ -229,19 +230,8 @@ class RemoteDispatcher:
 
     ops: dict = collections.defaultdict(list)
     publish = self.publishing and not priority  # a priority client's carried outputs are its own
-    calls = []
+    uploads = Uploads(prefix, islands)  # from the host: uploads.py
     values: dict = {}  # (node name, index) or (input name, island) -> _Ref
-
-    def upload(worker, key, value, shardings, n_uses):
-      leaves, treedef = jax.tree.flatten(value)
-      host = [np.asarray(x) for x in leaves]
-      handle = f"{prefix}/{key[0]}@{worker.island}"
-      calls.append((worker, worker.put_async(handle, host, shardings, n_uses)))
-      avals = tuple(
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        for x, s in zip(host, shardings or [None] * len(host), strict=True)
-      )
-      return Ref(worker, handle, treedef, avals, islands)
 
     def source(ref, node):
       if not isinstance(ref, str):
@@ -253,7 +243,7 @@ class RemoteDispatcher:
         return value.ref
       key = (ref, node.island)
       if key not in values:
-        values[key] = upload(self.cluster[node.island].worker, key, value, None, reads[key])
+        values[key] = uploads.input(self.cluster[node.island].worker, ref, value, reads[key])
       return values[key]
 
     for node in program.nodes:
@@ -287,11 +277,13 @@ class RemoteDispatcher:
         # From the host: uploaded straight onto the island, already placed.
         value = inputs[node.src]
         n = len(jax.tree.leaves(value))
-        values[key] = upload(worker, key, value, _shardings(node.sharding, n), uses(key))
+        shardings = _shardings(node.sharding, n)
+        values[key] = uploads.transfer(worker, key[0], value, shardings, uses(key))
         if trace_id:  # no worker op: the upload's own span, on the controller's clock
           event, _ = self._traced.pop(trace_id)
           event.launch = event.dispatch
-          calls[-1][1].add_done_callback(lambda _, e=event: setattr(e, "done", self.trace.now()))
+          done = lambda _, e=event: setattr(e, "done", self.trace.now())  # noqa: E731
+          uploads.calls[-1][1].add_done_callback(done)
         continue
       src = source(node.src, node)
       shardings = _shardings(node.sharding, len(src.avals))
@@ -309,7 +301,7 @@ class RemoteDispatcher:
       )
       values[key] = Ref(worker, handle, src.treedef, avals, islands)
 
-    sending.send(ops, calls, step, priority, islands, self.cluster)  # where they go: sending.py
+    sending.send(ops, uploads.start(), step, priority, islands, self.cluster)  # sending.py
     wrapped: dict = {}
     out = {}
     for name, ref in program.outputs.items():

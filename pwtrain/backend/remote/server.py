@@ -261,8 +261,8 @@ class Worker(pb_grpc.WorkerServicer):
             if not out.done():
               out.set_exception(error)
         finally:
-          for handle in op.execute.args:
-            self.store.read(handle)
+          for arg in op.execute.args:  # a value read whole or some leaves of it (`#i,j`)
+            self.store.read(parse_arg(arg)[1])
       finally:
         self._running_since = 0.0  # idle, or waiting for the next op's inputs
         self._done_ops += 1
