@@ -333,7 +333,7 @@ def run(args) -> int:
         if time.monotonic() > stop_at:
           print(f"{PREFIX} processes still running {args.grace_s:.0f} s after SIGTERM: killed")
           current[-1].signal_all(signal.SIGKILL)
-      failed = failed_cause(procs, left)
+      failed = None if stopping.is_set() else failed_cause(procs, left)  # may look twice
       if failed is not None and not stopping.is_set():
         died = _died(procs, failed, current[-1].logs)
         if drops and failed != 0:

@@ -74,7 +74,7 @@ class Pieces:
   max_len: int
   chunk: int
   init: Program
-  prefill: dict  # (rows, length) -> the prefill program of that shape: prefill_rows, _lengths
+  prefill: dict  # (rows, length) -> that prefill program (prefill_rows x prefill_lengths)
   decode: Program
   probe: Program
   cache_bytes: int
